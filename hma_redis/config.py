@@ -1,0 +1,253 @@
+"""One validated, immutable configuration for the Redis tier.
+
+Built from vLLM's ``kv_connector_extra_config`` (the keys below, by name) plus the environment
+(``HMA_REDIS_URL``, falling back to ``REDIS_URL``). Every bad value raises one ``ValueError`` whose
+message names the field; passwords never appear in messages or ``repr``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+URL_ENV_VARS = ("HMA_REDIS_URL", "REDIS_URL")
+_SCHEMES = ("redis", "rediss", "unix")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,32}$")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+# Keys of kv_connector_extra_config that belong to vLLM's OffloadingConnector, not to us.
+VLLM_OWNED_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "canonical_layout",
+        "self_describing_kv_events",
+        "offload_prompt_only",
+    }
+)
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***`` (safe to log)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{user}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", parts.fragment))
+
+
+@dataclass(frozen=True)
+class RedisTierConfig:
+    """Everything hma_redis needs to reach Redis and lay out its keys.
+
+    Build it with :meth:`from_extra_config`; the constructor validates too, so an instance is
+    always consistent.
+    """
+
+    url: str = DEFAULT_URL
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    db: int = 0
+    connect_timeout_s: float = 1.0
+    read_timeout_s: float = 2.0
+    pool_size: int = 8
+    ttl_s: int | None = None
+    key_prefix: str = "hma"
+    namespace: str | None = None
+    max_inflight_bytes: int = 256 * 1024 * 1024
+    # Circuit breaker: after a failure, one probe per this interval until Redis answers.
+    retry_interval_s: float = 2.0
+    # Worker: threads doing Redis I/O, and how long shutdown waits for scheduled stores.
+    io_threads: int = 4
+    shutdown_timeout_s: float = 30.0
+    # TLS (rediss://) options.
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    # Accept a random per-process hash seed (sharing across processes then gets no hits).
+    allow_random_hash_seed: bool = False
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.url)
+
+    @property
+    def tls(self) -> bool:
+        return urlsplit(self.url).scheme == "rediss"
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in dataclasses.fields(self):
+            if not f.repr:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "url":
+                value = self.redacted_url
+            shown.append(f"{f.name}={value!r}")
+        if self.password is not None:
+            shown.append("password='***'")
+        return f"RedisTierConfig({', '.join(shown)})"
+
+    @classmethod
+    def from_extra_config(
+        cls,
+        extra: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> RedisTierConfig:
+        """Build the config from ``kv_connector_extra_config`` plus the environment.
+
+        The URL comes from ``redis_url`` in ``extra``, else ``HMA_REDIS_URL``, else ``REDIS_URL``,
+        else the default. Credentials and the database number may be in the URL or given as
+        separate keys (separate keys win). Unknown keys raise ``ValueError``.
+        """
+        extra = dict(extra or {})
+        env = os.environ if env is None else env
+        names = {f.name for f in dataclasses.fields(cls)} - {"url"}
+        known = names | {"redis_url"} | VLLM_OWNED_KEYS
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ValueError(
+                f"hma_redis: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"known keys: {sorted(names | {'redis_url'})}"
+            )
+        url = extra.get("redis_url")
+        if url is None:
+            url = next((env[v] for v in URL_ENV_VARS if env.get(v)), DEFAULT_URL)
+        if not isinstance(url, str):
+            raise ValueError("hma_redis: redis_url must be a string")
+        kwargs: dict[str, Any] = _url_parts(url)
+        kwargs["url"] = url
+        for name in names:
+            if name in extra:
+                kwargs[name] = _coerce(name, extra[name])
+        return cls(**kwargs)
+
+
+_INT_FIELDS = {"db", "pool_size", "ttl_s", "max_inflight_bytes", "io_threads"}
+_FLOAT_FIELDS = {"connect_timeout_s", "read_timeout_s", "retry_interval_s", "shutdown_timeout_s"}
+_BOOL_FIELDS = {"tls_verify", "allow_random_hash_seed"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Convert strings from JSON/CLI into the field's type; leave validation to ``_validate``."""
+    if value is None:
+        return None
+    try:
+        if name in _INT_FIELDS:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if name in _FLOAT_FIELDS:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if name in _BOOL_FIELDS:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return value.lower() in ("true", "1", "yes")
+            raise TypeError
+    except (TypeError, ValueError):
+        kind = (
+            "integer" if name in _INT_FIELDS else "number" if name in _FLOAT_FIELDS else "boolean"
+        )
+        raise ValueError(f"hma_redis: {name} must be a {kind}, got {value!r}") from None
+    if not isinstance(value, str):
+        raise ValueError(f"hma_redis: {name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _url_parts(url: str) -> dict[str, Any]:
+    """Credentials and db found in the URL (validated later with the rest)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError(f"hma_redis: redis_url is not a URL: {redact_url(url)}") from None
+    out: dict[str, Any] = {}
+    if parts.username:
+        out["username"] = unquote(parts.username)
+    if parts.password:
+        out["password"] = unquote(parts.password)
+    query = parse_qs(parts.query)
+    db_text = query.get("db", [None])[0]
+    if parts.scheme in ("redis", "rediss") and parts.path.strip("/"):
+        db_text = parts.path.strip("/")
+    if db_text is not None:
+        if not db_text.isdigit():
+            raise ValueError(f"hma_redis: db in redis_url must be an integer: {redact_url(url)}")
+        out["db"] = int(db_text)
+    return out
+
+
+def _validate(cfg: RedisTierConfig) -> None:
+    try:
+        parts = urlsplit(cfg.url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(
+            f"hma_redis: redis_url has an invalid host or port: {cfg.redacted_url}"
+        ) from None
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(
+            f"hma_redis: redis_url scheme must be one of {list(_SCHEMES)}: {cfg.redacted_url}"
+        )
+    if parts.scheme == "unix" and not parts.path:
+        raise ValueError(f"hma_redis: unix redis_url needs a socket path: {cfg.redacted_url}")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError(f"hma_redis: redis_url has no host: {cfg.redacted_url}")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"hma_redis: redis_url port out of range: {cfg.redacted_url}")
+    _positive(cfg.connect_timeout_s, "connect_timeout_s")
+    _positive(cfg.read_timeout_s, "read_timeout_s")
+    _positive(cfg.retry_interval_s, "retry_interval_s")
+    _positive(cfg.shutdown_timeout_s, "shutdown_timeout_s", allow_zero=True)
+    _positive(cfg.pool_size, "pool_size")
+    _positive(cfg.io_threads, "io_threads")
+    _positive(cfg.max_inflight_bytes, "max_inflight_bytes")
+    if not 0 <= cfg.db <= 10_000:
+        raise ValueError(f"hma_redis: db must be between 0 and 10000, got {cfg.db}")
+    if cfg.ttl_s is not None:
+        _positive(cfg.ttl_s, "ttl_s")
+    if not _PREFIX_RE.match(cfg.key_prefix):
+        raise ValueError(
+            "hma_redis: key_prefix must be 1-32 characters of [A-Za-z0-9_.-], "
+            f"got {cfg.key_prefix!r}"
+        )
+    if cfg.namespace is not None and not _NAMESPACE_RE.match(cfg.namespace):
+        raise ValueError(
+            f"hma_redis: namespace must be 1-64 characters of [A-Za-z0-9_.-], got {cfg.namespace!r}"
+        )
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+        path = getattr(cfg, name)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"hma_redis: {name} does not exist or is not a file: {path}")
+    if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
+        raise ValueError("hma_redis: tls_cert_file and tls_key_file must be given together")
+
+
+def _positive(value: float, name: str, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"hma_redis: {name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(
+            f"hma_redis: {name} must be {'>= 0' if allow_zero else '> 0'}, got {value}"
+        )

@@ -1,0 +1,136 @@
+"""Namespace fingerprints and the Redis key layout.
+
+Layout (readable in ``redis-cli --scan``)::
+
+    <prefix>:<ns>:info                         hash: the fingerprint fields, plain text
+    <prefix>:<ns>:g<group>:<block-hash-hex>    one chunk of one KV-cache group (single worker)
+    <prefix>:<ns>:g<group>:<block-hash-hex>:r<rank>   the same, for worker ``rank`` of several
+
+``<ns>`` is a short id derived from everything that makes KV bytes incompatible, so two
+deployments can share one Redis only where their bytes are interchangeable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, NewType
+
+RedisKey = NewType("RedisKey", str)
+
+NAMESPACE_ID_CHARS = 12
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """What one KV-cache group's chunk looks like in bytes."""
+
+    tokens_per_chunk: int
+    layer_names: tuple[str, ...]
+    # Un-padded bytes per block for each layer (same order as ``layer_names`` refs).
+    page_bytes: tuple[int, ...]
+    # "full", "sliding_window:<n>", ... (informational, and part of the fingerprint).
+    kind: str = "full"
+
+
+@dataclass(frozen=True)
+class NamespaceFingerprint:
+    """Everything that makes stored KV bytes incompatible between deployments."""
+
+    model: str
+    kv_dtype: str
+    groups: tuple[GroupLayout, ...]
+    tp_size: int = 1
+    pp_size: int = 1
+    world_size: int = 1
+    dcp_size: int = 1
+    pcp_size: int = 1
+    hash_algo: str = "sha256"
+    kv_cache_layout: str = ""
+    revision: str = ""
+    format_version: int = 1
+
+    def namespace_id(self) -> str:
+        """A short stable id: the first hex digits of a SHA-256 of the canonical fields."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:NAMESPACE_ID_CHARS]
+
+    def info_fields(self) -> dict[str, str]:
+        """Plain-text fields for the ``<prefix>:<ns>:info`` hash."""
+        fields: dict[str, str] = {
+            "model": self.model,
+            "revision": self.revision,
+            "kv_dtype": self.kv_dtype,
+            "tp_size": str(self.tp_size),
+            "pp_size": str(self.pp_size),
+            "world_size": str(self.world_size),
+            "dcp_size": str(self.dcp_size),
+            "pcp_size": str(self.pcp_size),
+            "hash_algo": self.hash_algo,
+            "kv_cache_layout": self.kv_cache_layout,
+            "format_version": str(self.format_version),
+            "num_groups": str(len(self.groups)),
+        }
+        for idx, group in enumerate(self.groups):
+            fields[f"g{idx}.kind"] = group.kind
+            fields[f"g{idx}.tokens_per_chunk"] = str(group.tokens_per_chunk)
+            fields[f"g{idx}.layers"] = ",".join(group.layer_names)
+            fields[f"g{idx}.page_bytes"] = ",".join(str(b) for b in group.page_bytes)
+        return fields
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Builds the Redis keys of one namespace."""
+
+    prefix: str
+    namespace: str
+    world_size: int = 1
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{self.namespace}"
+
+    def info_key(self) -> RedisKey:
+        return RedisKey(f"{self.base}:info")
+
+    def stats_key(self) -> RedisKey:
+        return RedisKey(f"{self.base}:stats")
+
+    def block_key(self, group: int, block_hash: bytes, rank: int = 0) -> RedisKey:
+        """Key of one chunk of ``group`` whose last block has ``block_hash``, for ``rank``."""
+        key = f"{self.base}:g{group}:{block_hash.hex()}"
+        if self.world_size > 1:
+            key += f":r{rank}"
+        return RedisKey(key)
+
+    def block_keys_all_ranks(self, group: int, block_hash: bytes) -> list[RedisKey]:
+        """The keys every rank stores for one chunk (a chunk is a hit only if all exist)."""
+        return [self.block_key(group, block_hash, r) for r in range(self.world_size)]
+
+    def block_pattern(self, group: int | None = None) -> str:
+        """A SCAN MATCH pattern for this namespace's block keys (all groups or one)."""
+        return f"{self.base}:g{'*' if group is None else group}:*"
+
+
+class BlockKeyParts(NamedTuple):
+    prefix: str
+    namespace: str
+    group: int
+    hash_hex: str
+    rank: int
+
+
+def parse_block_key(key: str) -> BlockKeyParts | None:
+    """Split a block key into its parts; None if ``key`` is not a block key."""
+    parts = key.split(":")
+    if len(parts) not in (4, 5) or not parts[2].startswith("g"):
+        return None
+    try:
+        group = int(parts[2][1:])
+        rank = int(parts[4][1:]) if len(parts) == 5 and parts[4].startswith("r") else 0
+        bytes.fromhex(parts[3])
+    except ValueError:
+        return None
+    return BlockKeyParts(parts[0], parts[1], group, parts[3], rank)

@@ -1,0 +1,100 @@
+import os
+
+import pytest
+
+from hma_redis import codec
+from hma_redis.codec import BlockHeader, CorruptBlockError
+
+KEY = "hma:abc:g0:00ff"
+
+
+def _header(key=KEY, group=0, num_blocks=3, pages=(64, 32)):
+    return BlockHeader(
+        key=key, group=group, first_block=0, num_blocks=num_blocks, page_bytes=pages,
+        kv_dtype="bfloat16",
+    )  # fmt: skip
+
+
+def _value(header=None):
+    header = header or _header()
+    body = os.urandom(header.body_bytes)
+    return codec.encode(header, body), body
+
+
+def test_round_trip_returns_zero_copy_views_of_every_layer():
+    value, body = _value()
+    raw = bytes(value)
+    block = codec.decode(raw, expected_key=KEY, expected_group=0)
+    assert bytes(block.body) == body
+    assert bytes(block.layer(0)) == body[: 3 * 64]
+    assert bytes(block.layer(1)) == body[3 * 64 :]
+    assert block.body.obj is raw  # a view into the reply, not a copy
+
+
+def test_encode_fills_body_in_place():
+    header = _header()
+    enc = codec.start_encode(header)
+    enc.body[:] = b"\x07" * header.body_bytes
+    value = enc.seal()
+    assert value.nbytes == codec.value_size(header)
+    assert bytes(codec.decode(value).body) == b"\x07" * header.body_bytes
+
+
+def test_value_of_another_key_is_rejected():
+    value, _ = _value(_header(key="hma:other:g0:00ff"))
+    with pytest.raises(CorruptBlockError, match="belongs to key"):
+        codec.decode(value, expected_key=KEY)
+
+
+def test_value_of_another_group_is_rejected():
+    value, _ = _value(_header(group=1))
+    with pytest.raises(CorruptBlockError, match="group"):
+        codec.decode(value, expected_key=KEY, expected_group=0)
+
+
+def _mutate(value, offset, byte):
+    raw = bytearray(value)
+    raw[offset] ^= byte
+    return bytes(raw)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(lambda v: _mutate(v, len(v) - 1, 0x01), id="flipped-body-bit"),
+        pytest.param(lambda v: _mutate(v, codec.PREFIX_BYTES + 2, 0x40), id="flipped-header"),
+        pytest.param(lambda v: v[:-1], id="truncated-by-one"),
+        pytest.param(lambda v: v[: len(v) // 2], id="truncated-half"),
+        pytest.param(lambda v: v + b"\x00", id="extra-byte"),
+        pytest.param(lambda v: v[:5], id="shorter-than-prefix"),
+        pytest.param(lambda v: b"", id="empty"),
+        pytest.param(lambda v: b"XXXX" + v[4:], id="bad-magic"),
+        pytest.param(lambda v: v[:4] + b"\x00\x09" + v[6:], id="other-version"),
+        pytest.param(lambda v: os.urandom(len(v)), id="garbage"),
+        pytest.param(lambda v: v[:6] + b"\xff\xff\xff\xff" + v[10:], id="huge-header-length"),
+    ],
+)
+def test_every_corruption_raises_corrupt_block_error(corrupt):
+    value, _ = _value()
+    with pytest.raises(CorruptBlockError):
+        codec.decode(corrupt(bytes(value)), expected_key=KEY)
+
+
+def test_header_that_lies_about_its_length_is_rejected():
+    header = _header()
+    body = os.urandom(header.body_bytes)
+    # Build a valid envelope whose header claims one block more than the body holds.
+    lying = BlockHeader(KEY, 0, 0, 4, header.page_bytes, "bfloat16")
+    enc = codec.start_encode(lying)
+    enc.body[: len(body)] = body
+    value = bytes(enc.seal())[: -(sum(header.page_bytes))]
+    with pytest.raises(CorruptBlockError):
+        codec.decode(value, expected_key=KEY)
+
+
+def test_decode_header_reports_checksum_state():
+    value, _ = _value()
+    header, ok = codec.decode_header(bytes(value))
+    assert ok and header.key == KEY
+    header, ok = codec.decode_header(_mutate(bytes(value), len(value) - 1, 1))
+    assert not ok and header.num_blocks == 3
