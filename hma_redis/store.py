@@ -17,7 +17,9 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster, key_slot
+from redis._parsers.encoders import Encoder
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
 from redis.connection import PythonRespSerializer
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
@@ -65,9 +67,7 @@ def make_client(cfg: RedisTierConfig) -> redis.Redis:
         "socket_connect_timeout": cfg.connect_timeout_s,
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
-        "command_packer": PythonRespSerializer(
-            6000, redis.connection.Encoder("utf-8", "strict", False).encode
-        ),
+        "command_packer": PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
     }
     if cfg.tls:
         kwargs.update(
@@ -192,6 +192,18 @@ class RedisBlockStore:
             return out
 
         return self._guarded(keys, run, collect, default=None)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """UNLINK ``keys`` (used to drop values that failed validation); 0 if Redis fails."""
+        if not keys or not self.breaker.allow():
+            return 0
+        try:
+            removed = sum(int(self.client.unlink(key)) for key in keys)
+        except RedisError as exc:
+            self.breaker.record_failure(exc)
+            return 0
+        self.breaker.record_success()
+        return removed
 
     # ------------------------------------------------------------------ metadata
 

@@ -1,0 +1,88 @@
+"""hma_redis' KV connector: vLLM's OffloadingConnector, minus the ways it can crash or lose data.
+
+vLLM 0.32's OffloadingConnector asserts that every transfer succeeds. With a shared Redis a chunk
+that was a hit at lookup time can be evicted, flushed or corrupted before the worker reads it, so
+this subclass changes exactly three behaviours:
+
+1. **Failed loads are recomputed.** The worker reports such a load as done (so vLLM's assert
+   holds) and this connector reports its request in ``failed_recving``; under
+   ``kv_load_failure_policy="recompute"`` the scheduler recomputes the request's tokens, under
+   ``"fail"`` it fails the request. (vLLM cannot take per-block failures for models with several
+   KV-cache groups, so a failed load recomputes the whole request, never a partial prefix.)
+2. **The scheduler forgets failed chunks.** Their keys answer MISS for a while, so the request is
+   not sent back to the same broken value.
+3. **Nothing scheduled is lost at shutdown.** Store jobs vLLM queued but had not submitted yet are
+   submitted and flushed (bounded by ``shutdown_timeout_s``) when the engine shuts down or the
+   process exits.
+
+Everything else is the stock connector.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.logger import init_logger
+
+from hma_redis.manager import RedisOffloadingManager
+from hma_redis.worker import RedisOffloadingWorker
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+
+logger = init_logger(__name__)
+
+
+class RedisOffloadingConnector(OffloadingConnector):
+    """OffloadingConnector with recompute-on-failed-load and a flushing shutdown."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._shut_down = False
+        if self.connector_worker is not None:
+            atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------ worker side
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Like the stock connector, plus the requests whose load failed."""
+        connector_worker = self.connector_worker
+        assert connector_worker is not None
+        # job id -> request id of loads in flight; the stock get_finished pops finished ones.
+        load_jobs = dict(connector_worker._load_jobs)
+        finished_sending, finished_recving = self.get_finished(finished_req_ids)
+        failed: set[str] = set()
+        worker = connector_worker.worker
+        if isinstance(worker, RedisOffloadingWorker):
+            failed = {load_jobs[j] for j in worker.take_failed_load_jobs() if j in load_jobs}
+        return KVConnectorTransferResults(
+            finished_sending=set(finished_sending or ()),
+            finished_recving=set(finished_recving or ()),
+            failed_recving=failed,
+        )
+
+    def shutdown(self) -> None:
+        """Submit the stores vLLM has queued, let the worker flush them, then shut down."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        connector_worker = self.connector_worker
+        if connector_worker is not None and connector_worker.worker is not None:
+            queued = connector_worker._unsubmitted_store_jobs
+            for job_id, src_spec, dst_spec in queued:
+                connector_worker.worker.submit_store(job_id, src_spec, dst_spec)
+            queued.clear()
+        super().shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.failed_recving:
+            manager = self.scheduler.manager
+            if isinstance(manager, RedisOffloadingManager):
+                for req_id in connector_output.failed_recving:
+                    manager.on_load_failed(req_id)
+        super().update_connector_output(connector_output)

@@ -1,0 +1,266 @@
+"""Scheduler side: answers vLLM's per-key lookups without a Redis round trip per key.
+
+vLLM's offloading scheduler asks ``lookup(key)`` key by key, group by group, and keeps scanning
+past RETRY. The manager answers from a small cache of recent Redis answers; an unknown key is
+queued and answered RETRY. At the end of the step (``on_schedule_end``) every queued key of every
+group and every waiting request goes to Redis in ONE round trip (one EVAL); the next step's
+lookups find the answers. The request simply waits a step, it never fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+
+from hma_redis.keys import KeySpace
+from hma_redis.store import RedisBlockStore
+
+logger = init_logger(__name__)
+
+
+class RedisLoadStoreSpec(LoadStoreSpec):
+    """What each worker transfers: offload keys in vLLM's order (grouped by KV group).
+
+    Each worker derives its own Redis key (with its rank) from every offload key.
+    """
+
+    def __init__(self, keys: Iterable[OffloadKey]):
+        self.keys: list[bytes] = [bytes(k) for k in keys]
+
+    def __repr__(self) -> str:
+        return f"RedisLoadStoreSpec({len(self.keys)} keys)"
+
+
+@dataclass
+class _Answer:
+    present: bool
+    fetched_at: float
+    fetched_step: int
+
+
+@dataclass
+class ManagerStats:
+    lookup_round_trips: int = 0
+    keys_looked_up: int = 0
+    hit_keys: int = 0
+    miss_keys: int = 0
+    store_skipped_present: int = 0
+    failed_loads: int = 0
+
+
+class RedisOffloadingManager(OffloadingManager):
+    """Tracks what is in Redis for the scheduler, with bounded memory.
+
+    Answers are cached for ``answer_ttl_s`` seconds, and always for at least two scheduler steps
+    so a request that waited for its lookup finds the answer even when steps are slow.
+    """
+
+    def __init__(
+        self,
+        store: RedisBlockStore,
+        keyspace: KeySpace,
+        *,
+        answer_ttl_s: float = 2.0,
+        max_answers: int = 200_000,
+        lookup_wait_s: float = 0.005,
+        emit_events: bool = False,
+    ) -> None:
+        self._store = store
+        self._keyspace = keyspace
+        self._answer_ttl_s = answer_ttl_s
+        self._max_answers = max_answers
+        self._lookup_wait_s = lookup_wait_s
+        self._emit_events = emit_events
+        self._answers: OrderedDict[OffloadKey, _Answer] = OrderedDict()
+        # Keys asked about this step and not yet known (an ordered set).
+        self._queued: dict[OffloadKey, None] = {}
+        self._inflight: Future[list[bool]] | None = None
+        self._inflight_keys: list[OffloadKey] = []
+        self._storing: dict[OffloadKey, int] = {}
+        # Keys each request is loading, so a failed load can be forgotten.
+        self._loading: dict[str, list[OffloadKey]] = {}
+        self._events: list[OffloadingEvent] = []
+        self._step = 0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hma-lookup")
+        self._lock = threading.Lock()
+        self.stats = ManagerStats()
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """Answer from the cache; queue unknown keys and answer RETRY (never blocks)."""
+        if key in self._storing:
+            return LookupResult.HIT_PENDING
+        self._absorb_finished_batch()
+        answer = self._answers.get(key)
+        if answer is not None and self._fresh(answer):
+            return LookupResult.HIT if answer.present else LookupResult.MISS
+        self._queued[key] = None
+        return LookupResult.RETRY
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send every key queued this step to Redis in one round trip.
+
+        Waits up to ``lookup_wait_s`` for the answer so the next step usually has it; a slow or
+        dead Redis never holds the scheduler longer than that.
+        """
+        self._step += 1
+        self._absorb_finished_batch()
+        if self._inflight is None and self._queued:
+            self._start_batch()
+        if self._inflight is not None:
+            try:
+                self._inflight.result(timeout=self._lookup_wait_s)
+            except FutureTimeout:
+                return
+            self._absorb_finished_batch()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._queued) or self._inflight is not None
+
+    def _start_batch(self) -> None:
+        keys = list(self._queued)
+        self._queued.clear()
+        ranks = self._keyspace.world_size
+        redis_keys = [
+            rk
+            for k in keys
+            for rk in self._keyspace.block_keys_all_ranks(
+                get_offload_group_idx(k), get_offload_block_hash(k)
+            )
+        ]
+        self._inflight_keys = keys
+        self.stats.lookup_round_trips += 1
+        self.stats.keys_looked_up += len(keys)
+
+        def resolve() -> list[bool]:
+            found = self._store.exists(redis_keys)
+            # A chunk is a hit only when every rank's shard is there.
+            return [all(found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
+
+        self._inflight = self._executor.submit(resolve)
+
+    def _absorb_finished_batch(self) -> None:
+        future = self._inflight
+        if future is None or not future.done():
+            return
+        self._inflight = None
+        present = future.result()  # the store never raises: failures are misses
+        now = time.monotonic()
+        for key, hit in zip(self._inflight_keys, present, strict=True):
+            self._remember(key, hit, now)
+            if hit:
+                self.stats.hit_keys += 1
+            else:
+                self.stats.miss_keys += 1
+        self._inflight_keys = []
+
+    def _remember(self, key: OffloadKey, present: bool, now: float) -> None:
+        self._answers[key] = _Answer(present, now, self._step)
+        self._answers.move_to_end(key)
+        while len(self._answers) > self._max_answers:
+            self._answers.popitem(last=False)
+
+    def _fresh(self, answer: _Answer) -> bool:
+        return (
+            self._step - answer.fetched_step <= 2
+            or time.monotonic() - answer.fetched_at <= self._answer_ttl_s
+        )
+
+    # ------------------------------------------------------------------ loads
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        """The keys to fetch, in vLLM's order. Redis needs no pinning: values are immutable and a
+        value evicted before the worker reads it fails validation and is recomputed."""
+        self._loading[req_context.req_id] = list(keys)
+        return RedisLoadStoreSpec(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._loading.pop(req_context.req_id, None)
+
+    def on_load_failed(self, req_id: str) -> None:
+        """A worker could not load this request's chunks: answer MISS for them from now on
+        (until the answer ages out), so the recompute does not walk back into the failure."""
+        now = time.monotonic()
+        for key in self._loading.pop(req_id, ()):
+            self._remember(key, False, now)
+        self.stats.failed_loads += 1
+
+    # ------------------------------------------------------------------ stores
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Store the chunks Redis is not known to hold and nobody here is storing already."""
+        to_store: list[OffloadKey] = []
+        for key in keys:
+            answer = self._answers.get(key)
+            if key in self._storing or (answer is not None and answer.present):
+                self.stats.store_skipped_present += 1
+                continue
+            to_store.append(key)
+        for key in to_store:
+            self._storing[key] = self._storing.get(key, 0) + 1
+        return PrepareStoreOutput(
+            keys_to_store=to_store, store_spec=RedisLoadStoreSpec(to_store), evicted_keys=[]
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """Forget the in-flight marks. Presence is learned from Redis, never assumed: a store
+        the worker had to drop (Redis down, OOM) must not turn into a hit here."""
+        for key in keys:
+            count = self._storing.get(key, 0) - 1
+            if count <= 0:
+                self._storing.pop(key, None)
+            else:
+                self._storing[key] = count
+            self._answers.pop(key, None)
+        if success and self._emit_events and keys:
+            self._events.append(
+                OffloadingEvent(
+                    keys=list(keys), medium=Medium.STORAGE, removed=False, locality=Locality.REMOTE
+                )
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._loading.pop(req_context.req_id, None)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Forget every cached answer (Redis itself is shared and left alone)."""
+        self._answers.clear()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

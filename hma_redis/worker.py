@@ -1,0 +1,388 @@
+"""Worker side: moves chunk bytes between the KV cache and Redis, off the engine's critical path.
+
+A chunk value holds, for every layer of its KV group, the pages of the chunk's blocks
+(``blocks_per_chunk`` blocks, fewer for a sliding-window chunk whose oldest blocks had already
+left the window). Stores gather those pages straight into the value buffer (the one copy), encode
+and put them with SET NX; loads get, validate and scatter into the given block ids.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    OffloadKey,
+    TransferResult,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+
+from hma_redis import codec
+from hma_redis.codec import BlockHeader, CorruptBlockError
+from hma_redis.keys import KeySpace
+from hma_redis.manager import RedisLoadStoreSpec
+from hma_redis.store import PutResult, RedisBlockStore
+
+logger = init_logger(__name__)
+
+# Loads wrap immutable reply bytes in tensors that are only ever read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+# Values per pipelined put: large enough to amortize the round trip, small enough to bound memory.
+_PUT_BATCH = 16
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    """One layer of a KV group: its (num_blocks, padded_page) int8 view and un-padded page size."""
+
+    tensor: torch.Tensor
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class ChunkTransfer:
+    """One chunk's part of a job: its Redis key and which blocks of the chunk go where."""
+
+    redis_key: str
+    group: int  # KV group id (as in the offload key)
+    group_pos: int  # position of the group in this worker's layer table
+    start: int  # first block of the chunk that is transferred (offset inside the chunk)
+    block_ids: tuple[int, ...]  # KV-cache block ids, one per transferred block
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_store: bool
+    # Set once the job no longer reads the KV cache (stores) or is completely done (loads).
+    released: threading.Event = field(default_factory=threading.Event)
+    future: Future[None] | None = None
+
+
+class _ByteBudget:
+    """Bounds the bytes held in transfer buffers; one oversize request may run alone."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._used == 0 or self._used + nbytes <= self._limit)
+            self._used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._used -= nbytes
+            self._cond.notify_all()
+
+
+class RedisOffloadingWorker(OffloadingWorker):
+    """Asynchronous store/load of chunks for one worker rank."""
+
+    def __init__(
+        self,
+        store: RedisBlockStore,
+        keyspace: KeySpace,
+        rank: int,
+        kv_caches: CanonicalKVCaches,
+        group_ids: Sequence[int],
+        blocks_per_chunk: int,
+        kv_dtype: str,
+        io_threads: int,
+        max_inflight_bytes: int,
+        shutdown_timeout_s: float,
+    ) -> None:
+        self._store = store
+        self._keyspace = keyspace
+        self._rank = rank
+        self._blocks_per_chunk = blocks_per_chunk
+        self._kv_dtype = kv_dtype
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._group_pos = {gid: pos for pos, gid in enumerate(group_ids)}
+        self._layers: list[list[LayerSource]] = [
+            [
+                LayerSource(kv_caches.tensors[ref.tensor_idx].tensor, ref.page_size_bytes)
+                for ref in refs
+            ]
+            for refs in kv_caches.group_data_refs
+        ]
+        self._pages = [tuple(layer.page_bytes for layer in group) for group in self._layers]
+        self._budget = _ByteBudget(max_inflight_bytes)
+        self._loads = ThreadPoolExecutor(io_threads, thread_name_prefix="hma-load")
+        self._stores = ThreadPoolExecutor(max(1, io_threads // 2), thread_name_prefix="hma-store")
+        self._jobs: dict[int, _Job] = {}
+        self._finished: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        # Load jobs that failed; moved to _failed_reported when get_finished returns them.
+        self._failed_loads: set[int] = set()
+        self._failed_reported: set[int] = set()
+        self._failed_lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------ vLLM API
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        """Queue a store; returns at once. The job reads the KV cache in a background thread
+        (``wait`` blocks until it has), then encodes and puts the chunks."""
+        assert isinstance(dst_spec, RedisLoadStoreSpec)
+        job = _Job(job_id, is_store=True)
+        self._jobs[job_id] = job
+        try:
+            job.future = self._stores.submit(self._run_store, job, src_spec, dst_spec)
+        except RuntimeError:
+            # Interpreter exit: thread pools take no new work, so store in this thread.
+            self._run_store(job, src_spec, dst_spec)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        """Queue a load; returns at once. Completion is reported through ``get_finished``."""
+        assert isinstance(src_spec, RedisLoadStoreSpec)
+        job = _Job(job_id, is_store=False)
+        self._jobs[job_id] = job
+        job.future = self._loads.submit(self._run_load, job, src_spec, dst_spec)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        """Finished jobs. Every result says success (vLLM 0.32 asserts it); a load that failed is
+        listed by :meth:`take_failed_load_jobs` once its result has been returned here."""
+        results: list[TransferResult] = []
+        while True:
+            try:
+                result = self._finished.get_nowait()
+            except queue.Empty:
+                return results
+            with self._failed_lock:
+                if result.job_id in self._failed_loads:
+                    self._failed_loads.discard(result.job_id)
+                    self._failed_reported.add(result.job_id)
+            results.append(result)
+
+    def take_failed_load_jobs(self) -> set[int]:
+        """Load jobs whose failure was returned by ``get_finished`` since the last call."""
+        with self._failed_lock:
+            failed, self._failed_reported = self._failed_reported, set()
+        return failed
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs no longer read their KV-cache blocks."""
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.released.wait()
+
+    def shutdown(self) -> None:
+        """Finish stores already scheduled (bounded by ``shutdown_timeout_s``), then stop."""
+        if self._closed:
+            return
+        self._closed = True
+        pending = [j.future for j in list(self._jobs.values()) if j.is_store and j.future]
+        if pending:
+            done, not_done = wait(pending, timeout=self._shutdown_timeout_s)
+            logger.info(
+                "hma_redis: flushed %d pending store job(s) at shutdown (%d abandoned)",
+                len(done),
+                len(not_done),
+            )
+        self._stores.shutdown(wait=False, cancel_futures=True)
+        self._loads.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self, keys: Sequence[bytes], spec: GPULoadStoreSpec) -> list[ChunkTransfer] | None:
+        """Pair each offload key with its blocks. None if the spec does not add up."""
+        by_group: dict[int, list[bytes]] = {}
+        for key in keys:
+            by_group.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(key)
+        bpc = self._blocks_per_chunk
+        block_ids = spec.block_ids.tolist()
+        plan: list[ChunkTransfer] = []
+        offset = 0
+        for pos, (size, first_index) in enumerate(
+            zip(spec.group_sizes, spec.block_indices, strict=True)
+        ):
+            group_blocks = block_ids[offset : offset + size]
+            offset += size
+            group_id = next(g for g, p in self._group_pos.items() if p == pos)
+            group_keys = by_group.pop(group_id, [])
+            start = first_index % bpc
+            taken = 0
+            for key in group_keys:
+                count = min(bpc - start, size - taken)
+                if count <= 0:
+                    return None
+                plan.append(
+                    ChunkTransfer(
+                        redis_key=self._keyspace.block_key(
+                            group_id, get_offload_block_hash(OffloadKey(key)), self._rank
+                        ),
+                        group=group_id,
+                        group_pos=pos,
+                        start=start,
+                        block_ids=tuple(group_blocks[taken : taken + count]),
+                    )
+                )
+                taken += count
+                start = 0
+            if taken != size:
+                return None
+        if by_group:
+            return None
+        return plan
+
+    # ------------------------------------------------------------------ stores
+
+    def _run_store(self, job: _Job, src: GPULoadStoreSpec, dst: RedisLoadStoreSpec) -> None:
+        started = time.perf_counter()
+        stored_bytes = 0
+        try:
+            plan = self._plan(dst.keys, src)
+            if plan is None:
+                logger.error("hma_redis: store job %d has an inconsistent block layout", job.job_id)
+                return
+            # Another instance may have stored some chunks already: skip them (one round trip).
+            present = self._store.exists([c.redis_key for c in plan])
+            plan = [c for c, there in zip(plan, present, strict=True) if not there]
+            for start in range(0, len(plan), _PUT_BATCH):
+                stored_bytes += self._store_batch(plan[start : start + _PUT_BATCH], job)
+        except Exception:
+            logger.exception(
+                "hma_redis: store job %d failed; its chunks are not stored", job.job_id
+            )
+        finally:
+            job.released.set()
+            self._jobs.pop(job.job_id, None)
+            self._finished.put(
+                TransferResult(job.job_id, True, stored_bytes, time.perf_counter() - started)
+            )
+
+    def _store_batch(self, chunks: list[ChunkTransfer], job: _Job) -> int:
+        headers = [self._header(c) for c in chunks]
+        sizes = [codec.value_size(h) for h in headers]
+        self._budget.acquire(sum(sizes))
+        try:
+            items: list[tuple[str, memoryview]] = []
+            for chunk, header in zip(chunks, headers, strict=True):
+                encoded = codec.start_encode(header)
+                self._gather(chunk, encoded.body)
+                items.append((chunk.redis_key, encoded.seal()))
+            results = self._store.put_if_absent(items)
+        finally:
+            self._budget.release(sum(sizes))
+        return sum(size for size, r in zip(sizes, results, strict=True) if r is PutResult.STORED)
+
+    def _header(self, chunk: ChunkTransfer) -> BlockHeader:
+        return BlockHeader(
+            key=chunk.redis_key,
+            group=chunk.group,
+            first_block=chunk.start,
+            num_blocks=len(chunk.block_ids),
+            page_bytes=self._pages[chunk.group_pos],
+            kv_dtype=self._kv_dtype,
+        )
+
+    def _gather(self, chunk: ChunkTransfer, body: memoryview) -> None:
+        """Copy the chunk's pages of every layer into ``body`` (layer-major)."""
+        ids = torch.tensor(chunk.block_ids, dtype=torch.long)
+        out = torch.frombuffer(body, dtype=torch.int8)
+        offset = 0
+        for layer in self._layers[chunk.group_pos]:
+            nbytes = len(chunk.block_ids) * layer.page_bytes
+            dst = out[offset : offset + nbytes].view(len(chunk.block_ids), layer.page_bytes)
+            src = layer.tensor[:, : layer.page_bytes]
+            if src.device.type == "cpu":
+                torch.index_select(src, 0, ids, out=dst)
+            else:
+                dst.copy_(src.index_select(0, ids.to(src.device)))
+            offset += nbytes
+
+    # ------------------------------------------------------------------ loads
+
+    def _run_load(self, job: _Job, src: RedisLoadStoreSpec, dst: GPULoadStoreSpec) -> None:
+        started = time.perf_counter()
+        loaded = 0
+        success = False
+        try:
+            plan = self._plan(src.keys, dst)
+            if plan is None:
+                logger.error("hma_redis: load job %d has an inconsistent block layout", job.job_id)
+            else:
+                loaded = self._load_chunks(plan)
+                success = True
+        except CorruptBlockError as exc:
+            logger.warning(
+                "hma_redis: load job %d: %s; its tokens will be recomputed", job.job_id, exc
+            )
+        except Exception:
+            logger.exception(
+                "hma_redis: load job %d failed; its tokens will be recomputed", job.job_id
+            )
+        finally:
+            job.released.set()
+            self._jobs.pop(job.job_id, None)
+            if not success:
+                with self._failed_lock:
+                    self._failed_loads.add(job.job_id)
+            self._finished.put(
+                TransferResult(job.job_id, True, loaded, time.perf_counter() - started)
+            )
+
+    def _load_chunks(self, plan: list[ChunkTransfer]) -> int:
+        values = self._store.get([c.redis_key for c in plan])
+        total = sum(len(v) for v in values if v is not None)
+        self._budget.acquire(total)
+        try:
+            for chunk, value in zip(plan, values, strict=True):
+                if value is None:
+                    raise CorruptBlockError(f"{chunk.redis_key} is missing")
+                try:
+                    self._scatter(chunk, value)
+                except CorruptBlockError:
+                    # SET NX would never replace a bad value: drop it so a recompute can.
+                    self._store.delete([chunk.redis_key])
+                    raise
+        finally:
+            self._budget.release(total)
+        return total
+
+    def _scatter(self, chunk: ChunkTransfer, value: bytes) -> None:
+        block = codec.decode(value, expected_key=chunk.redis_key, expected_group=chunk.group)
+        header = block.header
+        if header.page_bytes != self._pages[chunk.group_pos]:
+            raise CorruptBlockError(f"{chunk.redis_key} has another page layout")
+        skip = chunk.start - header.first_block
+        if skip < 0 or skip + len(chunk.block_ids) > header.num_blocks:
+            raise CorruptBlockError(f"{chunk.redis_key} does not hold the blocks needed")
+        ids = torch.tensor(chunk.block_ids, dtype=torch.long)
+        for idx, layer in enumerate(self._layers[chunk.group_pos]):
+            pages = torch.frombuffer(block.layer(idx), dtype=torch.int8).view(
+                header.num_blocks, layer.page_bytes
+            )[skip : skip + len(chunk.block_ids)]
+            dst = layer.tensor[:, : layer.page_bytes]
+            if dst.device.type == "cpu":
+                dst.index_copy_(0, ids, pages)
+            else:
+                dst.index_copy_(0, ids.to(dst.device), pages.to(dst.device))
+        if layer_device(self._layers[chunk.group_pos]) == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+
+def layer_device(layers: Sequence[LayerSource]) -> str:
+    return layers[0].tensor.device.type if layers else "cpu"
