@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 from typing import TYPE_CHECKING, Any
 
+from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.logger import init_logger
@@ -39,8 +40,11 @@ logger = init_logger(__name__)
 class RedisOffloadingConnector(OffloadingConnector):
     """OffloadingConnector with recompute-on-failed-load and a flushing shutdown."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
+        # vLLM builds the scheduler outside its config context; the spec needs the config
+        # (prefix-hash algorithm) to derive the same namespace as the workers.
+        with set_current_vllm_config(vllm_config):
+            super().__init__(vllm_config, *args, **kwargs)
         self._shut_down = False
         if self.connector_worker is not None:
             atexit.register(self.shutdown)

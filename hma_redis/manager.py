@@ -98,6 +98,7 @@ class RedisOffloadingManager(OffloadingManager):
         self._queued: dict[OffloadKey, None] = {}
         self._inflight: Future[list[bool]] | None = None
         self._inflight_keys: list[OffloadKey] = []
+        self._inflight_set: set[OffloadKey] = set()
         self._storing: dict[OffloadKey, int] = {}
         # Keys each request is loading, so a failed load can be forgotten.
         self._loading: dict[str, list[OffloadKey]] = {}
@@ -117,7 +118,8 @@ class RedisOffloadingManager(OffloadingManager):
         answer = self._answers.get(key)
         if answer is not None and self._fresh(answer):
             return LookupResult.HIT if answer.present else LookupResult.MISS
-        self._queued[key] = None
+        if key not in self._inflight_set:
+            self._queued[key] = None
         return LookupResult.RETRY
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -141,8 +143,10 @@ class RedisOffloadingManager(OffloadingManager):
         return bool(self._queued) or self._inflight is not None
 
     def _start_batch(self) -> None:
-        keys = list(self._queued)
+        keys = [k for k in self._queued if not self._known_fresh(k)]
         self._queued.clear()
+        if not keys:
+            return
         ranks = self._keyspace.world_size
         redis_keys = [
             rk
@@ -152,6 +156,7 @@ class RedisOffloadingManager(OffloadingManager):
             )
         ]
         self._inflight_keys = keys
+        self._inflight_set = set(keys)
         self.stats.lookup_round_trips += 1
         self.stats.keys_looked_up += len(keys)
 
@@ -176,6 +181,11 @@ class RedisOffloadingManager(OffloadingManager):
             else:
                 self.stats.miss_keys += 1
         self._inflight_keys = []
+        self._inflight_set = set()
+
+    def _known_fresh(self, key: OffloadKey) -> bool:
+        answer = self._answers.get(key)
+        return answer is not None and self._fresh(answer)
 
     def _remember(self, key: OffloadKey, present: bool, now: float) -> None:
         self._answers[key] = _Answer(present, now, self._step)

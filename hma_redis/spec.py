@@ -120,6 +120,8 @@ def _prefix_hash_algo() -> str:
 
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None:
+        # vLLM's stock OffloadingConnector builds the scheduler side outside the config
+        # context; RedisOffloadingConnector does not. Assume vLLM's default.
         return "sha256"
     return str(vllm_config.cache_config.prefix_caching_hash_algo)
 
