@@ -16,11 +16,11 @@ from enum import Enum
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import NoBackoff
 from redis._parsers.encoders import Encoder
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.crc import key_slot
 from redis.connection import PythonRespSerializer
+from redis.crc import key_slot
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
