@@ -36,19 +36,24 @@ VLLM_OWNED_KEYS = frozenset(
 
 
 def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (safe to log)."""
+    """Return ``url`` with any password (userinfo or query) replaced by ``***`` (safe to log)."""
     try:
         parts = urlsplit(url)
+        port = parts.port
     except ValueError:
         return "<unparseable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    netloc = f"{user}:***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", parts.fragment))
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if port is not None:
+            host = f"{host}:{port}"
+        netloc = f"{parts.username or ''}:***@{host}"
+    query = "&".join(
+        f"{q.split('=', 1)[0]}=***" if q.lower().startswith("password=") else q
+        for q in parts.query.split("&")
+        if q
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,12 @@ def _url_parts(url: str) -> dict[str, Any]:
     if parts.password:
         out["password"] = unquote(parts.password)
     query = parse_qs(parts.query)
+    unknown = sorted(set(query) - {"db"})
+    if unknown:
+        raise ValueError(
+            f"hma_redis: redis_url query parameter(s) {unknown} are not supported; use the "
+            f"kv_connector_extra_config keys instead: {redact_url(url)}"
+        )
     db_text = query.get("db", [None])[0]
     if parts.scheme in ("redis", "rediss") and parts.path.strip("/"):
         db_text = parts.path.strip("/")
@@ -196,6 +207,23 @@ def _url_parts(url: str) -> dict[str, Any]:
             raise ValueError(f"hma_redis: db in redis_url must be an integer: {redact_url(url)}")
         out["db"] = int(db_text)
     return out
+
+
+def endpoint_url(url: str) -> str:
+    """``url`` without credentials, database or query: only where to connect.
+
+    The connection's username, password and db always come from the config fields, so a value
+    given as a separate key wins over one in the URL (redis-py would let the URL win).
+    """
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return urlunsplit(("unix", "", parts.path, "", ""))
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, "", "", ""))
 
 
 def _validate(cfg: RedisTierConfig) -> None:
@@ -238,6 +266,8 @@ def _validate(cfg: RedisTierConfig) -> None:
         )
     for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
         path = getattr(cfg, name)
+        if path is not None and parts.scheme != "rediss":
+            raise ValueError(f"hma_redis: {name} needs a rediss:// redis_url: {cfg.redacted_url}")
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"hma_redis: {name} does not exist or is not a file: {path}")
     if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from hma_redis.breaker import CircuitBreaker
-from hma_redis.config import RedisTierConfig
+from hma_redis.config import RedisTierConfig, endpoint_url
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,13 @@ class RedisUnavailableError(ConnectionError):
     """Redis could not be reached at start-up (message carries the redacted URL)."""
 
 
-def make_client(cfg: RedisTierConfig) -> redis.Redis:
-    """A redis-py client with bounded timeouts, no hidden retries and a zero-copy packer.
+def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> redis.Redis:
+    """A redis-py client with bounded timeouts and no hidden retries.
 
-    redis-py's hiredis packer copies every argument into one buffer; the pure-Python packer
-    sends large values (memoryviews) as their own chunks, so a value is never copied on send.
-    Replies are still parsed by hiredis.
+    With ``zero_copy``, commands are packed by redis-py's pure-Python packer, which sends large
+    values (memoryviews) as their own chunks, so a value is never copied on send; the default
+    hiredis packer copies every argument into one buffer but packs many small arguments (a
+    lookup's keys) much faster. Replies are parsed by hiredis either way.
     """
     kwargs: dict[str, Any] = {
         "username": cfg.username,
@@ -78,7 +79,7 @@ def make_client(cfg: RedisTierConfig) -> redis.Redis:
             ssl_check_hostname=cfg.tls_verify,
         )
     pool = redis.BlockingConnectionPool.from_url(
-        cfg.url,
+        endpoint_url(cfg.url),
         max_connections=cfg.pool_size,
         timeout=cfg.connect_timeout_s + cfg.read_timeout_s,
         **kwargs,
@@ -95,6 +96,8 @@ class RedisBlockStore:
     def __init__(self, cfg: RedisTierConfig, client: redis.Redis | RedisCluster | None = None):
         self.cfg = cfg
         self.client = client if client is not None else make_client(cfg)
+        # Values go through their own pool whose packer never copies them.
+        self._bulk = self.client if client is not None else make_client(cfg, zero_copy=True)
         self.breaker = CircuitBreaker(cfg.redacted_url, cfg.retry_interval_s)
         self._is_cluster = isinstance(self.client, RedisCluster)
         self._stats_lock = threading.Lock()
@@ -114,6 +117,8 @@ class RedisBlockStore:
 
     def close(self) -> None:
         self.client.close()
+        if self._bulk is not self.client:
+            self._bulk.close()
 
     # ------------------------------------------------------------------ blocks
 
@@ -169,7 +174,7 @@ class RedisBlockStore:
                     out.append(PutResult.STORED if reply else PutResult.EXISTED)
             return out
 
-        return self._guarded(keys, run, collect, default=PutResult.FAILED)
+        return self._guarded(keys, run, collect, default=PutResult.FAILED, client=self._bulk)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of ``keys`` in one round trip (per node); ``None`` for missing or on failure."""
@@ -198,7 +203,10 @@ class RedisBlockStore:
         if not keys or not self.breaker.allow():
             return 0
         try:
-            removed = sum(int(self.client.unlink(key)) for key in keys)
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.unlink(key)
+            removed = sum(int(n) for n in pipe.execute())
         except RedisError as exc:
             self.breaker.record_failure(exc)
             return 0
@@ -247,6 +255,7 @@ class RedisBlockStore:
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
         default: _T,
         by_slot: bool = False,
+        client: redis.Redis | RedisCluster | None = None,
     ) -> list[_T]:
         """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``.
 
@@ -255,7 +264,7 @@ class RedisBlockStore:
         if not self.breaker.allow():
             return [default] * len(keys)
         try:
-            out = self._execute(keys, run, collect, by_slot)
+            out = self._execute(client or self.client, keys, run, collect, by_slot)
         except RedisError as exc:
             self.breaker.record_failure(exc)
             return [default] * len(keys)
@@ -264,6 +273,7 @@ class RedisBlockStore:
 
     def _execute(
         self,
+        client: redis.Redis | RedisCluster,
         keys: Sequence[str],
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
@@ -272,7 +282,7 @@ class RedisBlockStore:
         with self._stats_lock:
             self.round_trips += 1
         if not self._is_cluster:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             run(pipe, keys)
             return collect(pipe.execute(raise_on_error=False), keys)
         # Cluster: a script may only touch keys of one slot, so group by slot; redis-py's
@@ -280,7 +290,7 @@ class RedisBlockStore:
         groups: dict[int, list[int]] = defaultdict(list)
         for idx, key in enumerate(keys):
             groups[key_slot(key.encode()) if by_slot else 0].append(idx)
-        pipe = self.client.pipeline()
+        pipe = client.pipeline()
         order: list[tuple[list[int], int]] = []
         for indices in groups.values():
             batch = [keys[i] for i in indices]

@@ -82,3 +82,20 @@ def test_config_is_immutable():
 
 def test_redact_url_without_password_is_unchanged():
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_url_query_options_are_rejected_and_redacted():
+    with pytest.raises(ValueError, match="query parameter") as info:
+        RedisTierConfig.from_extra_config(
+            {"redis_url": "redis://h:1/0?socket_timeout=60&password=s3cret"}, env={}
+        )
+    assert "s3cret" not in str(info.value)
+
+
+def test_tls_files_need_a_tls_url(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    with pytest.raises(ValueError, match="tls_ca_file needs a rediss://"):
+        RedisTierConfig.from_extra_config(
+            {"redis_url": "redis://h:1", "tls_ca_file": str(ca)}, env={}
+        )

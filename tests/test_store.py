@@ -22,6 +22,7 @@ def test_lookup_across_three_groups_is_one_round_trip(redis_client, redis_url):
     keys = [ks.block_key(g, i.to_bytes(8, "big")) for g in range(3) for i in range(200)]
     present = set(keys[::3])
     store.put_if_absent([(k, b"v") for k in present])
+    store.exists(keys[:1])  # open the lookup connection first (its HELLO is not the lookup)
     before = command_calls(redis_client)
     found = store.exists(keys)
     delta = command_delta(before, command_calls(redis_client))
@@ -113,3 +114,15 @@ def test_killed_server_degrades_within_timeout_and_recovers_on_restart(local_red
     assert store.put_if_absent([(k, b"v") for k in keys]) == [PutResult.STORED] * 2
     assert store.exists(keys) == [True, True]
     assert store.breaker.state is BreakerState.CLOSED
+
+
+def test_separate_db_key_wins_over_url(redis_client, redis_url):
+    store = _store(redis_url, db=3)
+    store.put_if_absent([("hma:ns:g0:0a", b"v")])
+    assert redis_client.exists("hma:ns:g0:0a") == 0  # not in the URL's db 0
+    other = redis_client.connection_pool.connection_kwargs
+    import redis as redis_py
+
+    db3 = redis_py.Redis(host=other["host"], port=other["port"], db=3)
+    assert db3.get("hma:ns:g0:0a") == b"v"
+    db3.flushdb()
