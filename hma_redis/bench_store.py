@@ -21,20 +21,18 @@ import csv
 import dataclasses
 import os
 import shutil
-import socket
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from hma_redis import codec
 from hma_redis.config import RedisTierConfig
 from hma_redis.keys import KeySpace, RedisKey
+from hma_redis.local_redis import LocalRedis
 from hma_redis.store import PutResult, RedisBlockStore
 
 MIB = 1024 * 1024
@@ -84,51 +82,14 @@ class Samples:
 @contextmanager
 def local_redis() -> Iterator[str]:
     """A throwaway ``redis-server`` on a free loopback port; yields its URL."""
-    binary = _require("redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    workdir = tempfile.mkdtemp(prefix="hma-bench-")
-    args = [
-        binary,
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", workdir,
-        "--protected-mode", "no",
-    ]  # fmt: skip
-    with open(Path(workdir) / "redis.log", "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
     try:
-        _wait_ready(url, proc)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    store = RedisBlockStore(RedisTierConfig(url=url, connect_timeout_s=0.5, read_timeout_s=0.5))
-    deadline = time.monotonic() + timeout_s
+        server = LocalRedis().start()
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
     try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"redis-server exited at start-up (exit code {proc.returncode})")
-            try:
-                store.ping()
-                return
-            except ConnectionError:
-                time.sleep(0.05)
-        raise SystemExit(f"redis-server did not answer within {timeout_s:.0f}s")
+        yield server.url
     finally:
-        store.close()
+        server.stop()
 
 
 def _require(binary: str) -> str:

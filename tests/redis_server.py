@@ -8,105 +8,17 @@ and restart the server always use a local ``redis-server`` of their own.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import tempfile
-import time
 import warnings
-from collections.abc import Sequence
-from pathlib import Path
 
 import redis
+
+from hma_redis.local_redis import LocalRedis
 
 INSTALL_HINT = (
     "hma_redis tests need a real Redis: set HMA_REDIS_TEST_URL, or run a Docker engine, "
     "or install redis-server (Debian: apt-get install -y redis-server redis-tools)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LocalRedis:
-    """A ``redis-server`` process on a loopback port, persistence off, stopped by its pid."""
-
-    def __init__(self, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError(INSTALL_HINT)
-        self.binary = binary
-        self.port = port or free_port()
-        self.extra_args = list(extra_args)
-        self.dir = tempfile.mkdtemp(prefix="hma-redis-test-")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> LocalRedis:
-        args = [
-            self.binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", self.dir,
-            "--protected-mode", "no",
-            *self.extra_args,
-        ]  # fmt: skip
-        log = open(Path(self.dir) / "redis.log", "ab")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready()
-        return self
-
-    def _wait_ready(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                log = (Path(self.dir) / "redis.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"redis-server exited at start-up:\n{log}")
-            try:
-                if client.ping():
-                    client.close()
-                    return
-            except redis.RedisError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout_s}s")
-
-    def kill(self) -> None:
-        """SIGKILL the server (an outage, not a clean shutdown)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class SessionRedis:
