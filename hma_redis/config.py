@@ -17,7 +17,15 @@ from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 URL_ENV_VARS = ("HMA_REDIS_URL", "REDIS_URL")
-_SCHEMES = ("redis", "rediss", "unix")
+# Redis Cluster: ``redis+cluster://[user:pw@]host:port[,host:port...]/`` (startup nodes).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+# Sentinel: ``redis+sentinel://[user:pw@]host:port[,host:port...]/<service>[/<db>]``.
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+TLS_SCHEMES = ("rediss", "rediss+cluster", "rediss+sentinel")
+_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
+_CLUSTER_PORT = 6379
+_SENTINEL_PORT = 26379
+_SERVICE_RE = re.compile(r"^[^\s/]{1,256}$")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,32}$")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -36,18 +44,19 @@ VLLM_OWNED_KEYS = frozenset(
 
 
 def redact_url(url: str) -> str:
-    """Return ``url`` with any password (userinfo or query) replaced by ``***`` (safe to log)."""
+    """Return ``url`` with any password (userinfo or query) replaced by ``***`` (safe to log).
+
+    Works on the raw text of the authority, so URLs with several hosts (cluster, sentinel) or a
+    bad port are redacted too.
+    """
     try:
         parts = urlsplit(url)
-        port = parts.port
     except ValueError:
         return "<unparseable url>"
     netloc = parts.netloc
-    if parts.password is not None:
-        host = parts.hostname or ""
-        if port is not None:
-            host = f"{host}:{port}"
-        netloc = f"{parts.username or ''}:***@{host}"
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
     query = "&".join(
         f"{q.split('=', 1)[0]}=***" if q.lower().startswith("password=") else q
         for q in parts.query.split("&")
@@ -89,6 +98,10 @@ class RedisTierConfig:
     allow_random_hash_seed: bool = False
 
     def __post_init__(self) -> None:
+        # Credentials and db written in the URL apply unless given as fields (which win).
+        for name, value in _url_parts(self.url).items():
+            if getattr(self, name) == _DEFAULTS[name]:
+                object.__setattr__(self, name, value)
         _validate(self)
 
     @property
@@ -97,7 +110,12 @@ class RedisTierConfig:
 
     @property
     def tls(self) -> bool:
-        return urlsplit(self.url).scheme == "rediss"
+        return urlsplit(self.url).scheme in TLS_SCHEMES
+
+    @property
+    def topology(self) -> Topology:
+        """How to reach Redis: one server, a cluster's startup nodes, or sentinels."""
+        return topology(self.url)
 
     def __repr__(self) -> str:
         shown = []
@@ -147,6 +165,7 @@ class RedisTierConfig:
         return cls(**kwargs)
 
 
+_DEFAULTS: dict[str, Any] = {"username": None, "password": None, "db": 0}
 _INT_FIELDS = {"db", "pool_size", "ttl_s", "max_inflight_bytes", "io_threads"}
 _FLOAT_FIELDS = {"connect_timeout_s", "read_timeout_s", "retry_interval_s", "shutdown_timeout_s"}
 _BOOL_FIELDS = {"tls_verify", "allow_random_hash_seed"}
@@ -200,13 +219,74 @@ def _url_parts(url: str) -> dict[str, Any]:
             f"kv_connector_extra_config keys instead: {redact_url(url)}"
         )
     db_text = query.get("db", [None])[0]
-    if parts.scheme in ("redis", "rediss") and parts.path.strip("/"):
+    if parts.scheme in ("redis", "rediss", *CLUSTER_SCHEMES) and parts.path.strip("/"):
         db_text = parts.path.strip("/")
+    if parts.scheme in SENTINEL_SCHEMES:
+        segments = parts.path.strip("/").split("/")
+        if len(segments) > 2:
+            raise ValueError(
+                "hma_redis: a sentinel redis_url has the form "
+                f"redis+sentinel://host:port[,host:port]/<service>[/<db>]: {redact_url(url)}"
+            )
+        if len(segments) == 2:
+            db_text = segments[1]
     if db_text is not None:
         if not db_text.isdigit():
             raise ValueError(f"hma_redis: db in redis_url must be an integer: {redact_url(url)}")
         out["db"] = int(db_text)
     return out
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where to connect, parsed from the URL (credentials, db and TLS files are config fields).
+
+    ``kind`` is ``"single"`` (``redis://``, ``rediss://``, ``unix://``: use :func:`endpoint_url`),
+    ``"cluster"`` (``hosts`` are startup nodes) or ``"sentinel"`` (``hosts`` are the sentinels,
+    ``service`` the name of the monitored master).
+    """
+
+    kind: str
+    hosts: tuple[tuple[str, int], ...] = ()
+    service: str | None = None
+    tls: bool = False
+
+
+def topology(url: str) -> Topology:
+    """Parse ``url`` into a :class:`Topology`; ``ValueError`` (redacted) if it is malformed."""
+    parts = urlsplit(url)
+    tls = parts.scheme in TLS_SCHEMES
+    if parts.scheme in CLUSTER_SCHEMES:
+        return Topology("cluster", _hosts(url, _CLUSTER_PORT), tls=tls)
+    if parts.scheme in SENTINEL_SCHEMES:
+        service = unquote(parts.path.strip("/").split("/")[0])
+        if not _SERVICE_RE.match(service):
+            raise ValueError(
+                "hma_redis: a sentinel redis_url needs the master's service name: "
+                f"redis+sentinel://host:port[,host:port]/<service>[/<db>]: {redact_url(url)}"
+            )
+        return Topology("sentinel", _hosts(url, _SENTINEL_PORT), service=service, tls=tls)
+    return Topology("single", tls=tls)
+
+
+def _hosts(url: str, default_port: int) -> tuple[tuple[str, int], ...]:
+    """``host[:port][,host[:port]...]`` of a cluster or sentinel URL (IPv6 in brackets)."""
+    netloc = urlsplit(url).netloc.rpartition("@")[2]
+    out: list[tuple[str, int]] = []
+    for item in netloc.split(","):
+        if item.startswith("["):
+            host, bracket, rest = item[1:].partition("]")
+            ok = bool(bracket) and (not rest or rest.startswith(":"))
+            port_text = rest[1:]
+        else:
+            host, colon, port_text = item.partition(":")
+            ok = not colon or bool(port_text)
+        if not port_text:
+            port_text = str(default_port)
+        if not (ok and host and port_text.isdigit() and 0 < int(port_text) < 65536):
+            raise ValueError(f"hma_redis: redis_url has an invalid host or port: {redact_url(url)}")
+        out.append((host, int(port_text)))
+    return tuple(out)
 
 
 def endpoint_url(url: str) -> str:
@@ -229,7 +309,6 @@ def endpoint_url(url: str) -> str:
 def _validate(cfg: RedisTierConfig) -> None:
     try:
         parts = urlsplit(cfg.url)
-        port = parts.port
     except ValueError:
         raise ValueError(
             f"hma_redis: redis_url has an invalid host or port: {cfg.redacted_url}"
@@ -238,12 +317,27 @@ def _validate(cfg: RedisTierConfig) -> None:
         raise ValueError(
             f"hma_redis: redis_url scheme must be one of {list(_SCHEMES)}: {cfg.redacted_url}"
         )
-    if parts.scheme == "unix" and not parts.path:
-        raise ValueError(f"hma_redis: unix redis_url needs a socket path: {cfg.redacted_url}")
-    if parts.scheme != "unix" and not parts.hostname:
-        raise ValueError(f"hma_redis: redis_url has no host: {cfg.redacted_url}")
-    if port is not None and not 0 < port < 65536:
-        raise ValueError(f"hma_redis: redis_url port out of range: {cfg.redacted_url}")
+    if parts.scheme in CLUSTER_SCHEMES or parts.scheme in SENTINEL_SCHEMES:
+        if not parts.netloc.rpartition("@")[2]:
+            raise ValueError(f"hma_redis: redis_url has no host: {cfg.redacted_url}")
+        topology(cfg.url)  # raises on a bad host list or a missing service name
+        if parts.scheme in CLUSTER_SCHEMES and cfg.db != 0:
+            raise ValueError(
+                f"hma_redis: db must be 0 with Redis Cluster (it has no other), got {cfg.db}"
+            )
+    else:
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(
+                f"hma_redis: redis_url has an invalid host or port: {cfg.redacted_url}"
+            ) from None
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError(f"hma_redis: unix redis_url needs a socket path: {cfg.redacted_url}")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError(f"hma_redis: redis_url has no host: {cfg.redacted_url}")
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"hma_redis: redis_url port out of range: {cfg.redacted_url}")
     _positive(cfg.connect_timeout_s, "connect_timeout_s")
     _positive(cfg.read_timeout_s, "read_timeout_s")
     _positive(cfg.retry_interval_s, "retry_interval_s")
@@ -266,8 +360,11 @@ def _validate(cfg: RedisTierConfig) -> None:
         )
     for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
         path = getattr(cfg, name)
-        if path is not None and parts.scheme != "rediss":
-            raise ValueError(f"hma_redis: {name} needs a rediss:// redis_url: {cfg.redacted_url}")
+        if path is not None and parts.scheme not in TLS_SCHEMES:
+            raise ValueError(
+                f"hma_redis: {name} needs a rediss:// (or rediss+cluster://, rediss+sentinel://) "
+                f"redis_url: {cfg.redacted_url}"
+            )
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"hma_redis: {name} does not exist or is not a file: {path}")
     if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):

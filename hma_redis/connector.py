@@ -10,7 +10,8 @@ this subclass changes exactly three behaviours:
    ``"fail"`` it fails the request. (vLLM cannot take per-block failures for models with several
    KV-cache groups, so a failed load recomputes the whole request, never a partial prefix.)
 2. **The scheduler forgets failed chunks.** Their keys answer MISS for a while, so the request is
-   not sent back to the same broken value.
+   not sent back to the same broken value, and the recomputed chunks are stored again (vLLM
+   would otherwise consider them offloaded already).
 3. **Nothing scheduled is lost at shutdown.** Store jobs vLLM queued but had not submitted yet are
    submitted and flushed (bounded by ``shutdown_timeout_s``) when the engine shuts down or the
    process exits.
@@ -47,6 +48,8 @@ class RedisOffloadingConnector(OffloadingConnector):
             super().__init__(vllm_config, *args, **kwargs)
         self._shut_down = False
         if self.connector_worker is not None:
+            # vLLM does not always shut connectors down (e.g. an in-process engine at exit); this
+            # hook submits the queued stores before the worker flushes them.
             atexit.register(self.shutdown)
 
     # ------------------------------------------------------------------ worker side
@@ -86,7 +89,17 @@ class RedisOffloadingConnector(OffloadingConnector):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.failed_recving:
             manager = self.scheduler.manager
-            if isinstance(manager, RedisOffloadingManager):
-                for req_id in connector_output.failed_recving:
+            for req_id in connector_output.failed_recving:
+                if isinstance(manager, RedisOffloadingManager):
                     manager.on_load_failed(req_id)
+                self._store_again_after_failed_load(req_id)
         super().update_connector_output(connector_output)
+
+    def _store_again_after_failed_load(self, req_id: str) -> None:
+        """vLLM marked the chunks it meant to load as already offloaded (it never stores a hit
+        twice); the recompute must store them, or the bad chunks would never be replaced."""
+        req_status = self.scheduler._req_status.get(req_id)
+        if req_status is None:
+            return
+        for group_state in req_status.group_states:
+            group_state.next_stored_chunk_idx = 0

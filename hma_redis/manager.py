@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
@@ -34,8 +35,15 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
+from hma_redis.breaker import BreakerState
 from hma_redis.keys import KeySpace
+from hma_redis.metrics import ManagerMetrics
 from hma_redis.store import RedisBlockStore
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
 
 logger = init_logger(__name__)
 
@@ -107,6 +115,7 @@ class RedisOffloadingManager(OffloadingManager):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hma-lookup")
         self._lock = threading.Lock()
         self.stats = ManagerStats()
+        self._metrics = ManagerMetrics()
 
     # ------------------------------------------------------------------ lookups
 
@@ -163,7 +172,14 @@ class RedisOffloadingManager(OffloadingManager):
         def resolve() -> list[bool]:
             found = self._store.exists(redis_keys)
             # A chunk is a hit only when every rank's shard is there.
-            return [all(found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
+            hits = [all(found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
+            self._store.counters.add(
+                lookups=1,
+                lookup_keys=len(keys),
+                hit_chunks=sum(hits),
+                miss_chunks=len(hits) - sum(hits),
+            )
+            return hits
 
         self._inflight = self._executor.submit(resolve)
 
@@ -272,5 +288,13 @@ class RedisOffloadingManager(OffloadingManager):
         """Forget every cached answer (Redis itself is shared and left alone)."""
         self._answers.clear()
 
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Prometheus counters since the last call (see :mod:`hma_redis.metrics`)."""
+        breaker = self._store.breaker
+        return self._metrics.collect(
+            self.stats, errors=breaker.failures, available=breaker.state is BreakerState.CLOSED
+        )
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._store.flush_counters()

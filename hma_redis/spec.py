@@ -7,7 +7,9 @@ the scheduler asks for the manager, each worker for its worker.
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
@@ -23,6 +25,9 @@ from hma_redis.config import RedisTierConfig
 from hma_redis.keys import GroupLayout, KeySpace, NamespaceFingerprint
 from hma_redis.store import RedisBlockStore
 
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata
+
 logger = init_logger(__name__)
 
 # vLLM's non-cryptographic prefix hashes use a random per-process root unless PYTHONHASHSEED is
@@ -33,8 +38,18 @@ _RANDOM_ROOT_HASHES = frozenset({"xxhash", "xxhash_cbor"})
 class RedisOffloadingSpec(OffloadingSpec):
     """Offloading spec whose medium is a (shared) Redis."""
 
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """hma_redis' Prometheus metrics (see :mod:`hma_redis.metrics`)."""
+        from hma_redis.metrics import metric_definitions
+
+        return {**super().build_metric_definitions(extra_config), **metric_definitions()}
+
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
+        _adopt_vllm_logging()
         self.tier_config = RedisTierConfig.from_extra_config(config.extra_config)
         self.hash_algo = _prefix_hash_algo()
         _check_hash_seed(self.hash_algo, self.tier_config)
@@ -46,7 +61,7 @@ class RedisOffloadingSpec(OffloadingSpec):
     @property
     def store(self) -> RedisBlockStore:
         if self._store is None:
-            self._store = RedisBlockStore(self.tier_config)
+            self._store = RedisBlockStore(self.tier_config, stats_key=self.keyspace.stats_key())
         return self._store
 
     def get_manager(self) -> OffloadingManager:
@@ -85,6 +100,18 @@ class RedisOffloadingSpec(OffloadingSpec):
             max_inflight_bytes=cfg.max_inflight_bytes,
             shutdown_timeout_s=cfg.shutdown_timeout_s,
         )
+
+
+def _adopt_vllm_logging() -> None:
+    """Send hma_redis' log lines through vLLM's handlers and level (vLLM configures only its own
+    ``vllm`` logger, so INFO lines of other packages would be dropped)."""
+    ours, theirs = logging.getLogger("hma_redis"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
 
 
 def build_fingerprint(config: OffloadingConfig, hash_algo: str) -> NamespaceFingerprint:

@@ -7,6 +7,7 @@ that can degrade do: existence checks become misses, puts become FAILED, gets be
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 import threading
@@ -18,14 +19,16 @@ from typing import Any, TypeVar
 import redis
 from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.connection import PythonRespSerializer
 from redis.crc import key_slot
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from hma_redis.breaker import CircuitBreaker
 from hma_redis.config import RedisTierConfig, endpoint_url
+from hma_redis.counters import PendingCounters
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +55,14 @@ class RedisUnavailableError(ConnectionError):
     """Redis could not be reached at start-up (message carries the redacted URL)."""
 
 
-def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> redis.Redis:
+def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> redis.Redis | RedisCluster:
     """A redis-py client with bounded timeouts and no hidden retries.
+
+    ``redis://``, ``rediss://`` and ``unix://`` give one ``redis.Redis``; ``redis+cluster://``
+    a ``RedisCluster`` (startup nodes from the URL, slots discovered from them);
+    ``redis+sentinel://`` a ``redis.Redis`` on the master that the sentinels name, found again
+    after a failover. Credentials, timeouts, TLS options and the pool size apply to every
+    connection to a data node, whichever the form.
 
     With ``zero_copy``, commands are packed by redis-py's pure-Python packer, which sends large
     values (memoryviews) as their own chunks, so a value is never copied on send; the default
@@ -63,12 +72,9 @@ def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> redis.Redis:
     kwargs: dict[str, Any] = {
         "username": cfg.username,
         "password": cfg.password,
-        "db": cfg.db,
         "socket_timeout": cfg.read_timeout_s,
         "socket_connect_timeout": cfg.connect_timeout_s,
-        "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
-        "command_packer": PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
     }
     if cfg.tls:
         kwargs.update(
@@ -78,13 +84,172 @@ def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> redis.Redis:
             ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_verify else ssl.CERT_NONE,
             ssl_check_hostname=cfg.tls_verify,
         )
+    # Wait (bounded) for a free connection rather than fail when all are busy.
+    pool_kwargs = {
+        "max_connections": cfg.pool_size,
+        "timeout": cfg.connect_timeout_s + cfg.read_timeout_s,
+    }
+    topo = cfg.topology
+    if topo.kind == "cluster":
+        return _cluster_client(cfg, kwargs, pool_kwargs, zero_copy)
+    if zero_copy:
+        kwargs["command_packer"] = _zero_copy_packer()
+    if topo.kind == "sentinel":
+        return _sentinel_client(cfg, kwargs, pool_kwargs)
     pool = redis.BlockingConnectionPool.from_url(
-        endpoint_url(cfg.url),
-        max_connections=cfg.pool_size,
-        timeout=cfg.connect_timeout_s + cfg.read_timeout_s,
-        **kwargs,
+        endpoint_url(cfg.url), db=cfg.db, retry=Retry(NoBackoff(), 0), **pool_kwargs, **kwargs
     )
     return redis.Redis(connection_pool=pool)
+
+
+def _zero_copy_packer() -> PythonRespSerializer:
+    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+
+
+def _cluster_client(
+    cfg: RedisTierConfig, kwargs: dict[str, Any], pool_kwargs: dict[str, Any], zero_copy: bool
+) -> RedisCluster:
+    """A :class:`_BoundedCluster` over the URL's startup nodes, with blocking per-node pools."""
+    topo = cfg.topology
+    (first_host, first_port), *others = topo.hosts
+    if zero_copy:
+        base = redis.SSLConnection if topo.tls else redis.Connection
+        kwargs["connection_class"] = _zero_copy_connection(base)
+    elif topo.tls:
+        kwargs["connection_class"] = redis.SSLConnection
+    # Only a client built from a URL creates its node pools with ``connection_pool_class``;
+    # the URL carries just the first startup node (everything else is a keyword).
+    host = f"[{first_host}]" if ":" in first_host else first_host
+    return _BoundedCluster(
+        url=f"redis://{host}:{first_port}",
+        startup_nodes=[ClusterNode(h, p) for h, p in others],
+        # One attempt per command: a failed node opens the breaker. MOVED / ASK / TRYAGAIN
+        # replies are still followed (they are answers, not failures).
+        retry=Retry(NoBackoff(), 0),
+        connection_pool_class=redis.BlockingConnectionPool,
+        **pool_kwargs,
+        **kwargs,
+    )
+
+
+class _BoundedCluster(RedisCluster):
+    """``RedisCluster`` whose failures are bounded in time and always ``RedisError``.
+
+    * redis-py's cluster pipeline re-sends, one at a time, every command of a batch whose node
+      failed, each with its own timeout and topology refresh: one stalled node made a 50-key
+      lookup take 50 read timeouts. Here, once one re-send fails on a connection error or a
+      timeout, the rest of the batch fails at once (MOVED / ASK re-sends are unaffected).
+    * "no node reachable" is ``RedisClusterException``, which is not a ``RedisError``: it
+      becomes ``redis.ConnectionError``, so the store's breaker handles it like any outage.
+    * Built while no node answers, the client does not fail: the topology is discovered on
+      first use (the store's breaker paces the attempts), as a plain client connects lazily.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._init_kwargs = kwargs
+        self._init_lock = threading.Lock()
+        self._ready = False
+        with contextlib.suppress(redis.ConnectionError):
+            self._ensure_ready()
+
+    def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        with self._init_lock:
+            if self._ready:
+                return
+            kwargs = dict(self._init_kwargs)
+            kwargs["startup_nodes"] = list(kwargs["startup_nodes"])  # redis-py appends to it
+            try:
+                super().__init__(**kwargs)
+            except RedisClusterException as exc:
+                raise redis.ConnectionError(f"no Redis Cluster node answered: {exc}") from None
+            self._ready = True
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        self._ensure_ready()
+        try:
+            return super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        self._ensure_ready()
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe.__class__ = _BoundedClusterPipeline
+        assert isinstance(pipe, _BoundedClusterPipeline)
+        pipe.fail_fast_resends()
+        return pipe
+
+    def close(self) -> None:
+        if self._ready:
+            super().close()
+
+
+class _BoundedClusterPipeline(ClusterPipeline):
+    """The pipeline of :class:`_BoundedCluster` (see there)."""
+
+    def fail_fast_resends(self) -> None:
+        resend = self.parent_execute_command
+        failed: list[RedisError] = []
+
+        def resend_unless_failed(*args: Any, **options: Any) -> Any:
+            if failed:
+                raise failed[0]
+            try:
+                return resend(*args, **options)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                failed.append(exc)
+                raise
+
+        self.parent_execute_command = resend_unless_failed
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        try:
+            return super().execute(raise_on_error)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
+
+
+def _sentinel_client(
+    cfg: RedisTierConfig, kwargs: dict[str, Any], pool_kwargs: dict[str, Any]
+) -> redis.Redis:
+    """The master of ``service`` as the sentinels name it; re-asked after every failover."""
+    topo = cfg.topology
+    assert topo.service is not None
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": cfg.read_timeout_s,
+        "socket_connect_timeout": cfg.connect_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+    }
+    if cfg.tls:
+        sentinel_kwargs.update(
+            ssl=True, **{k: v for k, v in kwargs.items() if k.startswith("ssl_")}
+        )
+    sentinel = Sentinel(list(topo.hosts), sentinel_kwargs=sentinel_kwargs)
+    return sentinel.master_for(
+        topo.service,
+        connection_pool_class=_BlockingSentinelPool,
+        db=cfg.db,
+        retry=Retry(NoBackoff(), 0),
+        ssl=cfg.tls,
+        **pool_kwargs,
+        **kwargs,
+    )
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """A sentinel-managed pool that waits (bounded) for a free connection, like the others."""
+
+
+def _zero_copy_connection(base: type[redis.Connection]) -> type[redis.Connection]:
+    class ZeroCopyConnection(base):  # type: ignore[valid-type,misc]
+        def __init__(self, **kwargs: Any) -> None:
+            kwargs.setdefault("command_packer", _zero_copy_packer())
+            super().__init__(**kwargs)
+
+    return ZeroCopyConnection
 
 
 class RedisBlockStore:
@@ -93,7 +258,12 @@ class RedisBlockStore:
     Thread safe: redis-py's pool hands each call its own connection, and the breaker is locked.
     """
 
-    def __init__(self, cfg: RedisTierConfig, client: redis.Redis | RedisCluster | None = None):
+    def __init__(
+        self,
+        cfg: RedisTierConfig,
+        client: redis.Redis | RedisCluster | None = None,
+        stats_key: str | None = None,
+    ):
         self.cfg = cfg
         self.client = client if client is not None else make_client(cfg)
         # Values go through their own pool whose packer never copies them.
@@ -102,6 +272,10 @@ class RedisBlockStore:
         self._is_cluster = isinstance(self.client, RedisCluster)
         self._stats_lock = threading.Lock()
         self.round_trips = 0
+        # Counter deltas for ``stats_key``, delivered on the store's next round trip.
+        self.stats_key = stats_key
+        self.counters = PendingCounters()
+        self._refusals_seen: set[str] = set()
 
     # ------------------------------------------------------------------ health
 
@@ -134,10 +308,17 @@ class RedisBlockStore:
 
         def collect(replies: list[Any], batch: Sequence[str]) -> list[bool]:
             flags: list[bool] = []
-            for reply in replies:
-                if isinstance(reply, Exception):
+            for idx, reply in enumerate(replies):
+                if isinstance(reply, ResponseError):
+                    # Refused (e.g. an ACL without these keys): misses, Redis itself is fine.
+                    self._warn_refused("EXISTS", reply)
+                    flags.extend(
+                        [False] * len(batch[idx * _EXISTS_BATCH : (idx + 1) * _EXISTS_BATCH])
+                    )
+                elif isinstance(reply, Exception):
                     raise reply
-                flags.extend(bool(v) for v in reply)
+                else:
+                    flags.extend(bool(v) for v in reply)
             return flags
 
         result = self._guarded(keys, run, collect, default=False, by_slot=True)
@@ -166,7 +347,7 @@ class RedisBlockStore:
             for reply in replies:
                 if isinstance(reply, ResponseError):
                     # e.g. OOM under maxmemory + noeviction: this key is not stored.
-                    logger.debug("hma_redis: SET refused: %s", reply)
+                    self._warn_refused("SET", reply)
                     out.append(PutResult.FAILED)
                 elif isinstance(reply, Exception):
                     raise reply
@@ -189,6 +370,7 @@ class RedisBlockStore:
             out: list[bytes | None] = []
             for reply in replies:
                 if isinstance(reply, ResponseError):
+                    self._warn_refused("GET", reply)
                     out.append(None)
                 elif isinstance(reply, Exception):
                     raise reply
@@ -231,22 +413,41 @@ class RedisBlockStore:
         raw = self.client.hgetall(key)
         return {_text(k): _text(v) for k, v in raw.items()}
 
-    def add_counters(self, key: str, deltas: Mapping[str, int]) -> None:
-        """HINCRBY a batch of counters in one round trip; silently skipped while Redis is down."""
-        deltas = {k: v for k, v in deltas.items() if v}
-        if not deltas or not self.breaker.allow():
+    def flush_counters(self) -> None:
+        """Deliver pending counter deltas now (one round trip); kept for later if Redis fails."""
+        if self.stats_key is None or not self.breaker.allow():
+            return
+        pending = self.counters.take()
+        if not pending:
             return
         try:
             pipe = self.client.pipeline(transaction=False)
-            for name, delta in deltas.items():
-                pipe.hincrby(key, name, delta)
+            self._append_counters(pipe, pending)
             pipe.execute()
         except RedisError as exc:
+            self.counters.restore(pending)
             self.breaker.record_failure(exc)
             return
         self.breaker.record_success()
 
+    def _append_counters(self, pipe: Any, pending: Mapping[str, int]) -> None:
+        for name, delta in pending.items():
+            pipe.hincrby(self.stats_key, name, delta)
+
     # ------------------------------------------------------------------ internals
+
+    def _warn_refused(self, command: str, reply: ResponseError) -> None:
+        """Log each kind of refusal once (OOM, NOPERM, ...): it is a configuration problem."""
+        kind = f"{command}:{str(reply).split(' ', 1)[0]}"
+        if kind in self._refusals_seen:
+            return
+        self._refusals_seen.add(kind)
+        logger.warning(
+            "hma_redis: Redis at %s refused %s: %s (logged once)",
+            self.cfg.redacted_url,
+            command,
+            reply,
+        )
 
     def _guarded(
         self,
@@ -281,10 +482,28 @@ class RedisBlockStore:
     ) -> list[_T]:
         with self._stats_lock:
             self.round_trips += 1
+        pending = self.counters.take() if self.stats_key is not None else {}
+        try:
+            return self._execute_with(client, keys, run, collect, by_slot, pending)
+        except BaseException:
+            self.counters.restore(pending)
+            raise
+
+    def _execute_with(
+        self,
+        client: redis.Redis | RedisCluster,
+        keys: Sequence[str],
+        run: Callable[[Any, Sequence[str]], None],
+        collect: Callable[[list[Any], Sequence[str]], list[_T]],
+        by_slot: bool,
+        pending: Mapping[str, int],
+    ) -> list[_T]:
         if not self._is_cluster:
             pipe = client.pipeline(transaction=False)
             run(pipe, keys)
-            return collect(pipe.execute(raise_on_error=False), keys)
+            self._append_counters(pipe, pending)
+            replies = pipe.execute(raise_on_error=False)
+            return collect(replies[: len(replies) - len(pending)], keys)
         # Cluster: a script may only touch keys of one slot, so group by slot; redis-py's
         # cluster pipeline then sends one batch per node.
         groups: dict[int, list[int]] = defaultdict(list)
@@ -297,6 +516,7 @@ class RedisBlockStore:
             before = len(pipe.command_stack)
             run(pipe, batch)
             order.append((indices, len(pipe.command_stack) - before))
+        self._append_counters(pipe, pending)
         replies = pipe.execute(raise_on_error=False)
         out: list[Any] = [None] * len(keys)
         pos = 0

@@ -8,7 +8,8 @@ and put them with SET NX; loads get, validate and scatter into the given block i
 
 from __future__ import annotations
 
-import atexit
+import json
+import os
 import queue
 import threading
 import time
@@ -31,7 +32,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hma_redis import codec
-from hma_redis.codec import BlockHeader, CorruptBlockError
+from hma_redis.codec import BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.keys import KeySpace
 from hma_redis.manager import RedisLoadStoreSpec
 from hma_redis.store import PutResult, RedisBlockStore
@@ -40,6 +41,10 @@ logger = init_logger(__name__)
 
 # Loads wrap immutable reply bytes in tensors that are only ever read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+# Fault-injection hook for tests: seconds to sleep before each load's GET, so a test can break
+# Redis between the scheduler's lookup and the worker's read. Never set in production.
+TEST_LOAD_DELAY_ENV = "HMA_REDIS_TEST_LOAD_DELAY_S"
 
 # Values per pipelined put: large enough to amortize the round trip, small enough to bound memory.
 _PUT_BATCH = 16
@@ -71,6 +76,7 @@ class _Job:
     # Set once the job no longer reads the KV cache (stores) or is completely done (loads).
     released: threading.Event = field(default_factory=threading.Event)
     future: Future[None] | None = None
+    chunks_loaded: int = 0
 
 
 class _ByteBudget:
@@ -133,7 +139,7 @@ class RedisOffloadingWorker(OffloadingWorker):
         self._failed_reported: set[int] = set()
         self._failed_lock = threading.Lock()
         self._closed = False
-        atexit.register(self.shutdown)
+        self._test_load_delay_s = float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
 
     # ------------------------------------------------------------------ vLLM API
 
@@ -203,6 +209,13 @@ class RedisOffloadingWorker(OffloadingWorker):
             )
         self._stores.shutdown(wait=False, cancel_futures=True)
         self._loads.shutdown(wait=False, cancel_futures=True)
+        self._store.flush_counters()
+        # The Redis stats hash is best effort (an allkeys-* policy may evict it); this line is not.
+        logger.info(
+            "hma_redis: worker rank %d totals %s",
+            self._rank,
+            json.dumps(dict(self._store.counters.totals), sort_keys=True),
+        )
 
     # ------------------------------------------------------------------ planning
 
@@ -259,6 +272,7 @@ class RedisOffloadingWorker(OffloadingWorker):
                 return
             # Another instance may have stored some chunks already: skip them (one round trip).
             present = self._store.exists([c.redis_key for c in plan])
+            self._store.counters.add(store_skipped_chunks=sum(present))
             plan = [c for c, there in zip(plan, present, strict=True) if not there]
             for start in range(0, len(plan), _PUT_BATCH):
                 stored_bytes += self._store_batch(plan[start : start + _PUT_BATCH], job)
@@ -286,7 +300,14 @@ class RedisOffloadingWorker(OffloadingWorker):
             results = self._store.put_if_absent(items)
         finally:
             self._budget.release(sum(sizes))
-        return sum(size for size, r in zip(sizes, results, strict=True) if r is PutResult.STORED)
+        stored = sum(size for size, r in zip(sizes, results, strict=True) if r is PutResult.STORED)
+        self._store.counters.add(
+            stored_chunks=results.count(PutResult.STORED),
+            stored_bytes=stored,
+            store_skipped_chunks=results.count(PutResult.EXISTED),
+            store_failed_chunks=results.count(PutResult.FAILED),
+        )
+        return stored
 
     def _header(self, chunk: ChunkTransfer) -> BlockHeader:
         return BlockHeader(
@@ -324,7 +345,7 @@ class RedisOffloadingWorker(OffloadingWorker):
             if plan is None:
                 logger.error("hma_redis: load job %d has an inconsistent block layout", job.job_id)
             else:
-                loaded = self._load_chunks(plan)
+                loaded = self._load_chunks(plan, job)
                 success = True
         except CorruptBlockError as exc:
             logger.warning(
@@ -338,31 +359,56 @@ class RedisOffloadingWorker(OffloadingWorker):
             job.released.set()
             self._jobs.pop(job.job_id, None)
             if not success:
+                self._store.counters.add(
+                    load_failed_jobs=1, load_failed_chunks=len(src.keys) - job.chunks_loaded
+                )
                 with self._failed_lock:
                     self._failed_loads.add(job.job_id)
             self._finished.put(
                 TransferResult(job.job_id, True, loaded, time.perf_counter() - started)
             )
 
-    def _load_chunks(self, plan: list[ChunkTransfer]) -> int:
+    def _load_chunks(self, plan: list[ChunkTransfer], job: _Job) -> int:
+        """Fetch and validate every chunk, then copy them into the KV cache.
+
+        Nothing is copied unless every chunk is valid (the request is recomputed whole anyway).
+        Invalid values are deleted: SET NX would never replace them, so the recompute's store
+        could not heal them otherwise.
+        """
+        if self._test_load_delay_s:
+            time.sleep(self._test_load_delay_s)
         values = self._store.get([c.redis_key for c in plan])
         total = sum(len(v) for v in values if v is not None)
         self._budget.acquire(total)
         try:
+            valid: list[tuple[ChunkTransfer, DecodedBlock]] = []
+            missing: list[str] = []
+            invalid: dict[str, CorruptBlockError] = {}
             for chunk, value in zip(plan, values, strict=True):
                 if value is None:
-                    raise CorruptBlockError(f"{chunk.redis_key} is missing")
+                    missing.append(chunk.redis_key)
+                    continue
                 try:
-                    self._scatter(chunk, value)
-                except CorruptBlockError:
-                    # SET NX would never replace a bad value: drop it so a recompute can.
-                    self._store.delete([chunk.redis_key])
-                    raise
+                    valid.append((chunk, self._validate(chunk, value)))
+                except CorruptBlockError as exc:
+                    invalid[chunk.redis_key] = exc
+            if invalid:
+                self._store.delete(list(invalid))
+            if missing or invalid:
+                first = next(iter(invalid.values()), None)
+                raise CorruptBlockError(
+                    f"{len(missing)} chunk(s) missing, {len(invalid)} invalid"
+                    + (f" (first: {first})" if first else "")
+                )
+            for chunk, block in valid:
+                self._scatter(chunk, block)
+                job.chunks_loaded += 1
         finally:
             self._budget.release(total)
+        self._store.counters.add(loaded_chunks=len(plan), loaded_bytes=total)
         return total
 
-    def _scatter(self, chunk: ChunkTransfer, value: bytes) -> None:
+    def _validate(self, chunk: ChunkTransfer, value: bytes) -> DecodedBlock:
         block = codec.decode(value, expected_key=chunk.redis_key, expected_group=chunk.group)
         header = block.header
         if header.page_bytes != self._pages[chunk.group_pos]:
@@ -370,6 +416,11 @@ class RedisOffloadingWorker(OffloadingWorker):
         skip = chunk.start - header.first_block
         if skip < 0 or skip + len(chunk.block_ids) > header.num_blocks:
             raise CorruptBlockError(f"{chunk.redis_key} does not hold the blocks needed")
+        return block
+
+    def _scatter(self, chunk: ChunkTransfer, block: DecodedBlock) -> None:
+        header = block.header
+        skip = chunk.start - header.first_block
         ids = torch.tensor(chunk.block_ids, dtype=torch.long)
         for idx, layer in enumerate(self._layers[chunk.group_pos]):
             pages = torch.frombuffer(block.layer(idx), dtype=torch.int8).view(

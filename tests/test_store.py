@@ -2,11 +2,13 @@ import os
 import time
 
 import pytest
+import redis
 from redis_server import command_calls, command_delta
 
 from hma_redis.breaker import BreakerState
 from hma_redis.config import RedisTierConfig
 from hma_redis.keys import KeySpace
+from hma_redis.local_redis import LocalRedis
 from hma_redis.store import PutResult, RedisBlockStore, RedisUnavailableError
 
 
@@ -53,20 +55,23 @@ def test_ttl_is_applied(redis_client, redis_url):
     assert 0 < redis_client.ttl("hma:ns:g0:aa") <= 100
 
 
-def test_oom_put_is_reported_failed_not_stored(redis_client, redis_url):
-    store = _store(redis_url)
-    redis_client.config_set("maxmemory-policy", "noeviction")
-    used = int(redis_client.info("memory")["used_memory"])
-    redis_client.config_set("maxmemory", used + 256 * 1024)
+def test_oom_put_is_reported_failed_not_stored():
+    server = LocalRedis(extra_args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
+    server.start()
     try:
-        results = store.put_if_absent(
-            [(f"hma:ns:g0:{i:04x}", os.urandom(200_000)) for i in range(4)]
-        )
+        store = _store(server.url)
+        keys = [f"hma:ns:g0:{i:04x}" for i in range(12)]
+        results = store.put_if_absent([(k, os.urandom(300_000)) for k in keys])
+        client = redis.Redis(port=server.port)
+        assert PutResult.FAILED in results
+        assert PutResult.STORED in results
+        # Exactly the keys reported stored are there, whole; nothing else.
+        for key, result in zip(keys, results, strict=True):
+            value = client.get(key)
+            assert (value is not None) == (result is PutResult.STORED)
+            assert value is None or len(value) == 300_000
     finally:
-        redis_client.config_set("maxmemory", 0)
-    assert PutResult.FAILED in results
-    stored = [r is PutResult.STORED for r in results]
-    assert [redis_client.exists(f"hma:ns:g0:{i:04x}") == 1 for i in range(4)] == stored
+        server.stop()
 
 
 def test_threads_share_one_store(redis_client, redis_url):

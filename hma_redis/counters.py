@@ -1,0 +1,55 @@
+"""Counters kept per namespace in Redis (``<prefix>:<ns>:stats``), readable with HGETALL.
+
+Deltas accumulate in memory and ride along on the next round trip the store makes anyway
+(HINCRBY appended to its pipeline), so counting never costs a call per block. Deltas that could
+not be delivered (Redis down) are kept and delivered later.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping
+
+# Field names, for the CLI and the docs.
+FIELDS = (
+    "lookups",
+    "lookup_keys",
+    "hit_chunks",
+    "miss_chunks",
+    "stored_chunks",
+    "stored_bytes",
+    "store_skipped_chunks",
+    "store_failed_chunks",
+    "loaded_chunks",
+    "loaded_bytes",
+    "load_failed_chunks",
+    "load_failed_jobs",
+)
+
+
+class PendingCounters:
+    """Thread-safe counter deltas waiting to be added to Redis."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Counter[str] = Counter()
+        self.totals: Counter[str] = Counter()  # everything ever counted in this process
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                if delta:
+                    self._pending[name] += delta
+                    self.totals[name] += delta
+
+    def take(self) -> dict[str, int]:
+        with self._lock:
+            pending = dict(self._pending)
+            self._pending.clear()
+        return pending
+
+    def restore(self, deltas: Mapping[str, int]) -> None:
+        """Put back deltas whose delivery failed."""
+        with self._lock:
+            self._pending.update(deltas)

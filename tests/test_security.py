@@ -1,0 +1,509 @@
+"""Security features against real Redis servers (no mocks, no skips).
+
+* TLS: a private TLS-only ``redis-server`` (client certificates required) with a throwaway CA;
+  the store works with the right files, fails with one clear line without them, and
+  ``tls_verify: false`` turns verification off.
+* ACL: a private ``redis-server`` whose default user is disabled; the store works as a user
+  restricted to ``hma:*``, Redis refuses other keys, and the password never shows up in
+  messages, logs, ``repr`` or ``str``.
+* ``cache_salt``: real vLLM engines (separate processes) sharing one Redis keep tenants with
+  different salts apart and still share within a tenant, with tokens identical to a run
+  without the tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+import redis
+from _salt_child import SALT_ENV
+from engine_runner import REPO_ROOT, RESULT_PREFIX, child_env, make_prompts
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError
+from redis.retry import Retry
+from tier import chunk_aligned_prefix, tier_config
+from tls_certs import TlsFiles, TlsLocalRedis, make_tls_files
+
+from hma_redis.config import RedisTierConfig
+from hma_redis.keys import parse_block_key
+from hma_redis.local_redis import LocalRedis
+from hma_redis.store import PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.tiny_models import VOCAB_SIZE, build_llama
+
+SALT_CHILD = Path(__file__).with_name("_salt_child.py")
+# Raw clients that are expected to fail: fail at once (redis-py retries with backoff by default).
+NO_RETRY = Retry(NoBackoff(), 0)
+
+
+def _store(extra: dict[str, Any]) -> RedisBlockStore:
+    return RedisBlockStore(RedisTierConfig.from_extra_config(extra, env={}))
+
+
+def _ping_error(store: RedisBlockStore) -> str:
+    """The message of the RedisUnavailableError that ``store.ping()`` must raise."""
+    with pytest.raises(RedisUnavailableError) as info:
+        store.ping()
+    store.close()
+    message = str(info.value)
+    assert "\n" not in message and "\r" not in message, f"not one line: {message!r}"
+    assert message.startswith("hma_redis: cannot reach Redis at "), message
+    return message
+
+
+def _round_trip(store: RedisBlockStore, key: str, value: bytes) -> None:
+    """put_if_absent / exists / get / delete through ``store`` on a key nobody else uses."""
+    store.ping()
+    assert store.put_if_absent([(key, value)]) == [PutResult.STORED]
+    assert store.put_if_absent([(key, b"other bytes")]) == [PutResult.EXISTED]
+    assert store.exists([key, key + ":absent"]) == [True, False]
+    assert store.get([key, key + ":absent"]) == [value, None]
+    assert store.delete([key]) == 1
+    assert store.exists([key]) == [False]
+
+
+# ---------------------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+def _start_tls_redis(files: TlsFiles) -> TlsLocalRedis:
+    try:
+        return TlsLocalRedis(files).start()
+    except RuntimeError as exc:
+        pytest.fail(
+            f"cannot start a TLS redis-server (needs redis-server built with TLS): {exc}",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tls_files: TlsFiles) -> Iterator[TlsLocalRedis]:
+    server = _start_tls_redis(tls_files)
+    yield server
+    server.stop()
+
+
+def _tls_extra(server: TlsLocalRedis, **overrides: Any) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        "redis_url": server.url,
+        "tls_ca_file": server.files.ca_cert,
+        "tls_cert_file": server.files.client_cert,
+        "tls_key_file": server.files.client_key,
+    }
+    extra.update(overrides)
+    return {k: v for k, v in extra.items() if v is not None}
+
+
+def test_tls_server_accepts_no_plaintext(tls_redis: TlsLocalRedis) -> None:
+    # The server really is TLS-only, so the store below can only have talked TLS to it.
+    plain = redis.Redis(
+        port=tls_redis.port, socket_timeout=1, socket_connect_timeout=1, retry=NO_RETRY
+    )
+    with pytest.raises(redis.ConnectionError):
+        plain.ping()
+    plain.close()
+
+
+def test_tls_store_round_trip_with_ca_and_client_cert(tls_redis: TlsLocalRedis) -> None:
+    cfg = RedisTierConfig.from_extra_config(_tls_extra(tls_redis), env={})
+    assert cfg.tls
+    store = RedisBlockStore(cfg)
+    key = "hma:tls-test:g0:" + "ab" * 16
+    store.ping()
+    assert store.put_if_absent([(key, b"kv bytes over tls")]) == [PutResult.STORED]
+    assert store.exists([key, key + "x"]) == [True, False]
+    assert store.get([key]) == [b"kv bytes over tls"]
+    store.close()
+    raw = tls_redis.tls_client()
+    assert raw.get(key) == b"kv bytes over tls"  # really stored on the TLS server
+    raw.delete(key)
+    raw.close()
+
+
+def test_tls_verify_false_accepts_a_server_cert_from_an_unknown_ca(
+    tls_redis: TlsLocalRedis,
+) -> None:
+    store = _store(_tls_extra(tls_redis, tls_ca_file=None, tls_verify=False))
+    _round_trip(store, "hma:tls-test:noverify", b"unverified but encrypted")
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("case", "overrides", "expected"),
+    [
+        # tls_verify defaults to true: the test CA is not in the system store.
+        pytest.param("no CA file", {"tls_ca_file": None}, "CERTIFICATE_VERIFY_FAILED", id="no-ca"),
+        # The server requires client certificates (tls-auth-clients yes).
+        pytest.param(
+            "no client cert",
+            {"tls_cert_file": None, "tls_key_file": None},
+            "ConnectionError",
+            id="no-client-cert",
+        ),
+    ],
+)
+def test_tls_misconfiguration_fails_with_one_clear_line(
+    tls_redis: TlsLocalRedis, case: str, overrides: dict[str, Any], expected: str
+) -> None:
+    store = _store(_tls_extra(tls_redis, **overrides))
+    message = _ping_error(store)
+    assert f"rediss://127.0.0.1:{tls_redis.port}/0" in message, message
+    assert expected in message, f"{case}: {message}"
+    # At run time the same failure degrades instead of raising.
+    store = _store(_tls_extra(tls_redis, **overrides))
+    assert store.exists(["hma:tls-test:k"]) == [False]
+    assert store.put_if_absent([("hma:tls-test:k", b"v")]) == [PutResult.FAILED]
+    assert store.get(["hma:tls-test:k"]) == [None]
+    store.close()
+
+
+def test_plain_url_against_a_tls_port_fails_with_one_line(tls_redis: TlsLocalRedis) -> None:
+    message = _ping_error(_store({"redis_url": f"redis://127.0.0.1:{tls_redis.port}/0"}))
+    assert f"redis://127.0.0.1:{tls_redis.port}/0" in message
+
+
+def test_tls_verify_checks_the_host_name(tmp_path: Path) -> None:
+    # A certificate from the trusted CA, but issued for another host: verification must fail
+    # on the name alone; tls_verify=false accepts it.
+    files = make_tls_files(tmp_path, server_names=("redis.other.example",))
+    server = _start_tls_redis(files)
+    try:
+        message = _ping_error(_store(_tls_extra(server)))
+        assert "CERTIFICATE_VERIFY_FAILED" in message and "mismatch" in message, message
+        store = _store(_tls_extra(server, tls_verify=False))
+        _round_trip(store, "hma:tls-test:hostname", b"v")
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_tls_files_need_a_rediss_url(tls_files: TlsFiles) -> None:
+    with pytest.raises(ValueError, match="tls_ca_file needs a rediss://"):
+        RedisTierConfig.from_extra_config(
+            {"redis_url": "redis://127.0.0.1:6379/0", "tls_ca_file": tls_files.ca_cert}, env={}
+        )
+
+
+# ---------------------------------------------------------------------------------------- ACL
+
+USER = "tier"
+PASSWORD = "Tier-s3cret-7f2b9c"  # distinctive, so a leak is easy to find in any text
+WRONG_PASSWORD = "Wrong-s3cret-41d8e0"
+SPECIAL_USER = "tier-special"
+SPECIAL_PASSWORD = "p@ss:w/rd?#%&=+ ü"
+MIN_USER = "tier-min"
+ADMIN_USER = "admin"
+ADMIN_PASSWORD = "Admin-s3cret-0a1b2c"
+# Exactly the commands RedisBlockStore sends (least privilege an operator can grant).
+STORE_COMMANDS = ("ping", "eval", "exists", "set", "get", "unlink", "hset", "hgetall", "hincrby")
+
+
+@pytest.fixture(scope="module")
+def acl_redis() -> Iterator[LocalRedis]:
+    """A private redis-server: users ``tier`` (``~hma:* +@all -@dangerous``), ``tier-special``
+    (same rights, a password full of URL metacharacters), ``tier-min`` (only the store's
+    commands), ``admin``; the default user is off."""
+    try:
+        server = LocalRedis().start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    setup = redis.Redis(port=server.port, socket_timeout=2)
+    acl = ["resetkeys", "~hma:*", "resetchannels"]
+    for user, password in ((USER, PASSWORD), (SPECIAL_USER, SPECIAL_PASSWORD)):
+        setup.execute_command(
+            "ACL", "SETUSER", user, "on", f">{password}", *acl, "+@all", "-@dangerous"
+        )
+    setup.execute_command(
+        "ACL", "SETUSER", MIN_USER, "on", f">{PASSWORD}", *acl, "-@all",
+        *(f"+{c}" for c in STORE_COMMANDS),
+    )  # fmt: skip
+    setup.execute_command(
+        "ACL", "SETUSER", ADMIN_USER, "on", f">{ADMIN_PASSWORD}", "~*", "&*", "+@all"
+    )
+    setup.execute_command("ACL", "SETUSER", "default", "off")
+    setup.close()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def admin(acl_redis: LocalRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis(
+        port=acl_redis.port, username=ADMIN_USER, password=ADMIN_PASSWORD, socket_timeout=2
+    )
+    client.flushall()
+    yield client
+    client.close()
+
+
+def _url(server: LocalRedis, user: str | None = None, password: str | None = None) -> str:
+    auth = ""
+    if user is not None:
+        auth = quote(user, safe="")
+        if password is not None:
+            auth += ":" + quote(password, safe="")
+        auth += "@"
+    return f"redis://{auth}127.0.0.1:{server.port}/0"
+
+
+def test_acl_user_in_url_can_use_hma_keys(acl_redis: LocalRedis, admin: redis.Redis) -> None:
+    store = _store({"redis_url": _url(acl_redis, USER, PASSWORD)})
+    _round_trip(store, "hma:acl-test:g0:" + "cd" * 16, b"acl bytes")
+    assert store.write_info("hma:acl-test:info", {"model": "m"})
+    assert store.read_hash("hma:acl-test:info") == {"model": "m"}
+    assert store.put_if_absent([("hma:acl-test:kept", b"v")]) == [PutResult.STORED]
+    store.close()
+    assert admin.get("hma:acl-test:kept") == b"v"
+    assert admin.acl_whoami() == ADMIN_USER
+
+
+def test_redis_refuses_keys_outside_the_user_pattern(
+    acl_redis: LocalRedis, admin: redis.Redis
+) -> None:
+    raw = redis.Redis(port=acl_redis.port, username=USER, password=PASSWORD, socket_timeout=2)
+    assert raw.acl_whoami() == USER
+    raw.set("hma:acl-test:allowed", b"v")
+    for attempt in (
+        lambda: raw.set("other:key", b"v"),
+        lambda: raw.get("other:key"),
+        lambda: raw.exists("other:key"),
+    ):
+        with pytest.raises(NoPermissionError):
+            attempt()
+    with pytest.raises(NoPermissionError):  # -@dangerous
+        raw.flushall()
+    raw.close()
+
+    # Through the store: a refused SET is FAILED for that key only, a refused GET is None.
+    store = _store({"redis_url": _url(acl_redis, USER, PASSWORD)})
+    assert store.put_if_absent([("other:key", b"v"), ("hma:acl-test:ok", b"v")]) == [
+        PutResult.FAILED,
+        PutResult.STORED,
+    ]
+    assert store.get(["other:key", "hma:acl-test:ok"]) == [None, b"v"]
+    store.close()
+    assert admin.exists("other:key") == 0
+    assert admin.get("hma:acl-test:ok") == b"v"
+
+    # Without credentials the default user is off: nothing at all.
+    anonymous = redis.Redis(port=acl_redis.port, socket_timeout=2, retry=NO_RETRY)
+    with pytest.raises(AuthenticationError):
+        anonymous.get("hma:acl-test:ok")
+    anonymous.close()
+
+
+def test_least_privilege_acl_is_enough_for_the_store(
+    acl_redis: LocalRedis, admin: redis.Redis
+) -> None:
+    store = _store({"redis_url": _url(acl_redis, MIN_USER, PASSWORD)})
+    _round_trip(store, "hma:acl-test:g0:" + "ef" * 16, b"least privilege")
+    assert store.write_info("hma:acl-test:info", {"model": "m"})
+    assert store.read_hash("hma:acl-test:info") == {"model": "m"}
+    assert store.breaker.failures == 0
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(
+            {"url_user": USER, "url_password": WRONG_PASSWORD}, id="wrong-password-in-url"
+        ),
+        pytest.param({"username": USER, "password": WRONG_PASSWORD}, id="wrong-password-key"),
+        pytest.param({}, id="no-credentials"),
+    ],
+)
+def test_bad_credentials_fail_with_one_line_and_never_show_a_password(
+    acl_redis: LocalRedis, extra: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    keys = {k: v for k, v in extra.items() if not k.startswith("url_")}
+    config: dict[str, Any] = {
+        "redis_url": _url(acl_redis, extra.get("url_user"), extra.get("url_password")),
+        "retry_interval_s": 0.05,
+        **keys,
+    }
+    message = _ping_error(_store(config))
+    assert "AuthenticationError" in message, message
+    # Run time: the store degrades, the breaker logs the failure (redacted).
+    store = _store(config)
+    assert store.exists(["hma:acl-test:k"]) == [False]
+    time.sleep(0.1)
+    assert store.put_if_absent([("hma:acl-test:k", b"v")]) == [PutResult.FAILED]
+    store.close()
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "hma_redis" in logged, "the failure was not logged"
+    cfg = RedisTierConfig.from_extra_config(config, env={})
+    for text in (message, logged, repr(cfg), str(cfg), f"{cfg}", cfg.redacted_url):
+        for secret in (PASSWORD, WRONG_PASSWORD, quote(WRONG_PASSWORD, safe="")):
+            assert secret not in text, f"password leaked into: {text}"
+
+
+def test_config_repr_and_errors_never_contain_the_password(acl_redis: LocalRedis) -> None:
+    for extra in (
+        {"redis_url": _url(acl_redis, USER, PASSWORD)},
+        {"redis_url": _url(acl_redis, SPECIAL_USER, SPECIAL_PASSWORD)},
+        {"redis_url": _url(acl_redis), "username": USER, "password": PASSWORD},
+    ):
+        cfg = RedisTierConfig.from_extra_config(extra, env={})
+        assert cfg.password in (PASSWORD, SPECIAL_PASSWORD)
+        for text in (repr(cfg), str(cfg), f"{cfg!r}", cfg.redacted_url):
+            assert cfg.password not in text and quote(cfg.password, safe="") not in text, text
+        assert "password='***'" in repr(cfg)
+    # Bad configurations that carry a password: the one-line error names the field only.
+    bad = [
+        {"redis_url": f"redis://{USER}:{PASSWORD}@127.0.0.1:99999/0"},
+        {"redis_url": f"redis://{USER}:{PASSWORD}@127.0.0.1:6379/0?password={PASSWORD}"},
+        {"redis_url": f"ftp://{USER}:{PASSWORD}@127.0.0.1:6379/0"},
+        {"redis_url": f"redis://{USER}:{PASSWORD}@127.0.0.1:6379/x"},
+        {"redis_url": _url(acl_redis, USER, PASSWORD), "pool_size": 0},
+    ]
+    for extra in bad:
+        with pytest.raises(ValueError) as info:
+            RedisTierConfig.from_extra_config(extra, env={})
+        message = str(info.value)
+        assert PASSWORD not in message and "\n" not in message, message
+    # HMA_REDIS_URL from the environment is redacted the same way.
+    env = {"HMA_REDIS_URL": _url(acl_redis, USER, PASSWORD)}
+    env_cfg = RedisTierConfig.from_extra_config({}, env=env)
+    assert env_cfg.password == PASSWORD and PASSWORD not in repr(env_cfg)
+
+
+def test_credentials_as_separate_keys(acl_redis: LocalRedis, admin: redis.Redis) -> None:
+    store = _store({"redis_url": _url(acl_redis), "username": USER, "password": PASSWORD})
+    _round_trip(store, "hma:acl-test:separate", b"v")
+    store.close()
+    # Separate keys win over credentials in the URL.
+    store = _store({"redis_url": _url(acl_redis, USER, WRONG_PASSWORD), "password": PASSWORD})
+    _round_trip(store, "hma:acl-test:separate-wins", b"v")
+    store.close()
+
+
+def test_password_with_url_metacharacters(acl_redis: LocalRedis, admin: redis.Redis) -> None:
+    # Percent-encoded in the URL, or given raw as a separate key: the same password either way.
+    for extra in (
+        {"redis_url": _url(acl_redis, SPECIAL_USER, SPECIAL_PASSWORD)},
+        {"redis_url": _url(acl_redis), "username": SPECIAL_USER, "password": SPECIAL_PASSWORD},
+    ):
+        store = _store(extra)
+        _round_trip(store, "hma:acl-test:special", b"v")
+        store.close()
+
+
+# --------------------------------------------------------------------------------- cache_salt
+
+SALT_PROMPT_LEN = 700
+SALT_MAX_TOKENS = 8
+SALT_TIMEOUT_S = 900.0
+
+
+def _salted_runs(runs: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    """Run each ``{"salt": str | None, "tier": dict | None, "prompts": ...}`` as its own vLLM
+    instance (forked process), in order; return each run's result payload."""
+    with tempfile.TemporaryDirectory(prefix="hma-salt-") as tmp:
+        requests = []
+        for i, run in enumerate(runs):
+            salt_env = {SALT_ENV: run["salt"]} if run["salt"] else {}
+            env = child_env(salt_env)
+            if not run["salt"]:
+                env.pop(SALT_ENV, None)
+            job = {
+                "model": model,
+                "prompts": run["prompts"],
+                "max_tokens": SALT_MAX_TOKENS,
+                "kv_transfer_config": run["tier"],
+                "block_size": None,
+                "reset_prefix_cache_between": True,
+                "dtype": "float32",
+                "max_model_len": 2048,
+                "llm_kwargs": {},
+            }
+            requests.append(
+                {
+                    "job": job,
+                    "env": env,
+                    "cwd": REPO_ROOT,
+                    "stdout_path": os.path.join(tmp, f"{i}.out"),
+                    "stderr_path": os.path.join(tmp, f"{i}.err"),
+                }
+            )
+        proc = subprocess.run(
+            [sys.executable, str(SALT_CHILD)],
+            input=json.dumps(requests),
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            cwd=REPO_ROOT,
+            timeout=SALT_TIMEOUT_S,
+        )
+        payloads: list[dict[str, Any]] = []
+        for request in requests:
+            out = Path(request["stdout_path"])
+            err = Path(request["stderr_path"])
+            stdout = out.read_text(errors="replace") if out.exists() else ""
+            stderr = err.read_text(errors="replace") if err.exists() else ""
+            lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+            assert len(lines) == 1, (
+                f"salted engine run {len(payloads)} failed (child exit {proc.returncode}); "
+                f"child stderr:\n{proc.stderr[-2000:]}\nrun stderr:\n{stderr[-3000:]}"
+            )
+            payload = json.loads(lines[0][len(RESULT_PREFIX) :])
+            payload["stderr_tail"] = stderr[-3000:]
+            payloads.append(payload)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return payloads
+
+
+@pytest.mark.engine
+def test_cache_salt_keeps_tenants_apart_across_engines(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    model = build_llama(tmp_path / "llama")
+    prompts = make_prompts(seed=77, n=1, length=SALT_PROMPT_LEN, vocab=VOCAB_SIZE)
+    tier = tier_config(redis_url)
+    baseline, a, b, c, unsalted = _salted_runs(
+        [
+            {"salt": None, "tier": None, "prompts": prompts},  # no tier at all
+            {"salt": "tenant-a", "tier": tier, "prompts": prompts},  # computes and stores
+            {"salt": "tenant-b", "tier": tier, "prompts": prompts},  # other tenant: no hits
+            {"salt": "tenant-a", "tier": tier, "prompts": prompts},  # same tenant: loads
+            {"salt": None, "tier": tier, "prompts": prompts},  # no salt: no hits either
+        ],
+        model,
+    )
+
+    def cached(run: dict[str, Any]) -> int:
+        return int(run["results"][0]["num_cached_tokens"])
+
+    def tokens(run: dict[str, Any]) -> list[int]:
+        return list(run["results"][0]["token_ids"])
+
+    assert cached(a) == 0, a["stderr_tail"]
+    assert cached(b) == 0, f"tenant-b hit tenant-a's blocks\n{b['stderr_tail']}"
+    assert cached(unsalted) == 0, (
+        f"an unsalted request hit salted blocks\n{unsalted['stderr_tail']}"
+    )
+    aligned = chunk_aligned_prefix(SALT_PROMPT_LEN, int(c["block_size"]))
+    assert aligned > 0
+    assert cached(c) == aligned, f"tenant-a did not load its own blocks\n{c['stderr_tail']}"
+    for name, run in (("A", a), ("B", b), ("C", c), ("unsalted", unsalted)):
+        assert tokens(run) == tokens(baseline), f"engine {name}: tokens differ from baseline"
+    # Each tenant stored its own copy of the prefix (A, B and the unsalted run; C stored
+    # nothing new): three sets of distinct keys, one per whole chunk of the prompt.
+    keys = [k.decode() for k in redis_client.scan_iter(match="hma:*", count=1000)]
+    block_keys = [k for k in keys if parse_block_key(k) is not None]
+    assert len(block_keys) == 3 * (aligned // int(c["block_size"])), sorted(keys)
