@@ -1,0 +1,67 @@
+"""The scheduler-side manager against a real Redis, without an engine."""
+
+from __future__ import annotations
+
+import redis
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+
+from hma_redis.config import RedisTierConfig
+from hma_redis.keys import KeySpace
+from hma_redis.manager import RedisOffloadingManager
+from hma_redis.store import RedisBlockStore
+
+END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def _manager(redis_url: str, world_size: int) -> tuple[RedisOffloadingManager, KeySpace]:
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}))
+    keyspace = KeySpace("hma", "mgrtest", world_size=world_size)
+    return RedisOffloadingManager(store, keyspace, lookup_wait_s=1.0), keyspace
+
+
+def _lookup_twice(manager: RedisOffloadingManager, key: bytes) -> LookupResult:
+    ctx = ReqContext(req_id="r1")
+    assert manager.lookup(key, ctx) is LookupResult.RETRY  # unknown: queued, never blocks
+    manager.on_schedule_end(END_OF_STEP)
+    return manager.lookup(key, ctx)
+
+
+def test_chunk_is_a_hit_only_when_every_rank_stored_its_shard(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    manager, keyspace = _manager(redis_url, world_size=2)
+    block_hash = b"\x11" * 32
+    key = make_offload_key(block_hash, 1)
+    redis_client.set(keyspace.block_key(1, block_hash, rank=0), b"x")
+    assert _lookup_twice(manager, key) is LookupResult.MISS
+
+    manager.reset_cache()
+    redis_client.set(keyspace.block_key(1, block_hash, rank=1), b"x")
+    assert _lookup_twice(manager, key) is LookupResult.HIT
+
+
+def test_store_skips_chunks_known_to_be_in_redis(redis_url: str, redis_client: redis.Redis) -> None:
+    manager, keyspace = _manager(redis_url, world_size=1)
+    present, absent = make_offload_key(b"\x01" * 32, 0), make_offload_key(b"\x02" * 32, 0)
+    redis_client.set(keyspace.block_key(0, b"\x01" * 32), b"x")
+    _lookup_twice(manager, present)
+    _lookup_twice(manager, absent)
+    out = manager.prepare_store([present, absent], ReqContext(req_id="r1"))
+    assert out is not None and out.keys_to_store == [absent]
+    # While this instance stores it, the chunk is "coming" (HIT_PENDING), not a miss.
+    assert manager.lookup(absent, ReqContext(req_id="r2")) is LookupResult.HIT_PENDING
+    manager.complete_store([absent], ReqContext(req_id="r1"))
+    assert manager.lookup(absent, ReqContext(req_id="r2")) is LookupResult.RETRY  # ask Redis
+
+
+def test_cached_answers_are_bounded(redis_url: str, redis_client: redis.Redis) -> None:
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}))
+    manager = RedisOffloadingManager(
+        store, KeySpace("hma", "bound"), max_answers=100, lookup_wait_s=1.0
+    )
+    ctx = ReqContext(req_id="r")
+    for i in range(1000):
+        manager.lookup(make_offload_key(i.to_bytes(32, "big"), 0), ctx)
+    manager.on_schedule_end(END_OF_STEP)
+    manager.lookup(make_offload_key(b"\xff" * 32, 0), ctx)  # absorbs the finished batch
+    assert len(manager._answers) == 100
