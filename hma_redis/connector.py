@@ -26,10 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.logger import init_logger
 
 from hma_redis.manager import RedisOffloadingManager
+from hma_redis.metrics import WorkerMetrics
+from hma_redis.spec import RedisOffloadingSpec
 from hma_redis.worker import RedisOffloadingWorker
 
 if TYPE_CHECKING:
@@ -47,6 +50,7 @@ class RedisOffloadingConnector(OffloadingConnector):
         with set_current_vllm_config(vllm_config):
             super().__init__(vllm_config, *args, **kwargs)
         self._shut_down = False
+        self._worker_metrics: WorkerMetrics | None = None
         if self.connector_worker is not None:
             # vLLM does not always shut connectors down (e.g. an in-process engine at exit); this
             # hook submits the queued stores before the worker flushes them.
@@ -70,6 +74,22 @@ class RedisOffloadingConnector(OffloadingConnector):
             finished_recving=set(finished_recving or ()),
             failed_recving=failed,
         )
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler side: vLLM's stats and the manager's. Worker side: the worker's counters
+        (stored/failed/loaded chunks), which vLLM ships to the scheduler with each model-runner
+        output and sums over workers (see hma_redis.metrics)."""
+        connector_worker = self.connector_worker
+        if connector_worker is None:
+            return super().get_kv_connector_stats()
+        if self._worker_metrics is None:
+            spec = connector_worker.spec
+            if not isinstance(connector_worker.worker, RedisOffloadingWorker) or not isinstance(
+                spec, RedisOffloadingSpec
+            ):
+                return None
+            self._worker_metrics = WorkerMetrics(spec.store.counters)
+        return self._worker_metrics.collect()
 
     def shutdown(self) -> None:
         """Submit the stores vLLM has queued, let the worker flush them, then shut down."""

@@ -1,0 +1,193 @@
+"""hma_redis' Prometheus metrics, emitted through vLLM's offloading-connector metrics hooks.
+
+vLLM's ``OffloadingConnector`` already turns every transfer result into
+``vllm:kv_offload_{load,store}_{bytes,time}`` counters and ``vllm:kv_offload_{load,store}_size``
+histograms (our worker reports each job's bytes and seconds), and the engine counts
+``vllm:external_prefix_cache_{queries,hits}`` in tokens. This module adds what only hma_redis
+knows, under vLLM's naming scheme for offloading backends (``vllm:kv_offload_<backend>_*``; the
+exposition adds ``_total`` to counters):
+
+scheduler side (the manager's :class:`~hma_redis.manager.ManagerStats`, via ``get_stats``)
+    ``vllm:kv_offload_redis_lookups``          Redis round trips made for lookups
+    ``vllm:kv_offload_redis_chunk_queries``    chunk keys (one per KV group) asked of Redis
+    ``vllm:kv_offload_redis_chunk_hits``       ... found in Redis
+    ``vllm:kv_offload_redis_chunk_misses``     ... not found (or Redis unreachable)
+    ``vllm:kv_offload_redis_stores_skipped``   chunks not stored: known present or being stored
+    ``vllm:kv_offload_redis_load_failures``    requests whose load failed and were recomputed
+    ``vllm:kv_offload_redis_errors``           failed Redis calls of the scheduler (timeouts, ...)
+    ``vllm:kv_offload_redis_available``        gauge: 1 while the scheduler reaches Redis, else 0
+
+worker side (the worker store's :class:`~hma_redis.counters.PendingCounters`, reported by the
+connector's worker-side ``get_kv_connector_stats``, which vLLM ships to the scheduler with each
+model-runner output and sums over workers)
+    ``vllm:kv_offload_redis_stored_chunks``          chunks written to Redis
+    ``vllm:kv_offload_redis_store_existed_chunks``   chunks another instance had stored already
+    ``vllm:kv_offload_redis_store_failed_chunks``    chunks that could not be written (dropped)
+    ``vllm:kv_offload_redis_loaded_chunks``          chunks read from Redis into the KV cache
+    ``vllm:kv_offload_redis_load_failed_chunks``     chunks missing, invalid or unreadable at load
+
+Every counter is a delta since the previous report, as vLLM's stats payload expects.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+)
+
+from hma_redis.counters import PendingCounters
+
+if TYPE_CHECKING:
+    from hma_redis.manager import ManagerStats
+
+PREFIX = "vllm:kv_offload_redis_"
+
+
+class RedisMetricName:
+    """Metric names (counters are exposed with a ``_total`` suffix)."""
+
+    LOOKUPS = PREFIX + "lookups"
+    CHUNK_QUERIES = PREFIX + "chunk_queries"
+    CHUNK_HITS = PREFIX + "chunk_hits"
+    CHUNK_MISSES = PREFIX + "chunk_misses"
+    STORES_SKIPPED = PREFIX + "stores_skipped"
+    LOAD_FAILURES = PREFIX + "load_failures"
+    ERRORS = PREFIX + "errors"
+    AVAILABLE = PREFIX + "available"
+    STORED_CHUNKS = PREFIX + "stored_chunks"
+    STORE_EXISTED_CHUNKS = PREFIX + "store_existed_chunks"
+    STORE_FAILED_CHUNKS = PREFIX + "store_failed_chunks"
+    LOADED_CHUNKS = PREFIX + "loaded_chunks"
+    LOAD_FAILED_CHUNKS = PREFIX + "load_failed_chunks"
+
+
+# ManagerStats field -> counter, with its help text.
+MANAGER_COUNTERS: dict[str, tuple[str, str]] = {
+    "lookup_round_trips": (
+        RedisMetricName.LOOKUPS,
+        "Redis round trips made by the scheduler to look up KV chunks (at most one per step).",
+    ),
+    "keys_looked_up": (
+        RedisMetricName.CHUNK_QUERIES,
+        "KV chunks (one per KV-cache group) looked up in Redis.",
+    ),
+    "hit_keys": (RedisMetricName.CHUNK_HITS, "KV chunks looked up and found in Redis."),
+    "miss_keys": (
+        RedisMetricName.CHUNK_MISSES,
+        "KV chunks looked up and not found in Redis (or Redis unreachable).",
+    ),
+    "store_skipped_present": (
+        RedisMetricName.STORES_SKIPPED,
+        "KV chunks not stored because Redis holds them or a store is already in flight.",
+    ),
+    "failed_loads": (
+        RedisMetricName.LOAD_FAILURES,
+        "Requests whose load from Redis failed; their tokens were recomputed.",
+    ),
+}
+
+# PendingCounters field (worker process) -> counter, with its help text.
+WORKER_COUNTERS: dict[str, tuple[str, str]] = {
+    "stored_chunks": (RedisMetricName.STORED_CHUNKS, "KV chunks written to Redis."),
+    "store_skipped_chunks": (
+        RedisMetricName.STORE_EXISTED_CHUNKS,
+        "KV chunks not written because Redis held them already (another instance stored them).",
+    ),
+    "store_failed_chunks": (
+        RedisMetricName.STORE_FAILED_CHUNKS,
+        "KV chunks that could not be written to Redis and were dropped.",
+    ),
+    "loaded_chunks": (RedisMetricName.LOADED_CHUNKS, "KV chunks read from Redis."),
+    "load_failed_chunks": (
+        RedisMetricName.LOAD_FAILED_CHUNKS,
+        "KV chunks missing, invalid or unreadable when loaded (recomputed instead).",
+    ),
+}
+
+_ERRORS_HELP = "Redis calls of the scheduler that failed (connection errors, timeouts)."
+_AVAILABLE_HELP = "1 while the scheduler reaches Redis, 0 while it serves without the tier."
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """Every metric hma_redis emits (vLLM registers them from the spec class at start-up)."""
+    definitions: dict[str, OffloadingMetricMetadata] = {
+        name: OffloadingCounterMetadata(documentation=doc)
+        for name, doc in (*MANAGER_COUNTERS.values(), *WORKER_COUNTERS.values())
+    }
+    definitions[RedisMetricName.ERRORS] = OffloadingCounterMetadata(documentation=_ERRORS_HELP)
+    definitions[RedisMetricName.AVAILABLE] = OffloadingGaugeMetadata(documentation=_AVAILABLE_HELP)
+    return definitions
+
+
+def _deltas(totals: Mapping[str, int], reported: Counter[str]) -> dict[str, int]:
+    """Positive changes of ``totals`` since ``reported``; ``reported`` catches up."""
+    out: dict[str, int] = {}
+    for name, value in totals.items():
+        delta = value - reported[name]
+        if delta > 0:
+            out[name] = delta
+            reported[name] = value
+    return out
+
+
+class ManagerMetrics:
+    """Scheduler side: turns the manager's cumulative stats into per-call deltas."""
+
+    def __init__(self) -> None:
+        self._reported: Counter[str] = Counter()
+        self._available: bool | None = None
+
+    def collect(
+        self, stats: ManagerStats, *, errors: int = 0, available: bool = True
+    ) -> OffloadingConnectorStats | None:
+        """What changed since the last call, or None if nothing did.
+
+        ``errors`` is the scheduler store's cumulative count of failed Redis calls, ``available``
+        whether it reaches Redis now.
+        """
+        totals = {name: getattr(stats, field) for field, (name, _) in MANAGER_COUNTERS.items()}
+        totals[RedisMetricName.ERRORS] = errors
+        out = OffloadingConnectorStats()
+        for name, delta in _deltas(totals, self._reported).items():
+            out.increase_counter(name, delta)
+        if available != self._available:
+            self._available = available
+            out.set_gauge(RedisMetricName.AVAILABLE, 1 if available else 0)
+        return None if out.is_empty() else out
+
+
+class WorkerMetrics:
+    """Worker side: turns a worker store's counters into per-call deltas.
+
+    The worker runs in its own process (vLLM's multiprocessing executor), so these stats reach
+    the scheduler's Prometheus exporter only through vLLM's worker-side
+    ``KVConnectorBase_V1.get_kv_connector_stats`` channel, which ships them with each
+    model-runner output and sums them over workers.
+    """
+
+    def __init__(self, counters: PendingCounters) -> None:
+        self._counters = counters
+        self._reported: Counter[str] = Counter()
+
+    def collect(self) -> OffloadingConnectorStats | None:
+        """What changed since the last call, or None if nothing did."""
+        with self._counters._lock:  # I/O threads update ``totals`` under this lock
+            totals = dict(self._counters.totals)
+        named = {
+            WORKER_COUNTERS[field][0]: value
+            for field, value in totals.items()
+            if field in WORKER_COUNTERS
+        }
+        out = OffloadingConnectorStats()
+        for name, delta in _deltas(named, self._reported).items():
+            out.increase_counter(name, delta)
+        return None if out.is_empty() else out
