@@ -19,13 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from hma_redis.config import redact_url
-from hma_redis.local_redis import LocalRedis
+from hma_redis.local_redis import redis_or_local
+from hma_redis.vllm_config import kv_transfer_config
 
 _RESULT = "@@HMA_DEMO@@ "
 
@@ -36,21 +35,6 @@ class PromptRun:
     num_cached_tokens: int
     ttft_s: float
     token_ids: list[int]
-
-
-def kv_transfer_config(redis_url: str) -> dict[str, Any]:
-    """The configuration the README documents."""
-    return {
-        "kv_connector": "RedisOffloadingConnector",
-        "kv_connector_module_path": "hma_redis.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "RedisOffloadingSpec",
-            "spec_module_path": "hma_redis.spec",
-            "redis_url": redis_url,
-        },
-    }
 
 
 def _child(job: dict[str, Any]) -> None:
@@ -108,21 +92,6 @@ def _run_engine(job: dict[str, Any]) -> list[PromptRun]:
     return [PromptRun(**r) for r in json.loads(lines[-1][len(_RESULT) :])]
 
 
-@contextmanager
-def _redis(url: str | None) -> Iterator[str]:
-    if url is not None:
-        yield url
-        return
-    try:
-        server = LocalRedis().start()
-    except RuntimeError as exc:
-        raise SystemExit(str(exc)) from None
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
 def _model(name: str | None, workdir: str) -> str:
     if name is not None:
         return name
@@ -153,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [
         [rng.randrange(4, 500) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)
     ]
-    with tempfile.TemporaryDirectory(prefix="hma-demo-") as workdir, _redis(args.redis_url) as url:
+    with (
+        tempfile.TemporaryDirectory(prefix="hma-demo-") as workdir,
+        redis_or_local(args.redis_url) as url,
+    ):
         model = _model(args.model, workdir)
         job = {
             "model": model,

@@ -9,7 +9,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -101,3 +102,19 @@ class LocalRedis:
                 self.proc.wait(10)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextmanager
+def redis_or_local(url: str | None) -> Iterator[str]:
+    """Yield ``url``, or start a private ``redis-server`` for the block when it is None."""
+    if url is not None:
+        yield url
+        return
+    try:
+        server = LocalRedis().start()
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
+    try:
+        yield server.url
+    finally:
+        server.stop()

@@ -30,12 +30,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from hma_redis.local_redis import LocalRedis, free_port
+from hma_redis.local_redis import free_port, redis_or_local
+from hma_redis.vllm_config import kv_transfer_config
 
 SERVER_ENV = {
     "PYTHONHASHSEED": "0",  # the same block hashes in every instance
@@ -44,21 +45,6 @@ SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; only read by the CPU build
     "VLLM_LOGGING_COLOR": "0",
 }
-
-
-def kv_transfer_config(redis_url: str) -> dict[str, Any]:
-    """The README's kv-transfer-config."""
-    return {
-        "kv_connector": "RedisOffloadingConnector",
-        "kv_connector_module_path": "hma_redis.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "RedisOffloadingSpec",
-            "spec_module_path": "hma_redis.spec",
-            "redis_url": redis_url,
-        },
-    }
 
 
 def vllm_serve_argv(model: str) -> list[str]:
@@ -274,21 +260,6 @@ def random_prompt(num_tokens: int, seed: int, vocab_size: int = 512) -> list[int
     return [rng.randrange(4, vocab_size) for _ in range(num_tokens)]
 
 
-@contextlib.contextmanager
-def _redis(url: str | None) -> Iterator[str]:
-    if url is not None:
-        yield url
-        return
-    try:
-        server = LocalRedis().start()
-    except RuntimeError as exc:
-        raise SystemExit(str(exc)) from None
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hma_redis.openai_example", description=__doc__.split("\n")[0]
@@ -320,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             model = build_llama(os.path.join(workdir, "tiny-llama"))
             extra += ["--skip-tokenizer-init", "--enforce-eager"]
             extra += ["--max-model-len", str(MAX_POSITIONS)]
-        with _redis(args.redis_url) as redis_url:
+        with redis_or_local(args.redis_url) as redis_url:
             for name in ("A", "B"):
                 server = VllmServer(
                     model, redis_url, extra_args=extra, log_path=Path(workdir) / f"{name}.log"

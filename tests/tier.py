@@ -4,21 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from hma_redis.vllm_config import kv_transfer_config
+
 
 def tier_config(redis_url: str, **extra: Any) -> dict[str, Any]:
     """The README's configuration, pointed at ``redis_url``."""
-    return {
-        "kv_connector": "RedisOffloadingConnector",
-        "kv_connector_module_path": "hma_redis.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "RedisOffloadingSpec",
-            "spec_module_path": "hma_redis.spec",
-            "redis_url": redis_url,
-            **extra,
-        },
-    }
+    return kv_transfer_config(redis_url, **extra)
 
 
 def chunk_aligned_prefix(num_tokens: int, chunk_tokens: int) -> int:
