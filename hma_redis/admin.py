@@ -97,7 +97,10 @@ class RedisAdmin:
         self.store = store if store is not None else RedisBlockStore(cfg)
         client = self.store.client
         if not isinstance(client, redis.Redis):
-            raise TypeError("RedisAdmin works on one Redis node, not a cluster client")
+            raise ValueError(
+                "hma_redis: the hma-redis CLI works on one Redis node; for a Redis Cluster run it "
+                "once per master with redis://host:port"
+            )
         self.client: redis.Redis = client
         self.prefix = cfg.key_prefix
 

@@ -507,8 +507,8 @@ def _check_transport(cfg: RedisTierConfig) -> Check:
     scheme = urlsplit(cfg.url).scheme
     if scheme == "unix":
         return Check("tls", Verdict.OK, "unix socket")
-    if scheme == "redis":
-        return Check("tls", Verdict.OK, "not in use (redis://; use rediss:// for TLS)")
+    if not cfg.tls:
+        return Check("tls", Verdict.OK, f"not in use ({scheme}://; use rediss:// for TLS)")
     if not cfg.tls_verify:
         return Check("tls", Verdict.WARN, "TLS without certificate verification")
     return Check("tls", Verdict.OK, "TLS, server certificate verified")

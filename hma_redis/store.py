@@ -11,7 +11,7 @@ import contextlib
 import logging
 import ssl
 import threading
-from collections import defaultdict
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any, TypeVar
@@ -21,7 +21,6 @@ from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.connection import PythonRespSerializer
-from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
@@ -147,7 +146,8 @@ class _BoundedCluster(RedisCluster):
 
     def __init__(self, **kwargs: Any) -> None:
         self._init_kwargs = kwargs
-        self._init_lock = threading.Lock()
+        self._init_lock = threading.RLock()  # redis-py's __init__ calls back into us
+        self._initializing = False
         self._ready = False
         with contextlib.suppress(redis.ConnectionError):
             self._ensure_ready()
@@ -156,14 +156,17 @@ class _BoundedCluster(RedisCluster):
         if self._ready:
             return
         with self._init_lock:
-            if self._ready:
+            if self._ready or self._initializing:
                 return
             kwargs = dict(self._init_kwargs)
             kwargs["startup_nodes"] = list(kwargs["startup_nodes"])  # redis-py appends to it
+            self._initializing = True
             try:
                 super().__init__(**kwargs)
             except RedisClusterException as exc:
                 raise redis.ConnectionError(f"no Redis Cluster node answered: {exc}") from None
+            finally:
+                self._initializing = False
             self._ready = True
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
@@ -231,6 +234,7 @@ def _sentinel_client(
     return sentinel.master_for(
         topo.service,
         connection_pool_class=_BlockingSentinelPool,
+        recheck_s=cfg.retry_interval_s,
         db=cfg.db,
         retry=Retry(NoBackoff(), 0),
         ssl=cfg.tls,
@@ -240,7 +244,28 @@ def _sentinel_client(
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
-    """A sentinel-managed pool that waits (bounded) for a free connection, like the others."""
+    """The master's pool: waits (bounded) for a free connection, like the other pools, and
+    asks the sentinels for the master's address at most once per ``recheck_s``.
+
+    redis-py asks only when it opens a connection (or when a write meets READONLY), so after a
+    ``SENTINEL FAILOVER`` pooled connections kept writing to the old master, which still
+    accepts writes until the sentinels demote it (we measured > 10 s): writes that its resync
+    then throws away. Re-asking closes idle connections to an old master and retires busy ones
+    when they come back, so the tier follows a failover within ``recheck_s`` of it.
+    """
+
+    def __init__(self, *args: Any, recheck_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._recheck_s = recheck_s
+        self._next_check = time.monotonic() + recheck_s
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self._recheck_s  # one caller per interval asks
+            with contextlib.suppress(RedisError):  # sentinels away: the master may be fine
+                self.get_master_address()
+        return super().get_connection(*args, **kwargs)
 
 
 def _zero_copy_connection(base: type[redis.Connection]) -> type[redis.Connection]:
@@ -302,11 +327,21 @@ class RedisBlockStore:
             return []
 
         def run(pipe: Any, batch: Sequence[str]) -> None:
+            if self._is_cluster:
+                # A script's keys must share one slot and ours almost never do (and redis-py's
+                # cluster pipeline asks the server for an EVAL's keys with COMMAND GETKEYS, one
+                # extra round trip per script). One EXISTS per key instead: redis-py still
+                # sends the whole batch to each node in one round trip.
+                for key in batch:
+                    pipe.exists(key)
+                return
             for start in range(0, len(batch), _EXISTS_BATCH):
                 part = batch[start : start + _EXISTS_BATCH]
                 pipe.eval(_EXISTS_SCRIPT, len(part), *part)
 
         def collect(replies: list[Any], batch: Sequence[str]) -> list[bool]:
+            if self._is_cluster:
+                return [self._exists_flag(reply) for reply in replies]
             flags: list[bool] = []
             for idx, reply in enumerate(replies):
                 if isinstance(reply, ResponseError):
@@ -321,8 +356,16 @@ class RedisBlockStore:
                     flags.extend(bool(v) for v in reply)
             return flags
 
-        result = self._guarded(keys, run, collect, default=False, by_slot=True)
-        return result
+        return self._guarded(keys, run, collect, default=False)
+
+    def _exists_flag(self, reply: Any) -> bool:
+        """One cluster EXISTS reply as a flag (refusals are misses, failures raise)."""
+        if isinstance(reply, ResponseError):
+            self._warn_refused("EXISTS", reply)
+            return False
+        if isinstance(reply, Exception):
+            raise reply
+        return bool(reply)
 
     def put_if_absent(
         self, items: Sequence[tuple[str, bytes | memoryview]], ttl_s: int | None = None
@@ -455,7 +498,6 @@ class RedisBlockStore:
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
         default: _T,
-        by_slot: bool = False,
         client: redis.Redis | RedisCluster | None = None,
     ) -> list[_T]:
         """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``.
@@ -465,7 +507,7 @@ class RedisBlockStore:
         if not self.breaker.allow():
             return [default] * len(keys)
         try:
-            out = self._execute(client or self.client, keys, run, collect, by_slot)
+            out = self._execute(client or self.client, keys, run, collect)
         except RedisError as exc:
             self.breaker.record_failure(exc)
             return [default] * len(keys)
@@ -478,13 +520,12 @@ class RedisBlockStore:
         keys: Sequence[str],
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
-        by_slot: bool,
     ) -> list[_T]:
         with self._stats_lock:
             self.round_trips += 1
         pending = self.counters.take() if self.stats_key is not None else {}
         try:
-            return self._execute_with(client, keys, run, collect, by_slot, pending)
+            return self._execute_with(client, keys, run, collect, pending)
         except BaseException:
             self.counters.restore(pending)
             raise
@@ -495,37 +536,16 @@ class RedisBlockStore:
         keys: Sequence[str],
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
-        by_slot: bool,
         pending: Mapping[str, int],
     ) -> list[_T]:
-        if not self._is_cluster:
-            pipe = client.pipeline(transaction=False)
-            run(pipe, keys)
-            self._append_counters(pipe, pending)
-            replies = pipe.execute(raise_on_error=False)
-            return collect(replies[: len(replies) - len(pending)], keys)
-        # Cluster: a script may only touch keys of one slot, so group by slot; redis-py's
-        # cluster pipeline then sends one batch per node.
-        groups: dict[int, list[int]] = defaultdict(list)
-        for idx, key in enumerate(keys):
-            groups[key_slot(key.encode()) if by_slot else 0].append(idx)
-        pipe = client.pipeline()
-        order: list[tuple[list[int], int]] = []
-        for indices in groups.values():
-            batch = [keys[i] for i in indices]
-            before = len(pipe.command_stack)
-            run(pipe, batch)
-            order.append((indices, len(pipe.command_stack) - before))
+        # On a cluster, redis-py's pipeline routes each command by its key, sends each node its
+        # commands in one round trip (the counters go to the stats key's node) and returns the
+        # replies in command order, as a plain pipeline does.
+        pipe = client.pipeline(transaction=False)
+        run(pipe, keys)
         self._append_counters(pipe, pending)
         replies = pipe.execute(raise_on_error=False)
-        out: list[Any] = [None] * len(keys)
-        pos = 0
-        for indices, count in order:
-            values = collect(replies[pos : pos + count], [keys[i] for i in indices])
-            pos += count
-            for i, value in zip(indices, values, strict=True):
-                out[i] = value
-        return out
+        return collect(replies[: len(replies) - len(pending)], keys)
 
 
 def _text(value: bytes | str) -> str:
