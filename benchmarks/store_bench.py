@@ -1,6 +1,6 @@
 """RedisBlockStore vs redis-benchmark on the same server; see hma_redis/bench_store.py."""
 
-from hma_redis.bench_store import main
+from hma_redis.bench_store import store_main
 
 if __name__ == "__main__":
-    main()
+    store_main()

@@ -1,5 +1,8 @@
 """Benchmark of :class:`~hma_redis.store.RedisBlockStore` against ``redis-benchmark``, in one run.
 
+``hma-redis bench`` (:func:`main`) now runs the whole-tier benchmark, :mod:`hma_redis.bench_tier`;
+this module's own table, the store calls alone, is :func:`store_main`.
+
 Run ``python benchmarks/store_bench.py`` (under a minute) or add ``--quick`` (about ten seconds).
 Without ``--url`` it starts its own ``redis-server`` on a free loopback port with persistence off
 and stops it at the end. It prints one plain-text table:
@@ -316,7 +319,15 @@ def format_table(report: Report, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """``hma-redis bench``: the tier benchmark, :mod:`hma_redis.bench_tier` (same options)."""
+    from hma_redis import bench_tier
+
+    return bench_tier.main(argv)
+
+
+def store_main(argv: Sequence[str] | None = None) -> None:
+    """This module's store-call table (``benchmarks/store_bench.py``)."""
     parser = argparse.ArgumentParser(
         description="RedisBlockStore against redis-benchmark on the same Redis, in one run."
     )

@@ -1,0 +1,703 @@
+"""The tier's data path against ``redis-benchmark`` and plain redis-py, in one run.
+
+    hma-redis bench [--quick | --smoke] [--url URL] [--reps N] [--plot PNG] [--json FILE]
+    python benchmarks/tier_bench.py ...              (the same)
+
+Without ``--url`` it starts its own ``redis-server`` on a free loopback port (persistence off) and
+stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, interleaved:
+
+- ``redis-benchmark -P 4 -c 1 -d SIZE -t get,set``: what this Redis does for one C client;
+- plain redis-py (hiredis parser and packer, as ``redis.Redis.from_url`` builds it): ``SET`` and
+  ``GET`` pipelined 4 deep over a job's worth of values, every value read back compared;
+- the real :class:`~hma_redis.worker.RedisOffloadingWorker` on CPU KV-cache tensors (8 layers of
+  ``(num_blocks, 16 KiB)`` int8, ``blocks_per_chunk`` 4 / 16 / 64 for the three sizes): one
+  ``submit_store`` job (gather from scattered block ids -> envelope + CRC32C -> SET NX) and one
+  ``submit_load`` job (GET -> ``codec.decode`` with CRC32C -> copy into other block ids), timed
+  from submit until ``get_finished`` reports the job; the loaded blocks are compared with the
+  stored ones byte for byte.
+
+Then lookups for a 32k-token prompt over 3 KV groups (256 chunks of 128 tokens each, half of them
+present): one ``PING``, one :meth:`RedisBlockStore.exists` of the 768 keys, and one scheduler step
+of :class:`~hma_redis.manager.RedisOffloadingManager` (768 ``lookup`` calls, ``on_schedule_end``,
+768 ``lookup`` calls that now answer), each with its count of Redis round trips.
+
+Every figure is a median over repetitions that interleave all measurements, so load from other
+processes hits each column alike. GB/s = 10^9 payload bytes per second (the KV bytes for the
+worker, the value bytes for the others). ``--smoke`` runs every measured path once on small jobs
+and checks what it measures is correct (bytes round-trip equal, lookups answer right, one round
+trip per step); it skips ``redis-benchmark``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import redis
+import torch
+
+from hma_redis.bench_store import _shown_command, local_redis, run_redis_benchmark
+from hma_redis.config import RedisTierConfig
+from hma_redis.keys import KeySpace
+
+KIB = 1024
+MIB = 1024 * KIB
+GB = 1e9
+SIZES = (512 * KIB, 2 * MIB, 8 * MIB)
+LAYERS = 8
+PAGE_BYTES = 16 * KIB
+KV_DTYPE = "bench-int8"
+# Lookups: a 32k-token prompt in chunks of 128 tokens, over 3 KV groups.
+PROMPT_TOKENS = 32768
+CHUNK_TOKENS = 128
+GROUPS = 3
+CLIENTS = ("redis-benchmark", "redis-py", "hma_redis")
+OPS = ("load", "store")
+_COLUMNS = ("value", "op", "bpc", "redis-bench", "redis-py", "hma_redis", "ms/job", "RT/job",
+            "hma/r-py", "hma/r-bench")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure."""
+
+    reps: int  # interleaved repetitions; every figure is a median over these
+    job_bytes: int  # KV payload per worker job and per redis-py batch (a multiple of 8 MiB)
+    rb_bytes: int  # bytes one redis-benchmark run moves per command; 0 skips redis-benchmark
+    lookup_samples: int  # PING / exists / manager-step samples per repetition
+    depth: int = 4  # redis-benchmark -P and redis-py pipeline depth
+    sizes: tuple[int, ...] = SIZES
+
+    def rb_requests(self, size: int) -> int:
+        return max(4 * self.depth, self.rb_bytes // size)
+
+
+FULL = Plan(reps=7, job_bytes=32 * MIB, rb_bytes=128 * MIB, lookup_samples=10)
+QUICK = Plan(reps=3, job_bytes=16 * MIB, rb_bytes=64 * MIB, lookup_samples=5)
+SMOKE = Plan(reps=1, job_bytes=8 * MIB, rb_bytes=0, lookup_samples=2)
+
+
+class BenchError(SystemExit):
+    """What was measured is wrong (not merely slow)."""
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise BenchError(f"bench: {message}")
+
+
+@dataclass
+class Samples:
+    """Seconds per sample, by measurement name."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+    round_trips: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float, round_trips: int | None = None) -> None:
+        self.values.setdefault(name, []).append(seconds)
+        if round_trips is not None:
+            self.round_trips[name] = max(self.round_trips.get(name, 0), round_trips)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.values[name])
+
+    def has(self, name: str) -> bool:
+        return name in self.values
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+# ---------------------------------------------------------------------------------- (a)
+
+
+def redis_benchmark_args(url: str, plan: Plan, size: int) -> list[str]:
+    """``redis-benchmark -P depth -c 1 -n N -d size -t get,set --csv`` against ``url``."""
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        raise SystemExit("redis-benchmark not found on PATH (Debian: apt-get install redis-tools)")
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        target = ["-s", parts.path]
+    else:
+        target = ["-u", url] + (["--tls"] if parts.scheme == "rediss" else [])
+    return [
+        binary, *target,
+        "-P", str(plan.depth), "-c", "1",
+        "-n", str(plan.rb_requests(size)), "-d", str(size),
+        "-t", "get,set", "--csv",
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- (b)
+
+
+class RedisPyBench:
+    """Plain redis-py as users would write it: SET / GET of raw values, pipelined ``depth``."""
+
+    def __init__(self, url: str, plan: Plan, prefix: str) -> None:
+        self.client = redis.Redis.from_url(url, socket_timeout=60)
+        self.plan = plan
+        self.prefix = prefix
+        rng = random.Random(1)
+        self.values = {size: [rng.randbytes(size) for _ in range(plan.depth)] for size in SIZES}
+        self._serial = 0
+
+    def run(self, size: int, samples: Samples) -> None:
+        count = self.plan.job_bytes // size
+        depth = self.plan.depth
+        values = self.values[size]
+        self._serial += 1
+        keys = [f"{self.prefix}:py:{self._serial}:{i}" for i in range(count)]
+
+        def put() -> None:
+            for start in range(0, count, depth):
+                pipe = self.client.pipeline(transaction=False)
+                for i in range(start, min(count, start + depth)):
+                    pipe.set(keys[i], values[i % depth])
+                check(all(pipe.execute()), "redis-py SET failed")
+
+        def get() -> list[bytes]:
+            out: list[bytes] = []
+            for start in range(0, count, depth):
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys[start : start + depth]:
+                    pipe.get(key)
+                out.extend(pipe.execute())
+            return out
+
+        put_s, _ = _timed(put)
+        get_s, got = _timed(get)
+        check(
+            all(v == values[i % depth] for i, v in enumerate(got)),
+            f"redis-py GET returned other bytes than SET wrote ({size} B values)",
+        )
+        self.client.unlink(*keys)
+        samples.add(f"redis-py store {size}", put_s, -(-count // depth))
+        samples.add(f"redis-py load {size}", get_s, -(-count // depth))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ---------------------------------------------------------------------------------- (d)
+
+
+class TierBench:
+    """The real worker on CPU int8 KV-cache tensors; one worker per ``blocks_per_chunk``.
+
+    Each job moves ``job_bytes`` of KV: its blocks are read from random ids in the first half of
+    the cache and loaded back into random ids of the second half, then compared.
+    """
+
+    def __init__(self, url: str, plan: Plan, namespace: str) -> None:
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+        )
+
+        from hma_redis.store import RedisBlockStore
+        from hma_redis.worker import RedisOffloadingWorker
+
+        self.plan = plan
+        self.cfg = RedisTierConfig(url=url, read_timeout_s=60.0)
+        self.store = RedisBlockStore(self.cfg)
+        self.keyspace = KeySpace(self.cfg.key_prefix, namespace)
+        self.blocks = plan.job_bytes // (LAYERS * PAGE_BYTES)
+        num_blocks = 2 * self.blocks
+        gen = torch.Generator().manual_seed(0)
+        self.tensors = [
+            torch.randint(-128, 128, (num_blocks, PAGE_BYTES), dtype=torch.int8, generator=gen)
+            for _ in range(LAYERS)
+        ]
+        self.arrays = [t.numpy() for t in self.tensors]
+        caches = CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(t, PAGE_BYTES) for t in self.tensors],
+            group_data_refs=[[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(LAYERS)]],
+        )
+        self.workers = {
+            size: RedisOffloadingWorker(
+                store=self.store,
+                keyspace=self.keyspace,
+                rank=0,
+                kv_caches=caches,
+                group_ids=[0],
+                blocks_per_chunk=self.blocks_per_chunk(size),
+                kv_dtype=KV_DTYPE,
+                io_threads=self.cfg.io_threads,
+                max_inflight_bytes=self.cfg.max_inflight_bytes,
+                shutdown_timeout_s=1.0,
+            )
+            for size in plan.sizes
+        }
+        self.rng = random.Random(2)
+        self._serial = 0
+        self._job_id = 0
+
+    @staticmethod
+    def blocks_per_chunk(size: int) -> int:
+        return size // (LAYERS * PAGE_BYTES)
+
+    def value_bytes(self, size: int) -> int:
+        """Bytes of one stored value (envelope included) of this size."""
+        from hma_redis import codec
+
+        key = self.keyspace.block_key(0, bytes(32))
+        header = codec.BlockHeader(
+            key=key,
+            group=0,
+            first_block=0,
+            num_blocks=self.blocks_per_chunk(size),
+            page_bytes=(PAGE_BYTES,) * LAYERS,
+            kv_dtype=KV_DTYPE,
+        )
+        return codec.value_size(header)
+
+    def _offload_keys(self, count: int) -> list[bytes]:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        keys: list[bytes] = []
+        for _ in range(count):
+            self._serial += 1
+            keys.append(make_offload_key(self._serial.to_bytes(32, "big"), 0))
+        return keys
+
+    def _wait(self, worker: Any, job_id: int) -> Any:
+        while True:
+            for result in worker.get_finished():
+                if result.job_id == job_id:
+                    return result
+            time.sleep(0.0002)
+
+    def run(self, size: int, samples: Samples) -> None:
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+        from hma_redis.manager import RedisLoadStoreSpec
+
+        worker = self.workers[size]
+        chunks = self.blocks // self.blocks_per_chunk(size)
+        keys = self._offload_keys(chunks)
+        src_ids = self.rng.sample(range(self.blocks), self.blocks)
+        dst_ids = self.rng.sample(range(self.blocks, 2 * self.blocks), self.blocks)
+        for array in self.arrays:
+            array[dst_ids] = 0
+        expected = chunks * self.value_bytes(size)
+
+        self._job_id += 1
+        trips = self.store.round_trips
+        t0 = time.perf_counter()
+        worker.submit_store(
+            self._job_id,
+            GPULoadStoreSpec(src_ids, [self.blocks], [0]),
+            RedisLoadStoreSpec(keys),  # type: ignore[arg-type]
+        )
+        result = self._wait(worker, self._job_id)
+        store_s = time.perf_counter() - t0
+        store_trips = self.store.round_trips - trips
+        check(
+            result.transfer_size == expected,
+            f"store job stored {result.transfer_size} of {expected} bytes ({size} B values)",
+        )
+
+        self._job_id += 1
+        trips = self.store.round_trips
+        t0 = time.perf_counter()
+        worker.submit_load(
+            self._job_id,
+            RedisLoadStoreSpec(keys),  # type: ignore[arg-type]
+            GPULoadStoreSpec(dst_ids, [self.blocks], [0]),
+        )
+        result = self._wait(worker, self._job_id)
+        load_s = time.perf_counter() - t0
+        load_trips = self.store.round_trips - trips
+        check(
+            self._job_id not in worker.take_failed_load_jobs(),
+            f"load job failed ({size} B values)",
+        )
+        check(result.transfer_size == expected, f"load job moved {result.transfer_size} bytes")
+        for layer, array in enumerate(self.arrays):
+            check(
+                np.array_equal(array[src_ids], array[dst_ids]),
+                f"loaded blocks differ from stored ones (layer {layer}, {size} B values)",
+            )
+        self.store.delete([self.keyspace.block_key(0, k[:-4]) for k in keys])
+        samples.add(f"hma_redis store {size}", store_s, store_trips)
+        samples.add(f"hma_redis load {size}", load_s, load_trips)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.shutdown()
+        self.store.close()
+
+
+# ---------------------------------------------------------------------------------- (e)
+
+
+class LookupBench:
+    """PING, ``exists`` and one manager step for a 32k-token prompt over 3 groups."""
+
+    def __init__(self, store: Any, keyspace: KeySpace) -> None:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        self.store = store
+        self.keyspace = keyspace
+        chunks = PROMPT_TOKENS // CHUNK_TOKENS
+        rng = random.Random(3)
+        hashes = [rng.randbytes(32) for _ in range(chunks)]
+        self.offload_keys = [make_offload_key(h, g) for g in range(GROUPS) for h in hashes]
+        self.redis_keys = [keyspace.block_key(g, h) for g in range(GROUPS) for h in hashes]
+        # The first half of the prompt's chunks were stored before, in every group.
+        self.expected = [i % chunks < chunks // 2 for i in range(len(self.redis_keys))]
+        present = [
+            (k, b"x") for k, there in zip(self.redis_keys, self.expected, strict=True) if there
+        ]
+        stored = store.put_if_absent(present)
+        check(len(stored) == len(present), "could not store the lookup keys")
+
+    def run(self, samples: Samples) -> None:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+        from hma_redis.manager import RedisOffloadingManager
+
+        store = self.store
+        ping_s, _ = _timed(store.ping)
+        samples.add("ping", ping_s, 1)
+
+        trips = store.round_trips
+        exists_s, flags = _timed(lambda: store.exists(self.redis_keys))
+        check(flags == self.expected, "exists() answered wrong")
+        check(store.round_trips - trips == 1, "exists() took more than one round trip")
+        samples.add("exists", exists_s, store.round_trips - trips)
+
+        manager = RedisOffloadingManager(store, self.keyspace)
+        ctx = ReqContext(req_id="bench")
+        end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+        trips = store.round_trips
+        t0 = time.perf_counter()
+        first = [manager.lookup(k, ctx) for k in self.offload_keys]
+        manager.on_schedule_end(end)
+        while manager.has_pending_work():
+            manager.on_schedule_end(end)
+        second = [manager.lookup(k, ctx) for k in self.offload_keys]
+        step_s = time.perf_counter() - t0
+        manager.shutdown()
+        check(all(r is LookupResult.RETRY for r in first), "unknown keys were not answered RETRY")
+        want = [LookupResult.HIT if e else LookupResult.MISS for e in self.expected]
+        check(second == want, "the manager answered wrong after its batch")
+        check(store.round_trips - trips == 1, "a scheduler step took more than one round trip")
+        samples.add("manager", step_s, store.round_trips - trips)
+
+    def close(self) -> None:
+        self.store.delete(
+            [k for k, there in zip(self.redis_keys, self.expected, strict=True) if there]
+        )
+
+
+# ---------------------------------------------------------------------------------- run
+
+
+@dataclass(frozen=True)
+class Report:
+    plan: Plan
+    samples: Samples
+    value_bytes: dict[int, int]
+    rb_args: dict[int, list[str]]
+    redis_version: str
+    where: str
+    load_before: float
+    load_after: float = 0.0
+    seconds: float = 0.0
+
+    def gbps(self, client: str, op: str, size: int) -> float | None:
+        """GB/s of one client and operation, or None when not measured."""
+        name = f"{client} {op} {size}"
+        if not self.samples.has(name):
+            return None
+        if client == "redis-benchmark":
+            return size / self.samples.median(name) / GB
+        return self.plan.job_bytes / self.samples.median(name) / GB
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "redis_version": self.redis_version,
+            "load_average": [self.load_before, self.load_after],
+            "plan": dataclasses.asdict(self.plan),
+            "gbps": {
+                f"{client} {op} {size}": self.gbps(client, op, size)
+                for client in CLIENTS
+                for op in OPS
+                for size in self.plan.sizes
+            },
+            "median_s": {name: self.samples.median(name) for name in self.samples.values},
+            "round_trips": self.samples.round_trips,
+        }
+
+
+def measure(url: str, plan: Plan, where: str) -> Report:
+    """Every measurement, interleaved, against the Redis at ``url``."""
+    namespace = f"bench-{os.getpid()}"
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    tier = TierBench(url, plan, namespace)
+    plain = RedisPyBench(url, plan, f"{tier.cfg.key_prefix}:{namespace}")
+    lookups = LookupBench(tier.store, tier.keyspace)
+    try:
+        tier.store.ping()
+        version = str(tier.store.client.info("server")["redis_version"])
+        rb_args = {s: redis_benchmark_args(url, plan, s) for s in plan.sizes if plan.rb_bytes}
+        warmup = Samples()
+        for size in plan.sizes:  # first touch of every buffer and connection
+            tier.run(size, warmup)
+            plain.run(size, warmup)
+        lookups.run(warmup)
+        samples = Samples()
+        for rep in range(plan.reps):
+            for size in plan.sizes:
+                # Alternate who goes first so neither always runs right after redis-benchmark.
+                runners = [
+                    lambda s=size: tier.run(s, samples),
+                    lambda s=size: plain.run(s, samples),
+                ]
+                if rep % 2:
+                    runners.reverse()
+                if plan.rb_bytes:
+                    for name, per_request in run_redis_benchmark(rb_args[size]).items():
+                        op = "store" if name == "SET" else "load"
+                        samples.add(f"redis-benchmark {op} {size}", per_request, 1)
+                for runner in runners:
+                    runner()
+            for _ in range(plan.lookup_samples):
+                lookups.run(samples)
+        return Report(
+            plan=plan,
+            samples=samples,
+            value_bytes={size: tier.value_bytes(size) for size in plan.sizes},
+            rb_args=rb_args,
+            redis_version=version,
+            where=where,
+            load_before=load_before,
+            load_after=os.getloadavg()[0],
+            seconds=time.perf_counter() - started,
+        )
+    finally:
+        lookups.close()
+        plain.close()
+        tier.close()
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def size_label(size: int) -> str:
+    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a / b:.2f}"
+
+
+def format_report(report: Report) -> str:
+    plan, samples = report.plan, report.samples
+    lines = [
+        f"hma_redis tier benchmark: Redis {report.redis_version}, {report.where}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)",
+        f"{plan.reps} interleaved repetitions, medians; load average {report.load_before:.2f} at "
+        f"start, {report.load_after:.2f} at end; run took {report.seconds:.0f} s",
+        f"KV cache: {LAYERS} layers x (num_blocks, {PAGE_BYTES // KIB} KiB) int8 on CPU; one value "
+        f"= blocks_per_chunk x {LAYERS} x {PAGE_BYTES // KIB} KiB + a ~"
+        f"{report.value_bytes[plan.sizes[0]] - plan.sizes[0]} B header",
+        f"each hma_redis job and each redis-py batch moves {plan.job_bytes // MIB} MiB; redis-py "
+        f"and redis-benchmark pipeline {plan.depth} deep; GB/s = 10^9 payload bytes per second",
+    ]
+    lines += [f"  {_shown_command(args)}" for args in report.rb_args.values()]
+    row = "{:<8}{:<7}{:>5}{:>13}{:>10}{:>11}{:>9}{:>8}{:>10}{:>13}"
+    lines += [
+        "",
+        row.format(*_COLUMNS),
+    ]
+    for size in plan.sizes:
+        for op in OPS:
+            rb = report.gbps("redis-benchmark", op, size)
+            py = report.gbps("redis-py", op, size)
+            hma = report.gbps("hma_redis", op, size)
+            name = f"hma_redis {op} {size}"
+            lines.append(
+                row.format(
+                    size_label(size),
+                    op,
+                    TierBench.blocks_per_chunk(size),
+                    _fmt(rb),
+                    _fmt(py),
+                    _fmt(hma),
+                    f"{samples.median(name) * 1e3:.1f}",
+                    samples.round_trips[name],
+                    _ratio(hma, py),
+                    _ratio(hma, rb),
+                )
+            )
+    chunks = PROMPT_TOKENS // CHUNK_TOKENS
+    keys = chunks * GROUPS
+    lines += [
+        "",
+        f"lookups: {PROMPT_TOKENS}-token prompt, {GROUPS} groups x {chunks} chunks of "
+        f"{CHUNK_TOKENS} tokens = {keys} keys, half present        median µs  round trips",
+    ]
+    for name, label in (
+        ("ping", "PING"),
+        ("exists", f"RedisBlockStore.exists({keys} keys)"),
+        ("manager", f"manager step: {keys} lookup() + on_schedule_end + {keys} lookup()"),
+    ):
+        lines.append(
+            f"  {label:<75}{samples.median(name) * 1e6:>10.0f}{samples.round_trips[name]:>13}"
+        )
+    lines += [
+        "",
+        "load = GET -> codec.decode (CRC32C) -> copy into the KV cache at the job's block ids; "
+        "store = exists check",
+        "+ gather -> envelope + CRC32C -> SET NX; timed from submit_* until get_finished reports "
+        "the job.",
+    ]
+    return "\n".join(lines)
+
+
+def draw_plot(report: Report, path: str) -> bool:
+    """GB/s by value size, one line per client, load and store panels (PNG, drawn with PIL)."""
+    try:
+        from PIL import Image, ImageDraw, ImageFont
+    except ImportError:
+        print("(no plot: Pillow is not installed)")
+        return False
+    width, height, pad, top_pad = 1200, 560, 70, 110
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    try:
+        font: Any = ImageFont.load_default(size=16)
+        small: Any = ImageFont.load_default(size=13)
+    except TypeError:  # Pillow < 10.1: one bitmap font
+        font = small = ImageFont.load_default()
+    colors = {
+        "redis-benchmark": (120, 120, 120),
+        "redis-py": (31, 119, 180),
+        "hma_redis": (214, 39, 40),
+    }
+    sizes = report.plan.sizes
+    values = [
+        v for c in CLIENTS for op in OPS for s in sizes if (v := report.gbps(c, op, s)) is not None
+    ]
+    top = max(0.5, float(np.ceil(max(values, default=0.5) / 0.5) * 0.5))
+    panel_w = (width - 3 * pad) // 2
+    for idx, op in enumerate(OPS):
+        left = pad + idx * (panel_w + pad)
+        box = (left, top_pad, left + panel_w, height - pad)
+        draw.rectangle(box, outline="black")
+        title = f"{op} (GB/s)"
+        draw.text((left + panel_w // 2, top_pad - 20), title, fill="black", font=font, anchor="mm")
+        step = 0.25 if top <= 1.5 else 0.5
+        ticks = round(top / step)
+        for t in range(ticks + 1):
+            y = box[3] - (box[3] - box[1]) * t / ticks
+            draw.line((box[0], y, box[2], y), fill=(225, 225, 225))
+            draw.text((box[0] - 8, y), f"{t * step:.2f}", fill="black", font=small, anchor="rm")
+
+        def x_of(i: int, box: tuple[int, int, int, int] = box) -> float:
+            return box[0] + (box[2] - box[0]) * (i + 0.5) / len(sizes)
+
+        for i, size in enumerate(sizes):
+            label = size_label(size)
+            draw.text((x_of(i), box[3] + 16), label, fill="black", font=small, anchor="mm")
+        at = (left + panel_w // 2, box[3] + 38)
+        draw.text(at, "value size", fill="black", font=small, anchor="mm")
+        for client in CLIENTS:
+            points = [
+                (x_of(i), box[3] - (box[3] - box[1]) * v / top)
+                for i, s in enumerate(sizes)
+                if (v := report.gbps(client, op, s)) is not None
+            ]
+            if len(points) > 1:
+                draw.line(points, fill=colors[client], width=3)
+            for x, y in points:
+                draw.ellipse((x - 5, y - 5, x + 5, y + 5), fill=colors[client])
+    for n, client in enumerate(CLIENTS):  # one legend row above both panels
+        x = width // 2 - 270 + 190 * n
+        draw.line((x, 30, x + 28, 30), fill=colors[client], width=3)
+        draw.text((x + 36, 30), client, fill="black", font=small, anchor="lm")
+    draw.text(
+        (width // 2, height - 14),
+        f"one run, {report.plan.reps} interleaved repetitions (medians), Redis "
+        f"{report.redis_version}, {os.cpu_count()} CPUs, loopback",
+        fill=(90, 90, 90),
+        font=small,
+        anchor="mm",
+    )
+    image.save(path)
+    return True
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+@contextmanager
+def _server(url: str | None) -> Iterator[tuple[str, str]]:
+    if url is not None:
+        yield url, RedisTierConfig(url=url).redacted_url
+        return
+    with local_redis() as local:
+        yield local, f"local redis-server at {local} (persistence off)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print its table; 0, or ``SystemExit`` if what it measured is wrong."""
+    parser = argparse.ArgumentParser(
+        prog="hma-redis bench",
+        description="hma_redis' worker and lookups vs redis-benchmark and redis-py, in one run.",
+    )
+    parser.add_argument("--url", help="Redis to measure (default: start a local redis-server)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer, smaller repetitions (~40 s)")
+    mode.add_argument(
+        "--smoke", action="store_true", help="a few seconds: check correctness, not speed"
+    )
+    parser.add_argument("--reps", type=int, help="interleaved repetitions (default 7)")
+    parser.add_argument("--plot", metavar="PNG", help="draw GB/s by value size into this file")
+    parser.add_argument("--json", metavar="FILE", help="write the medians as JSON")
+    args = parser.parse_args(argv)
+    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.reps is not None:
+        if args.reps < 1:
+            parser.error("--reps must be at least 1")
+        plan = dataclasses.replace(plan, reps=args.reps)
+    with _server(args.url) as (url, where):
+        report = measure(url, plan, where)
+    print(format_report(report))
+    if args.smoke:
+        print("\nsmoke: every measured path round-tripped its bytes and answered right")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report.to_json(), fh, indent=2)
+    if args.plot and draw_plot(report, args.plot):
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
