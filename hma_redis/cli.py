@@ -5,7 +5,7 @@
     hma-redis inspect KEY               a block's header, checksum and key echo
     hma-redis purge --namespace NS      UNLINK a namespace (or --all) after confirmation
     hma-redis doctor                    is this Redis set up well for a KV-cache tier?
-    hma-redis bench [--quick]           the store benchmark (hma_redis.bench_store)
+    hma-redis bench [--quick|--smoke]   the tier benchmark (hma_redis.bench_tier)
 
 The connection is configured as the tier's (``--url`` else ``HMA_REDIS_URL`` else ``REDIS_URL``,
 validated by :class:`~hma_redis.config.RedisTierConfig`). Every Redis command goes through
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench",
         add_help=False,
-        help="store benchmark vs redis-benchmark (arguments go to hma_redis.bench_store)",
+        help="tier benchmark vs redis-py and redis-benchmark (args go to hma_redis.bench_tier)",
     )
     return parser
 
