@@ -161,9 +161,9 @@ def test_a_lookup_is_one_round_trip_per_node_with_the_counters_riding_along(
     stats_port = clean.slot_owners()[key_slot(ks.stats_key().encode())]
     for client, b, a, port in zip(clients, before, after, clean.ports, strict=True):
         delta = {k: a.get(k, 0) - b.get(k, 0) for k in a}
-        # One batch per node: usually one read event (the other one is our second INFO); a loaded
-        # machine may deliver the batch in two TCP reads, never one per key.
-        assert 1 <= delta["reads"] - 1 <= 2, (port, delta)
+        # One batch per node: usually one read event (the other one is our second INFO). TCP may
+        # split the batch into a few reads on a loaded machine, but never one read per key.
+        assert 1 <= delta["reads"] - 1 < max(4, expected[port] // 4), (port, delta)
         # One EXISTS per key that lives on this node, nothing else (no per-key GETKEYS).
         assert delta.get("exists", 0) == expected[port], (port, delta)
         assert delta.get("command|getkeys", 0) == 0, (port, delta)
