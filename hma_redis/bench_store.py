@@ -28,14 +28,14 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from hma_redis import codec
 from hma_redis.config import RedisTierConfig
 from hma_redis.keys import KeySpace, RedisKey
-from hma_redis.local_redis import LocalRedis
+from hma_redis.local_redis import redis_or_local
 from hma_redis.store import PutResult, RedisBlockStore
 
 MIB = 1024 * 1024
@@ -82,17 +82,9 @@ class Samples:
 # ---------------------------------------------------------------------------------- servers
 
 
-@contextmanager
-def local_redis() -> Iterator[str]:
+def local_redis() -> AbstractContextManager[str]:
     """A throwaway ``redis-server`` on a free loopback port; yields its URL."""
-    try:
-        server = LocalRedis().start()
-    except RuntimeError as exc:
-        raise SystemExit(str(exc)) from None
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    return redis_or_local(None)
 
 
 def _require(binary: str) -> str:
