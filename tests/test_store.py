@@ -131,3 +131,119 @@ def test_separate_db_key_wins_over_url(redis_client, redis_url):
     db3 = redis_py.Redis(host=other["host"], port=other["port"], db=3)
     assert db3.get("hma:ns:g0:0a") == b"v"
     db3.flushdb()
+
+
+# ---------------------------------------------------------------------------------- get_into
+
+
+class _Buffers:
+    """An ``alloc`` for get_into that records what it was asked for."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.sizes: list[int] = []
+        self.given: list[memoryview] = []
+        self.fail_at = fail_at
+
+    def __call__(self, nbytes: int) -> memoryview:
+        if self.fail_at is not None and len(self.sizes) == self.fail_at:
+            raise MemoryError("no buffer for this test")
+        self.sizes.append(nbytes)
+        self.given.append(memoryview(bytearray(nbytes)))
+        return self.given[-1]
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_get_into_receives_each_value_into_its_buffer(redis_client, redis_url, protocol):
+    client = redis.Redis.from_url(redis_url, protocol=protocol)
+    store = RedisBlockStore(
+        RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}), client=client
+    )
+    values = {f"hma:ns:g0:{i:02x}": os.urandom(n) for i, n in enumerate([3_000_000, 1, 0, 70_000])}
+    store.put_if_absent(list(values.items()))
+    keys = ["hma:ns:g0:missing", *values, "hma:ns:g0:gone", *values]  # more keys than the window
+    buffers = _Buffers()
+    before = command_calls(redis_client)
+    trips = store.round_trips
+    got = store.get_into(keys, buffers)
+
+    assert [None if v is None else bytes(v) for v in got] == [values.get(k) for k in keys]
+    # Each present value arrived in the buffer made for it, sized exactly.
+    assert buffers.sizes == [len(values[k]) for k in keys if k in values]
+    present = [v for v in got if v is not None]
+    assert len(present) == len(buffers.given)
+    assert all(a is b for a, b in zip(present, buffers.given, strict=True))
+    assert command_delta(before, command_calls(redis_client)) == {"get": len(keys)}
+    assert store.round_trips == trips + 1
+    assert store.breaker.state is BreakerState.CLOSED
+    # The connection is left clean for the next caller.
+    assert store.get_into(keys[:2], _Buffers())[1] == values[keys[1]]
+
+
+def test_get_into_delivers_pending_counters_on_the_same_connection(redis_client, redis_url):
+    store = RedisBlockStore(
+        RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}),
+        stats_key="hma:ns:stats",
+    )
+    store.put_if_absent([("hma:ns:g0:01", b"value")])
+    store.counters.add(loaded_chunks=3, loaded_bytes=4096)
+    trips = store.round_trips
+    assert [bytes(v) for v in store.get_into(["hma:ns:g0:01"], _Buffers())] == [b"value"]
+    assert store.round_trips == trips + 1
+    stats = redis_client.hgetall("hma:ns:stats")
+    assert stats[b"loaded_chunks"] == b"3"
+    assert stats[b"loaded_bytes"] == b"4096"
+    assert store.counters.take() == {}
+
+
+def test_get_into_refused_key_is_a_miss_and_the_others_arrive(local_redis, caplog):
+    admin = redis.Redis(port=local_redis.port)
+    admin.set("other:secret", b"not for the tier")
+    admin.set("hma:ns:g0:01", b"first")
+    admin.set("hma:ns:g0:02", b"second")
+    admin.acl_setuser("tier", enabled=True, passwords=["+pw"], keys=["hma:*"], commands=["+@all"])
+    store = _store(f"redis://tier:pw@127.0.0.1:{local_redis.port}/0")
+    got = store.get_into(["hma:ns:g0:01", "other:secret", "hma:ns:g0:02"], _Buffers())
+    assert [None if v is None else bytes(v) for v in got] == [b"first", None, b"second"]
+    assert store.breaker.state is BreakerState.CLOSED
+    assert "NOPERM" in caplog.text
+    assert ":pw@" not in caplog.text  # the URL in the warning is redacted
+
+
+@pytest.mark.parametrize("mode", ["stall", "close"])
+def test_get_into_broken_mid_value_misses_all_within_timeout(local_redis, mode):
+    """A reply that stops (or whose connection drops) part way through a value: every key is
+    a miss, within the read timeout; the half-read connection is never reused."""
+    from tcp_proxy import BreakingProxy
+
+    proxy = BreakingProxy(local_redis.port)
+    try:
+        values = {f"hma:ns:g0:{i:02x}": os.urandom(1_000_000) for i in range(3)}
+        redis.Redis(port=local_redis.port).mset(values)
+        store = _store(proxy.url, read_timeout_s=0.5, retry_interval_s=0.3)
+        assert store.ping() is None  # a first connection through the proxy, unbroken
+        proxy.limit, proxy.mode = 1_500_000, mode  # the bulk connection breaks in value 2
+
+        started = time.monotonic()
+        assert store.get_into(list(values), _Buffers()) == [None, None, None]
+        assert time.monotonic() - started < 0.5 + 0.5
+        assert store.breaker.state is BreakerState.OPEN
+
+        proxy.limit = None
+        time.sleep(0.4)  # past the retry interval: the breaker lets one call probe
+        got = store.get_into(list(values), _Buffers())
+        assert [bytes(v) for v in got] == list(values.values())
+        assert store.breaker.state is BreakerState.CLOSED
+    finally:
+        proxy.close()
+
+
+def test_get_into_alloc_error_propagates_and_leaves_no_stale_reply(redis_client, redis_url):
+    store = _store(redis_url)
+    values = {f"hma:ns:g0:{i:02x}": os.urandom(200_000) for i in range(4)}
+    store.put_if_absent(list(values.items()))
+    with pytest.raises(MemoryError):
+        store.get_into(list(values), _Buffers(fail_at=1))
+    # Not a Redis failure: the breaker stays closed, and the next call reads its own replies.
+    assert store.breaker.state is BreakerState.CLOSED
+    got = store.get_into(list(values)[::-1], _Buffers())
+    assert [bytes(v) for v in got] == list(values.values())[::-1]
