@@ -18,6 +18,7 @@ value buffer; decoding returns zero-copy views of the reply. Every mismatch rais
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -124,6 +125,26 @@ def start_encode(header: BlockHeader, buffer: memoryview | None = None) -> Encod
     buffer = buffer.cast("B")
     buffer[PREFIX_BYTES : PREFIX_BYTES + len(packed)] = packed
     return EncodedBlock(header=header, buffer=buffer, header_len=len(packed))
+
+
+def encode_parts(header: BlockHeader, body: Sequence[memoryview]) -> list[memoryview]:
+    """The value as pieces to send back to back, the body's pieces not copied.
+
+    Returns the prefix and header in one new buffer, followed by ``body``: the pages, read in
+    place (from the KV cache), whose sizes must add up to the header's body size. The checksum
+    covers them as they are now; they must not change until the value has been sent.
+    """
+    size = sum(piece.nbytes for piece in body)
+    if size != header.body_bytes:
+        raise ValueError(f"body pieces hold {size} bytes, the header says {header.body_bytes}")
+    packed = header.to_msgpack()
+    crc = crc32c.crc32c(packed)
+    for piece in body:
+        crc = crc32c.crc32c(piece, crc)
+    head = bytearray(PREFIX_BYTES + len(packed))
+    _PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, len(packed), crc)
+    head[PREFIX_BYTES:] = packed
+    return [memoryview(head), *body]
 
 
 def encode(header: BlockHeader, body: bytes | memoryview) -> memoryview:

@@ -45,6 +45,8 @@ _EXISTS_BATCH = 4096
 _LINE_READ = 4096
 # GETs in flight on a bulk read (see RedisBlockStore.get_into).
 _GET_WINDOW = 2
+# Buffers per sendmsg call (Linux' IOV_MAX is 1024).
+_IOV_MAX = 1024
 
 _T = TypeVar("_T")
 
@@ -391,19 +393,60 @@ class RedisBlockStore:
                 pipe.set(key, values[key], nx=True, ex=ttl)
 
         def collect(replies: list[Any], batch: Sequence[str]) -> list[PutResult]:
-            out: list[PutResult] = []
-            for reply in replies:
-                if isinstance(reply, ResponseError):
-                    # e.g. OOM under maxmemory + noeviction: this key is not stored.
-                    self._warn_refused("SET", reply)
-                    out.append(PutResult.FAILED)
-                elif isinstance(reply, Exception):
-                    raise reply
-                else:
-                    out.append(PutResult.STORED if reply else PutResult.EXISTED)
-            return out
+            return [self._put_result(reply) for reply in replies]
 
         return self._guarded(keys, run, collect, default=PutResult.FAILED, client=self._bulk)
+
+    def put_parts_if_absent(
+        self,
+        keys: Sequence[str],
+        parts: Callable[[int], Sequence[memoryview]],
+        ttl_s: int | None = None,
+    ) -> list[PutResult]:
+        """:meth:`put_if_absent` of values given as pieces, sent without joining them.
+
+        ``parts(i)`` gives the pieces of ``keys[i]``'s value (the codec's prefix and header,
+        then pages read in place from the KV cache). It is called just before that value is
+        sent, so building the next value overlaps Redis reading the previous one. The pieces
+        go to the socket in one ``sendmsg`` (``writev``): the kernel copies them straight from
+        where they are, so a store makes no copy of its own. Every SET is sent before the first
+        reply is read (one round trip). TLS sockets send piece by piece; a Cluster joins each
+        value and uses :meth:`put_if_absent`.
+        """
+        if not keys:
+            return []
+        if self._is_cluster:
+            joined = [(key, b"".join(parts(idx))) for idx, key in enumerate(keys)]
+            return self.put_if_absent(joined, ttl_s)
+        ttl = ttl_s if ttl_s is not None else self.cfg.ttl_s
+        tail = b"\r\n$2\r\nNX\r\n"
+        if ttl:
+            tail += b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
+
+        def body(conn: Any, replies: _RawReplies) -> list[PutResult]:
+            for idx, key in enumerate(keys):
+                value = parts(idx)
+                raw_key = key.encode()
+                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                    6 if ttl else 4,
+                    len(raw_key),
+                    raw_key,
+                    sum(part.nbytes for part in value),
+                )
+                _send_all(conn._sock, [memoryview(head), *value, memoryview(tail)])
+            return [self._put_result(replies.read(_no_bulk)) for _ in keys]
+
+        return self._streamed(body, [PutResult.FAILED] * len(keys))
+
+    def _put_result(self, reply: Any) -> PutResult:
+        """One SET NX reply: OK, nil (the key existed), or a refusal."""
+        if isinstance(reply, ResponseError):
+            # e.g. OOM under maxmemory + noeviction: this key is not stored.
+            self._warn_refused("SET", reply)
+            return PutResult.FAILED
+        if isinstance(reply, Exception):
+            raise reply
+        return PutResult.STORED if reply else PutResult.EXISTED
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of ``keys`` in one round trip (per node); ``None`` for missing or on failure."""
@@ -429,7 +472,10 @@ class RedisBlockStore:
         return self._guarded(keys, run, collect, default=None)
 
     def get_into(
-        self, keys: Sequence[str], alloc: Callable[[int], memoryview]
+        self,
+        keys: Sequence[str],
+        alloc: Callable[[int], memoryview],
+        on_value: Callable[[int, memoryview], None] | None = None,
     ) -> list[memoryview | None]:
         """Like :meth:`get` (one round trip; ``None`` for missing, refused, or all if Redis
         fails), but each value is received straight into ``alloc(nbytes)``: one copy, where
@@ -437,12 +483,20 @@ class RedisBlockStore:
 
         Only ``_GET_WINDOW`` GETs are in flight, one more is sent as each value arrives: sending
         them all at once makes Redis build every reply in its output buffer before the socket
-        drains it (measured 2x slower at 512 KiB and 2 MiB). Cluster: :meth:`get`, copied.
+        drains it (measured 2x slower at 512 KiB and 2 MiB). ``on_value(index, value)`` runs as
+        each value arrives, while Redis already sends the next one; it does not make the value
+        final: if Redis fails later in the call, every key still comes back ``None``.
+        Cluster: :meth:`get`, copied.
         """
         if not keys:
             return []
         if self._is_cluster:
-            return [None if v is None else memoryview(v) for v in self.get(keys)]
+            values = [None if v is None else memoryview(v) for v in self.get(keys)]
+            if on_value is not None:
+                for idx, value in enumerate(values):
+                    if value is not None:
+                        on_value(idx, value)
+            return values
 
         def body(conn: Any, replies: _RawReplies) -> list[memoryview | None]:
             first = [("GET", key) for key in keys[:_GET_WINDOW]]
@@ -458,6 +512,8 @@ class RedisBlockStore:
                     reply = None
                 elif reply is not None and not isinstance(reply, memoryview):
                     raise InvalidResponse(f"unexpected reply to GET: {bytes(reply)[:40]!r}")
+                elif reply is not None and on_value is not None:
+                    on_value(idx, reply)
                 out.append(reply)
             return out
 
@@ -624,6 +680,28 @@ class RedisBlockStore:
         self._append_counters(pipe, pending)
         replies = pipe.execute(raise_on_error=False)
         return collect(replies[: len(replies) - len(pending)], keys)
+
+
+def _send_all(sock: Any, parts: Sequence[memoryview]) -> None:
+    """Send ``parts`` back to back: ``sendmsg`` (scatter-gather, no joining) where the socket
+    has it, TLS piece by piece."""
+    if sock is None:
+        raise RedisConnectionError("connection closed")
+    if isinstance(sock, ssl.SSLSocket):
+        for part in parts:
+            sock.sendall(part)
+        return
+    pending = list(parts)
+    first = 0
+    while first < len(pending):
+        sent = sock.sendmsg(pending[first : first + _IOV_MAX])
+        while sent:
+            size = pending[first].nbytes
+            if sent < size:
+                pending[first] = pending[first][sent:]
+                break
+            sent -= size
+            first += 1
 
 
 def _no_bulk(nbytes: int) -> memoryview:

@@ -48,6 +48,8 @@ TEST_LOAD_DELAY_ENV = "HMA_REDIS_TEST_LOAD_DELAY_S"
 
 # Values per pipelined put: large enough to amortize the round trip, small enough to bound memory.
 _PUT_BATCH = 16
+# The same when values are sent from the KV cache in place (no memory to bound).
+_PUT_BATCH_IN_PLACE = 64
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,8 @@ class RedisOffloadingWorker(OffloadingWorker):
         self._pages = [tuple(layer.page_bytes for layer in group) for group in self._layers]
         self._budget = _ByteBudget(max_inflight_bytes)
         pinned = any(layer_device(group) == "cuda" for group in self._layers)
+        # A CPU KV cache is sent to Redis from where it is; other devices go through buffers.
+        self._in_place = all(layer.host is not None for group in self._layers for layer in group)
         self._buffers = _BufferPool(max_inflight_bytes // 4, pinned)
         self._loads = ThreadPoolExecutor(io_threads, thread_name_prefix="hma-load")
         self._stores = ThreadPoolExecutor(max(1, io_threads // 2), thread_name_prefix="hma-store")
@@ -319,8 +323,9 @@ class RedisOffloadingWorker(OffloadingWorker):
             present = self._store.exists([c.redis_key for c in plan])
             self._store.counters.add(store_skipped_chunks=sum(present))
             plan = [c for c, there in zip(plan, present, strict=True) if not there]
-            for start in range(0, len(plan), _PUT_BATCH):
-                stored_bytes += self._store_batch(plan[start : start + _PUT_BATCH], job)
+            batch = _PUT_BATCH_IN_PLACE if self._in_place else _PUT_BATCH
+            for start in range(0, len(plan), batch):
+                stored_bytes += self._store_batch(plan[start : start + batch])
         except Exception:
             logger.exception(
                 "hma_redis: store job %d failed; its chunks are not stored", job.job_id
@@ -332,8 +337,18 @@ class RedisOffloadingWorker(OffloadingWorker):
                 TransferResult(job.job_id, True, stored_bytes, time.perf_counter() - started)
             )
 
-    def _store_batch(self, chunks: list[ChunkTransfer], job: _Job) -> int:
+    def _store_batch(self, chunks: list[ChunkTransfer]) -> int:
         headers = [self._header(c) for c in chunks]
+        if self._in_place:
+            # The checksum is computed over the pages in place and the kernel copies them from
+            # there to the socket: no gather, no buffer (the job holds its blocks until sent).
+            # Each value is built as it is sent, while Redis reads the one before.
+            def parts(idx: int) -> list[memoryview]:
+                return codec.encode_parts(headers[idx], self._pages_in_place(chunks[idx]))
+
+            keys = [c.redis_key for c in chunks]
+            results = self._store.put_parts_if_absent(keys, parts)
+            return self._count_stored([codec.value_size(h) for h in headers], results)
         sizes = [codec.value_size(h) for h in headers]
         self._budget.acquire(sum(sizes))
         try:
@@ -347,6 +362,10 @@ class RedisOffloadingWorker(OffloadingWorker):
         finally:
             self._buffers.give(buf for _, buf in items)
             self._budget.release(sum(sizes))
+        return self._count_stored(sizes, results)
+
+    def _count_stored(self, sizes: Sequence[int], results: list[PutResult]) -> int:
+        """Count a batch's outcome; return the bytes stored."""
         stored = sum(size for size, r in zip(sizes, results, strict=True) if r is PutResult.STORED)
         self._store.counters.add(
             stored_chunks=results.count(PutResult.STORED),
@@ -365,6 +384,15 @@ class RedisOffloadingWorker(OffloadingWorker):
             page_bytes=self._pages[chunk.group_pos],
             kv_dtype=self._kv_dtype,
         )
+
+    def _pages_in_place(self, chunk: ChunkTransfer) -> list[memoryview]:
+        """The chunk's pages of every layer (layer-major), as views of the CPU KV cache."""
+        runs = _block_runs(chunk.block_ids)
+        views: list[memoryview] = []
+        for layer in self._layers[chunk.group_pos]:
+            assert layer.host is not None
+            views += [layer.host[src : src + nbytes] for _, src, nbytes in _spans(layer, runs)]
+        return views
 
     def _gather(self, chunk: ChunkTransfer, body: memoryview) -> None:
         """Copy the chunk's pages of every layer into ``body`` (layer-major)."""
@@ -418,27 +446,29 @@ class RedisOffloadingWorker(OffloadingWorker):
     def _load_chunks(self, plan: list[ChunkTransfer], job: _Job) -> int:
         """Fetch and validate every chunk, then copy them into the KV cache.
 
+        Each value is validated as it arrives, while Redis sends the next (CRC32C of a value
+        still in the CPU cache, in time the job would otherwise spend waiting for Redis).
         Nothing is copied unless every chunk is valid (the request is recomputed whole anyway).
         Invalid values are deleted: SET NX would never replace them, so the recompute's store
         could not heal them otherwise.
         """
         if self._test_load_delay_s:
             time.sleep(self._test_load_delay_s)
-        values = self._store.get_into([c.redis_key for c in plan], self._buffers.take)
+        blocks: dict[int, DecodedBlock] = {}
+        invalid: dict[str, CorruptBlockError] = {}
+
+        def check(idx: int, value: memoryview) -> None:
+            try:
+                blocks[idx] = self._validate(plan[idx], value)
+            except CorruptBlockError as exc:
+                invalid[plan[idx].redis_key] = exc
+
+        values = self._store.get_into([c.redis_key for c in plan], self._buffers.take, check)
         total = sum(len(v) for v in values if v is not None)
         self._budget.acquire(total)
         try:
-            valid: list[tuple[ChunkTransfer, DecodedBlock]] = []
-            missing: list[str] = []
-            invalid: dict[str, CorruptBlockError] = {}
-            for chunk, value in zip(plan, values, strict=True):
-                if value is None:
-                    missing.append(chunk.redis_key)
-                    continue
-                try:
-                    valid.append((chunk, self._validate(chunk, value)))
-                except CorruptBlockError as exc:
-                    invalid[chunk.redis_key] = exc
+            missing = [c.redis_key for c, v in zip(plan, values, strict=True) if v is None]
+            valid = [(chunk, blocks[idx]) for idx, chunk in enumerate(plan) if idx in blocks]
             if invalid:
                 self._store.delete(list(invalid))
             if missing or invalid:
@@ -505,14 +535,21 @@ def _copy_pages(
     """Copy between ``pages`` (back to back) and the layer's CPU memory at the runs' block ids."""
     host = layer.host
     assert host is not None
-    page, row = layer.page_bytes, layer.row_bytes
-    for pos, first, count in runs:
-        if row == page:  # unpadded rows: one slice per run of consecutive blocks
-            spans = [(pos * page, first * row, count * page)]
+    for at, src, nbytes in _spans(layer, runs):
+        if to_cache:
+            host[src : src + nbytes] = pages[at : at + nbytes]
         else:
-            spans = [((pos + i) * page, (first + i) * row, page) for i in range(count)]
-        for at, src, nbytes in spans:
-            if to_cache:
-                host[src : src + nbytes] = pages[at : at + nbytes]
-            else:
-                pages[at : at + nbytes] = host[src : src + nbytes]
+            pages[at : at + nbytes] = host[src : src + nbytes]
+
+
+def _spans(layer: LayerSource, runs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(offset in the pages back to back, offset in the layer's memory, bytes) to copy: one
+    span per run of consecutive blocks where rows are unpadded, else one per page."""
+    page, row = layer.page_bytes, layer.row_bytes
+    if row == page:
+        return [(pos * page, first * row, count * page) for pos, first, count in runs]
+    return [
+        ((pos + i) * page, (first + i) * row, page)
+        for pos, first, count in runs
+        for i in range(count)
+    ]

@@ -1,9 +1,11 @@
-"""A loopback TCP proxy that breaks replies part way: a network that stalls or drops mid-value.
+"""A loopback TCP proxy that breaks a connection part way: a network that stalls or drops
+in the middle of a value.
 
-Requests pass through whole. Of the server's replies, each new connection forwards at most
-``limit`` bytes, then either stops forwarding while keeping the connection open (``"stall"``)
-or closes it (``"close"``). ``limit=None`` forwards everything. Settings apply to connections
-accepted after they are changed, so a client that reconnects can be let through.
+Each new connection forwards at most ``limit`` bytes of the server's replies and at most
+``request_limit`` bytes of the client's requests, then either stops forwarding that way while
+keeping the connection open (``"stall"``) or closes it (``"close"``). ``None`` forwards
+everything. Settings apply to connections accepted after they are changed, so a client that
+reconnects can be let through.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class BreakingProxy:
         self.upstream_port = upstream_port
         self.port = free_port()
         self.limit: int | None = None
+        self.request_limit: int | None = None
         self.mode: Literal["stall", "close"] = "stall"
         self.connections = 0
         self._sockets: list[socket.socket] = []
@@ -40,7 +43,9 @@ class BreakingProxy:
             server = socket.create_connection(("127.0.0.1", self.upstream_port))
             self._sockets += [client, server]
             self.connections += 1
-            threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(client, server, self.request_limit), daemon=True
+            ).start()
             threading.Thread(
                 target=self._pump, args=(server, client, self.limit), daemon=True
             ).start()

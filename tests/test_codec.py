@@ -31,6 +31,16 @@ def test_round_trip_returns_zero_copy_views_of_every_layer():
     assert block.body.obj is raw  # a view into the reply, not a copy
 
 
+def test_encode_parts_is_the_same_value_without_joining_the_body():
+    header = _header()
+    body = memoryview(os.urandom(header.body_bytes))
+    parts = codec.encode_parts(header, [body[:10], body[10:100], body[100:]])
+    assert [p.obj for p in parts[1:]] == [body.obj] * 3  # the body's pieces, not copies
+    assert b"".join(parts) == bytes(codec.encode(header, body))
+    with pytest.raises(ValueError, match="body pieces hold 10 bytes"):
+        codec.encode_parts(header, [body[:10]])
+
+
 def test_encode_fills_body_in_place():
     header = _header()
     enc = codec.start_encode(header)

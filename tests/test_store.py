@@ -247,3 +247,73 @@ def test_get_into_alloc_error_propagates_and_leaves_no_stale_reply(redis_client,
     assert store.breaker.state is BreakerState.CLOSED
     got = store.get_into(list(values)[::-1], _Buffers())
     assert [bytes(v) for v in got] == list(values.values())[::-1]
+
+
+# ---------------------------------------------------------------------------------- put_parts
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_put_parts_stores_each_value_whole_from_its_pieces(redis_client, redis_url, protocol):
+    client = redis.Redis.from_url(redis_url, protocol=protocol)
+    store = RedisBlockStore(
+        RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}), client=client
+    )
+    redis_client.set("hma:ns:g0:taken", b"first writer")
+    big = memoryview(os.urandom(9_000_000))  # more than a socket buffer: sendmsg sends part
+    pages = memoryview(os.urandom(1500 * 100))
+    items = [
+        ("hma:ns:g0:big", [memoryview(b"head"), big[:4_000_000], big[4_000_000:]]),
+        ("hma:ns:g0:taken", [memoryview(b"second writer")]),
+        # More pieces than one sendmsg call takes.
+        ("hma:ns:g0:pages", [pages[i : i + 100] for i in range(0, len(pages), 100)]),
+        ("hma:ns:g0:empty", [memoryview(b"")]),
+    ]
+    store.ping()  # open the connection first (its HELLO is not the put)
+    before = command_calls(redis_client)
+    results = store.put_parts_if_absent([k for k, _ in items], lambda i: items[i][1])
+    assert results == [PutResult.STORED, PutResult.EXISTED, PutResult.STORED, PutResult.STORED]
+    assert command_delta(before, command_calls(redis_client)) == {"set": 4}
+    assert redis_client.get("hma:ns:g0:big") == b"head" + bytes(big)
+    assert redis_client.get("hma:ns:g0:taken") == b"first writer"
+    assert redis_client.get("hma:ns:g0:pages") == bytes(pages)
+    assert redis_client.get("hma:ns:g0:empty") == b""
+
+
+def test_put_parts_applies_ttl_and_reports_refusals():
+    server = LocalRedis(extra_args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
+    server.start()
+    try:
+        store = _store(server.url, ttl_s=100)
+        keys = [f"hma:ns:g0:{i:04x}" for i in range(12)]
+        value = memoryview(os.urandom(300_000))
+        results = store.put_parts_if_absent(keys, lambda i: [value[:1000], value[1000:]])
+        client = redis.Redis(port=server.port)
+        assert PutResult.FAILED in results
+        assert PutResult.STORED in results
+        for key, result in zip(keys, results, strict=True):
+            stored = client.get(key)
+            assert (stored is not None) == (result is PutResult.STORED)
+            assert stored is None or (stored == bytes(value) and 0 < client.ttl(key) <= 100)
+        assert store.breaker.state is BreakerState.CLOSED
+    finally:
+        server.stop()
+
+
+def test_put_parts_on_a_dropped_connection_stores_nothing_partial(local_redis):
+    """A connection that drops while a value is being sent: every put is FAILED, and no key
+    holds part of a value (Redis discards a command that never arrived whole)."""
+    from tcp_proxy import BreakingProxy
+
+    proxy = BreakingProxy(local_redis.port)
+    try:
+        store = _store(proxy.url, read_timeout_s=0.5, retry_interval_s=0.3)
+        proxy.request_limit, proxy.mode = 2_500_000, "close"
+        value = memoryview(os.urandom(1_000_000))
+        items = [(f"hma:ns:g0:{i:02x}", [value[:10], value[10:]]) for i in range(4)]
+        keys = [k for k, _ in items]
+        assert store.put_parts_if_absent(keys, lambda i: items[i][1]) == [PutResult.FAILED] * 4
+        client = redis.Redis(port=local_redis.port)
+        assert all(v in (None, bytes(value)) for v in client.mget([k for k, _ in items]))
+        assert store.breaker.state is BreakerState.OPEN
+    finally:
+        proxy.close()
