@@ -1,6 +1,8 @@
-"""The tier's data path against ``redis-benchmark`` and plain redis-py, in one run.
+"""The tier's data path against ``redis-benchmark``, plain redis-py and (optionally) LMCache's
+Redis connectors, in one run.
 
     hma-redis bench [--quick | --smoke] [--url URL] [--reps N] [--plot PNG] [--json FILE]
+                    [--lmcache-python PYTHON]
     python benchmarks/tier_bench.py ...              (the same)
 
 Without ``--url`` it starts its own ``redis-server`` on a free loopback port (persistence off) and
@@ -9,10 +11,14 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
 - ``redis-benchmark -P 4 -c 1 -d SIZE -t get,set``: what this Redis does for one C client;
 - plain redis-py (hiredis parser and packer, as ``redis.Redis.from_url`` builds it): ``SET`` and
   ``GET`` pipelined 4 deep over a job's worth of values, every value read back compared;
+- with ``--lmcache-python``: LMCache's ``redis://`` and native ``resp://`` connectors
+  (``benchmarks/lmcache_peer.py`` run by that interpreter: a separate venv with LMCache; never
+  in CI), ``batched_put`` and ``batched_get`` of a job's worth of values, every byte checked;
 - the real :class:`~hma_redis.worker.RedisOffloadingWorker` on CPU KV-cache tensors (8 layers of
   ``(num_blocks, 16 KiB)`` int8, ``blocks_per_chunk`` 4 / 16 / 64 for the three sizes): one
-  ``submit_store`` job (gather from scattered block ids -> envelope + CRC32C -> SET NX) and one
-  ``submit_load`` job (GET -> ``codec.decode`` with CRC32C -> copy into other block ids), timed
+  ``submit_store`` job (EXISTS check -> CRC32C over the pages at scattered block ids, in place ->
+  SET NX sent from the KV cache by ``sendmsg``) and one ``submit_load`` job (GET received into
+  pooled buffers -> ``codec.decode`` with CRC32C -> copy into other block ids), timed
   from submit until ``get_finished`` reports the job; the loaded blocks are compared with the
   stored ones byte for byte.
 
@@ -37,10 +43,12 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -63,10 +71,11 @@ KV_DTYPE = "bench-int8"
 PROMPT_TOKENS = 32768
 CHUNK_TOKENS = 128
 GROUPS = 3
-CLIENTS = ("redis-benchmark", "redis-py", "hma_redis")
+CLIENTS = ("redis-benchmark", "redis-py", "lmcache-redis", "lmcache-resp", "hma_redis")
 OPS = ("load", "store")
-_COLUMNS = ("value", "op", "bpc", "redis-bench", "redis-py", "hma_redis", "ms/job", "RT/job",
-            "hma/r-py", "hma/r-bench")  # fmt: skip
+# benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
+LMCACHE_PEER = Path(__file__).resolve().parent.parent / "benchmarks" / "lmcache_peer.py"
+LMCACHE_CONNECTORS = ("redis", "resp")
 
 
 @dataclass(frozen=True)
@@ -193,6 +202,43 @@ class RedisPyBench:
 
     def close(self) -> None:
         self.client.close()
+
+
+# ---------------------------------------------------------------------------------- (c)
+
+
+class LMCachePeer:
+    """LMCache's ``redis://`` and ``resp://`` (native, 2 threads) connectors, the peers users
+    would pick instead: ``benchmarks/lmcache_peer.py`` run by ``python``, the interpreter of a
+    separate venv with LMCache installed (optional; never in CI). Each sample is one put and
+    one get of a job's worth of fresh values, after one untimed warm-up, every byte checked."""
+
+    def __init__(self, python: str, url: str, plan: Plan) -> None:
+        if not LMCACHE_PEER.is_file():
+            raise SystemExit(f"bench: {LMCACHE_PEER} not found (run from a source checkout)")
+        if not os.access(python, os.X_OK):
+            raise SystemExit(f"bench: --lmcache-python {python} is not an executable")
+        self.python = python
+        self.url = url
+        self.plan = plan
+        self.version = "?"
+
+    def run(self, size: int, samples: Samples) -> None:
+        for connector in LMCACHE_CONNECTORS:
+            args = [
+                self.python, str(LMCACHE_PEER), "--url", self.url, "--connector", connector,
+                "--size", str(size), "--count", str(self.plan.job_bytes // size),
+                "--reps", "1", "--threads", "2",
+            ]  # fmt: skip
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode or not lines:
+                why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise BenchError(f"bench: LMCache {connector}:// peer failed: {why}")
+            result = json.loads(lines[-1])
+            self.version = result["lmcache_version"]
+            samples.add(f"lmcache-{connector} store {size}", result["put_s"][0])
+            samples.add(f"lmcache-{connector} load {size}", result["get_s"][0])
 
 
 # ---------------------------------------------------------------------------------- (d)
@@ -423,6 +469,14 @@ class Report:
     load_before: float
     load_after: float = 0.0
     seconds: float = 0.0
+    lmcache_version: str | None = None
+
+    @property
+    def clients(self) -> list[str]:
+        """The clients measured in this run, in table order."""
+        return [
+            c for c in CLIENTS if any(self.samples.has(f"{c} load {s}") for s in self.plan.sizes)
+        ]
 
     def gbps(self, client: str, op: str, size: int) -> float | None:
         """GB/s of one client and operation, or None when not measured."""
@@ -436,11 +490,12 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {
             "redis_version": self.redis_version,
+            "lmcache_version": self.lmcache_version,
             "load_average": [self.load_before, self.load_after],
             "plan": dataclasses.asdict(self.plan),
             "gbps": {
                 f"{client} {op} {size}": self.gbps(client, op, size)
-                for client in CLIENTS
+                for client in self.clients
                 for op in OPS
                 for size in self.plan.sizes
             },
@@ -449,11 +504,12 @@ class Report:
         }
 
 
-def measure(url: str, plan: Plan, where: str) -> Report:
+def measure(url: str, plan: Plan, where: str, lmcache_python: str | None = None) -> Report:
     """Every measurement, interleaved, against the Redis at ``url``."""
     namespace = f"bench-{os.getpid()}"
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
+    peer = LMCachePeer(lmcache_python, url, plan) if lmcache_python else None
     tier = TierBench(url, plan, namespace)
     plain = RedisPyBench(url, plan, f"{tier.cfg.key_prefix}:{namespace}")
     lookups = LookupBench(tier.store, tier.keyspace)
@@ -474,6 +530,8 @@ def measure(url: str, plan: Plan, where: str) -> Report:
                     lambda s=size: tier.run(s, samples),
                     lambda s=size: plain.run(s, samples),
                 ]
+                if peer is not None:
+                    runners.insert(1, lambda s=size: peer.run(s, samples))
                 if rep % 2:
                     runners.reverse()
                 if plan.rb_bytes:
@@ -494,6 +552,7 @@ def measure(url: str, plan: Plan, where: str) -> Report:
             load_before=load_before,
             load_after=os.getloadavg()[0],
             seconds=time.perf_counter() - started,
+            lmcache_version=peer.version if peer is not None else None,
         )
     finally:
         lookups.close()
@@ -530,31 +589,40 @@ def format_report(report: Report) -> str:
         f"and redis-benchmark pipeline {plan.depth} deep; GB/s = 10^9 payload bytes per second",
     ]
     lines += [f"  {_shown_command(args)}" for args in report.rb_args.values()]
-    row = "{:<8}{:<7}{:>5}{:>13}{:>10}{:>11}{:>9}{:>8}{:>10}{:>13}"
-    lines += [
-        "",
-        row.format(*_COLUMNS),
+    if report.lmcache_version is not None:
+        lines.append(
+            f"  LMCache {report.lmcache_version}: benchmarks/lmcache_peer.py, batched_put, then "
+            "batched_get (resp://, 2 threads) or a get per key (redis://)"
+        )
+    lmcache = report.lmcache_version is not None
+    short = {
+        "redis-benchmark": "redis-bench",
+        "lmcache-redis": "lmc-redis",
+        "lmcache-resp": "lmc-resp",
+    }
+    columns = [short.get(c, c) for c in report.clients] + [
+        "ms/job",
+        "RT/job",
+        "hma/r-py",
+        "hma/r-bench",
     ]
+    columns += ["hma/lmc-resp"] if lmcache else []
+    row = "{:<8}{:<7}{:>5}" + "{:>13}" * len(columns)
+    lines += ["", row.format("value", "op", "bpc", *columns)]
     for size in plan.sizes:
         for op in OPS:
-            rb = report.gbps("redis-benchmark", op, size)
-            py = report.gbps("redis-py", op, size)
-            hma = report.gbps("hma_redis", op, size)
+            gbps = {c: report.gbps(c, op, size) for c in report.clients}
+            hma = gbps["hma_redis"]
             name = f"hma_redis {op} {size}"
-            lines.append(
-                row.format(
-                    size_label(size),
-                    op,
-                    TierBench.blocks_per_chunk(size),
-                    _fmt(rb),
-                    _fmt(py),
-                    _fmt(hma),
-                    f"{samples.median(name) * 1e3:.1f}",
-                    samples.round_trips[name],
-                    _ratio(hma, py),
-                    _ratio(hma, rb),
-                )
-            )
+            cells = [_fmt(gbps[c]) for c in report.clients] + [
+                f"{samples.median(name) * 1e3:.1f}",
+                samples.round_trips[name],
+                _ratio(hma, gbps["redis-py"]),
+                _ratio(hma, gbps.get("redis-benchmark")),
+            ]
+            if lmcache:
+                cells.append(_ratio(hma, gbps["lmcache-resp"]))
+            lines.append(row.format(size_label(size), op, TierBench.blocks_per_chunk(size), *cells))
     chunks = PROMPT_TOKENS // CHUNK_TOKENS
     keys = chunks * GROUPS
     lines += [
@@ -573,9 +641,9 @@ def format_report(report: Report) -> str:
     lines += [
         "",
         "load = GET -> codec.decode (CRC32C) -> copy into the KV cache at the job's block ids; "
-        "store = exists check",
-        "+ gather -> envelope + CRC32C -> SET NX; timed from submit_* until get_finished reports "
-        "the job.",
+        "store = EXISTS check",
+        "-> CRC32C over the pages in place -> SET NX sent from the KV cache; timed from submit_* "
+        "until get_finished reports the job.",
     ]
     return "\n".join(lines)
 
@@ -598,11 +666,14 @@ def draw_plot(report: Report, path: str) -> bool:
     colors = {
         "redis-benchmark": (120, 120, 120),
         "redis-py": (31, 119, 180),
+        "lmcache-redis": (148, 103, 189),
+        "lmcache-resp": (44, 160, 44),
         "hma_redis": (214, 39, 40),
     }
     sizes = report.plan.sizes
+    clients = report.clients
     values = [
-        v for c in CLIENTS for op in OPS for s in sizes if (v := report.gbps(c, op, s)) is not None
+        v for c in clients for op in OPS for s in sizes if (v := report.gbps(c, op, s)) is not None
     ]
     top = max(0.5, float(np.ceil(max(values, default=0.5) / 0.5) * 0.5))
     panel_w = (width - 3 * pad) // 2
@@ -627,7 +698,7 @@ def draw_plot(report: Report, path: str) -> bool:
             draw.text((x_of(i), box[3] + 16), label, fill="black", font=small, anchor="mm")
         at = (left + panel_w // 2, box[3] + 38)
         draw.text(at, "value size", fill="black", font=small, anchor="mm")
-        for client in CLIENTS:
+        for client in clients:
             points = [
                 (x_of(i), box[3] - (box[3] - box[1]) * v / top)
                 for i, s in enumerate(sizes)
@@ -637,8 +708,8 @@ def draw_plot(report: Report, path: str) -> bool:
                 draw.line(points, fill=colors[client], width=3)
             for x, y in points:
                 draw.ellipse((x - 5, y - 5, x + 5, y + 5), fill=colors[client])
-    for n, client in enumerate(CLIENTS):  # one legend row above both panels
-        x = width // 2 - 270 + 190 * n
+    for n, client in enumerate(clients):  # one legend row above both panels
+        x = width // 2 - 95 * len(clients) + 190 * n
         draw.line((x, 30, x + 28, 30), fill=colors[client], width=3)
         draw.text((x + 36, 30), client, fill="black", font=small, anchor="lm")
     draw.text(
@@ -680,6 +751,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, help="interleaved repetitions (default 7)")
     parser.add_argument("--plot", metavar="PNG", help="draw GB/s by value size into this file")
     parser.add_argument("--json", metavar="FILE", help="write the medians as JSON")
+    parser.add_argument(
+        "--lmcache-python",
+        metavar="PYTHON",
+        help="also measure LMCache's redis:// and resp:// connectors with this interpreter "
+        "(a separate venv with lmcache==0.5.6; see docs/performance.md)",
+    )
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.reps is not None:
@@ -687,7 +764,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--reps must be at least 1")
         plan = dataclasses.replace(plan, reps=args.reps)
     with _server(args.url) as (url, where):
-        report = measure(url, plan, where)
+        report = measure(url, plan, where, args.lmcache_python)
     print(format_report(report))
     if args.smoke:
         print("\nsmoke: every measured path round-tripped its bytes and answered right")

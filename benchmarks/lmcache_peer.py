@@ -1,0 +1,335 @@
+"""Throughput of LMCache's own Redis connectors, as a peer to compare hma_redis with.
+
+Measures LMCache's ``redis://`` connector (``RedisConnector``, redis-py asyncio) and its
+``resp://`` connector (``RESPConnector``, the native C++ RESP client with ``--threads`` worker
+threads), built the way LMCache's ``RemoteBackend`` builds them (``CreateConnector`` with an
+``LMCacheEngineConfig``, ``LMCacheMetadata`` and a ``LocalCPUBackend`` that allocates the
+values) and called the way it calls them: ``batched_put`` for the puts; ``batched_get`` where the
+connector supports it (``resp://``), else one concurrent ``get`` per key (``redis://``). For
+reference ``--connector redis-py`` does the same with plain redis-py: pipelined SET, then GET,
+``--pipeline`` values per pipeline on one connection.
+
+It runs in a separate virtual environment with ``lmcache`` installed, not in hma_redis's::
+
+    /tmp/lmc-venv/bin/python benchmarks/lmcache_peer.py --url redis://127.0.0.1:6379/0 \\
+        --connector resp --size 2097152 --count 16 --reps 3 --threads 2
+
+After ``--warmup`` untimed repetitions (default 1), each repetition puts ``--count`` fresh random
+values of ``--size`` bytes (a multiple of 512: one LMCache chunk of 256 tokens of uint8) under fresh
+keys starting ``hma:bench-lmc-<pid>:``, timing the whole batch; checks that Redis holds the expected
+number of keys (``batched_put`` only logs its errors; ``redis://`` stores two keys a value,
+``kv_bytes`` and ``metadata``); gets them all back, timing that, and compares every byte
+(``resp://`` reports a GET of a value of the wrong size as done); then unlinks its keys (never
+FLUSHDB). ``resp://`` has no database number, so it needs ``/0`` (or no path) in ``--url``. An
+LMCache batch that takes over ``--timeout`` seconds counts as hung: in 0.5.6 ``resp://`` never ends
+a GET of a missing key, nor any call to an unreachable server.
+
+Prints one JSON line on stdout: ``client``, ``size``, ``count``, ``put_s`` and ``get_s`` (seconds
+per repetition), ``lmcache_version``, ``redis_py_version``, ``threads`` (``resp://`` only) and
+``pipeline`` (redis-py only). Everything else, LMCache's logs included, goes to stderr. Any
+missing or wrong value ends it with exit status 1 and a one-line message. The process ends with
+``os._exit`` and never calls the connector's ``close()``, which deadlocks in LMCache 0.5.6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+import lmcache
+import redis
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.connector import CreateConnector
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+T = TypeVar("T")
+
+_CHUNK_TOKENS = 256  # LMCache's default chunk size; a value is one chunk
+_VALUE_ALIGN = 2 * _CHUNK_TOKENS  # K and V of 256 tokens of uint8: sizes are multiples of this
+_SCAN_COUNT = 1000
+_UNLINK_BATCH = 500
+_MESSAGE_CHARS = 200  # error messages are cut to this: redis-py's quote whole commands
+
+
+class BenchError(Exception):
+    """A value came back missing or wrong, Redis holds the wrong number of keys, or a call hung."""
+
+
+class Client(Protocol):
+    """One way of putting values into Redis and getting them back."""
+
+    name: str
+    keys_per_value: int  # Redis keys one stored value occupies
+
+    def pattern(self, tag: str) -> str:
+        """SCAN pattern matching every Redis key of the repetition ``tag``."""
+        ...
+
+    def put(self, tag: str, payloads: list[bytes]) -> float:
+        """Store ``payloads`` under the keys of ``tag``; seconds taken by the store calls."""
+        ...
+
+    def get(self, tag: str, payloads: list[bytes]) -> float:
+        """Fetch the values of ``tag`` and check them against ``payloads``; seconds of the fetch."""
+        ...
+
+
+def _check(index: int, got: memoryview | bytes | None, want: bytes) -> None:
+    if got is None:
+        raise BenchError(f"value {index}: missing")
+    if len(got) != len(want):
+        raise BenchError(f"value {index}: {len(got)} bytes, expected {len(want)}")
+    if got != want:
+        offset = next(i for i, (a, b) in enumerate(zip(bytes(got), want, strict=True)) if a != b)
+        raise BenchError(f"value {index}: differs from what was put at byte {offset}")
+
+
+class LMCacheClient:
+    """An LMCache remote connector, with the config, metadata and allocator it needs."""
+
+    keys_per_value = 1
+
+    def __init__(
+        self, url: str, connector: str, size: int, count: int, threads: int, timeout: float
+    ) -> None:
+        self.timeout = timeout
+        parts = urlsplit(url)
+        if connector == "resp":
+            if parts.path not in ("", "/", "/0"):
+                raise BenchError(f"resp:// always uses database 0, not {parts.path!r}")
+            remote_url = f"resp://{parts.hostname}:{parts.port}"
+            self.name = "lmcache-resp"
+        else:
+            remote_url = url
+            self.name = "lmcache-redis"
+            self.keys_per_value = 2  # "<key>kv_bytes" and "<key>metadata"
+        self.config = LMCacheEngineConfig.from_defaults(
+            chunk_size=_CHUNK_TOKENS,
+            local_cpu=False,
+            # room for one repetition's put values and get values at once, plus slack
+            max_local_cpu_size=2 * size * count / 2**30 + 0.25,
+            remote_url=remote_url,
+            remote_serde="naive",
+            save_unfull_chunk=False,
+            extra_config={"save_chunk_meta": False, "resp_num_threads": threads},
+        )
+        self.metadata = LMCacheMetadata(
+            model_name="hma:bench-lmc",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.uint8,
+            kv_shape=(1, 2, _CHUNK_TOKENS, 1, size // _VALUE_ALIGN),
+            chunk_size=_CHUNK_TOKENS,
+        )
+        self.backend = LocalCPUBackend(self.config, self.metadata)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.connector = self._run("CreateConnector", self._create(remote_url))
+
+    async def _create(self, remote_url: str) -> RemoteConnector:
+        # On the loop's thread: the RESP client registers its completion fd with the loop.
+        return CreateConnector(remote_url, self.loop, self.backend, self.config, self.metadata)
+
+    def _run(self, what: str, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            # e.g. resp:// in LMCache 0.5.6: a GET of a missing key never completes
+            raise BenchError(f"{what} did not finish in {self.timeout:g} s") from None
+
+    def _keys(self, tag: str, count: int) -> list[CacheEngineKey]:
+        # CacheEngineKey.to_string() starts with the model name: "<tag>@1@0@<hash>@uint8".
+        return [CacheEngineKey(tag, 1, 0, i, torch.uint8) for i in range(count)]
+
+    def pattern(self, tag: str) -> str:
+        return f"{tag}@*"
+
+    def put(self, tag: str, payloads: list[bytes]) -> float:
+        objs: list[MemoryObj] = []
+        for payload in payloads:
+            obj = self.backend.allocate(self.metadata.get_shapes(), self.metadata.get_dtypes())
+            if obj is None:
+                raise BenchError("LMCache's LocalCPUBackend could not allocate a value")
+            memoryview(obj.byte_array).cast("B")[:] = payload
+            objs.append(obj)
+        keys = self._keys(tag, len(payloads))
+        start = time.perf_counter()
+        # Hands the objects' references to the connector, which drops them when done.
+        self._run("batched_put", self.connector.batched_put(keys, objs))
+        return time.perf_counter() - start
+
+    async def _get_each(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return list(await asyncio.gather(*(self.connector.get(key) for key in keys)))
+
+    def get(self, tag: str, payloads: list[bytes]) -> float:
+        keys = self._keys(tag, len(payloads))
+        start = time.perf_counter()
+        if self.connector.support_batched_get():
+            objs = self._run("batched_get", self.connector.batched_get(keys))
+        else:
+            objs = self._run("get of each key", self._get_each(keys))
+        seconds = time.perf_counter() - start
+        try:
+            for i, (obj, payload) in enumerate(zip(objs, payloads, strict=True)):
+                _check(i, None if obj is None else memoryview(obj.byte_array).cast("B"), payload)
+        finally:
+            for obj in objs:
+                if obj is not None:
+                    obj.ref_count_down()
+        return seconds
+
+
+class RedisPyClient:
+    """Plain redis-py on one connection: pipelines of SET, then of GET."""
+
+    name = "redis-py"
+    keys_per_value = 1
+
+    def __init__(self, url: str, pipeline: int) -> None:
+        self.redis = redis.Redis.from_url(url)
+        self.pipeline = pipeline
+
+    def pattern(self, tag: str) -> str:
+        return f"{tag}:*"
+
+    def put(self, tag: str, payloads: list[bytes]) -> float:
+        start = time.perf_counter()
+        for first in range(0, len(payloads), self.pipeline):
+            pipe = self.redis.pipeline(transaction=False)
+            for i, payload in enumerate(payloads[first : first + self.pipeline], first):
+                pipe.set(f"{tag}:{i}", payload)
+            pipe.execute()
+        return time.perf_counter() - start
+
+    def get(self, tag: str, payloads: list[bytes]) -> float:
+        got: list[bytes | None] = []
+        start = time.perf_counter()
+        for first in range(0, len(payloads), self.pipeline):
+            pipe = self.redis.pipeline(transaction=False)
+            for i in range(first, min(first + self.pipeline, len(payloads))):
+                pipe.get(f"{tag}:{i}")
+            got.extend(pipe.execute())
+        seconds = time.perf_counter() - start
+        for i, (value, payload) in enumerate(zip(got, payloads, strict=True)):
+            _check(i, value, payload)
+        return seconds
+
+
+def _one_line(text: str) -> str:
+    text = "".join(c if c.isascii() and c.isprintable() else "?" for c in " ".join(text.split()))
+    return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 3] + "..."
+
+
+def _unlink(r: redis.Redis, pattern: str) -> None:
+    keys = list(r.scan_iter(match=pattern, count=_SCAN_COUNT))
+    for first in range(0, len(keys), _UNLINK_BATCH):
+        r.unlink(*keys[first : first + _UNLINK_BATCH])
+
+
+def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str, Any]:
+    client: Client
+    if args.connector == "redis-py":
+        client = RedisPyClient(args.url, args.pipeline)
+    else:
+        client = LMCacheClient(
+            args.url, args.connector, args.size, args.count, args.threads, args.timeout
+        )
+    put_s: list[float] = []
+    get_s: list[float] = []
+    for rep in range(args.warmup + args.reps):
+        tag = f"{prefix}r{rep}"
+        payloads = [os.urandom(args.size) for _ in range(args.count)]
+        put = client.put(tag, payloads)
+        stored = sum(1 for _ in r.scan_iter(match=client.pattern(tag), count=_SCAN_COUNT))
+        expected = args.count * client.keys_per_value
+        if stored != expected:
+            raise BenchError(f"repetition {rep}: Redis holds {stored} keys, expected {expected}")
+        get = client.get(tag, payloads)
+        _unlink(r, client.pattern(tag))
+        if rep >= args.warmup:  # the first ones open connections and touch fresh memory
+            put_s.append(put)
+            get_s.append(get)
+    return {
+        "client": client.name,
+        "size": args.size,
+        "count": args.count,
+        "put_s": put_s,
+        "get_s": get_s,
+        "lmcache_version": lmcache.__version__,
+        "redis_py_version": redis.__version__,
+        "threads": args.threads if args.connector == "resp" else None,
+        "pipeline": args.pipeline if args.connector == "redis-py" else None,
+    }
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="redis://host:port/db of the Redis to use")
+    parser.add_argument("--connector", required=True, choices=("redis", "resp", "redis-py"))
+    parser.add_argument("--size", type=int, required=True, help="bytes per value")
+    parser.add_argument("--count", type=int, required=True, help="values per repetition")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    parser.add_argument("--threads", type=int, default=2, help="resp:// client worker threads")
+    parser.add_argument("--pipeline", type=int, default=4, help="redis-py commands per pipeline")
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds one LMCache batch may take"
+    )
+    args = parser.parse_args()
+    if args.size <= 0 or args.size % _VALUE_ALIGN:
+        parser.error(f"--size must be a positive multiple of {_VALUE_ALIGN}")
+    if min(args.count, args.reps, args.threads, args.pipeline, args.timeout) <= 0:
+        parser.error("--count, --reps, --threads, --pipeline and --timeout must be positive")
+    if args.warmup < 0:
+        parser.error("--warmup must not be negative")
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
+    # Keep stdout for the one JSON line; anything else written to it, native code's included,
+    # goes to stderr.
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    prefix = f"hma:bench-lmc-{os.getpid()}:"
+    r = redis.Redis.from_url(args.url)
+    status = 1
+    try:
+        out.write(json.dumps(_measure(args, r, prefix)) + "\n")
+        status = 0
+    except BenchError as exc:
+        print(f"lmcache_peer: {args.connector}: {exc}", file=sys.stderr)
+    except Exception as exc:
+        message = _one_line(f"{type(exc).__name__}: {exc}")
+        print(f"lmcache_peer: {args.connector}: {message}", file=sys.stderr)
+    try:
+        _unlink(r, f"{prefix}*")
+    except redis.RedisError as exc:
+        print(f"lmcache_peer: could not unlink {prefix}*: {_one_line(str(exc))}", file=sys.stderr)
+        status = 1
+    out.flush()
+    sys.stderr.flush()
+    # Not close(): LMCache 0.5.6's connector close() deadlocks; its threads end with the process.
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main()
