@@ -89,6 +89,8 @@ class RedisTierConfig:
     # Worker: threads doing Redis I/O, and how long shutdown waits for scheduled stores.
     io_threads: int = 4
     shutdown_timeout_s: float = 30.0
+    # Lower Python's GIL switch interval to this in the worker's process (0: leave it).
+    gil_switch_interval_ms: float = 0.5
     # TLS (rediss://) options.
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
@@ -167,7 +169,13 @@ class RedisTierConfig:
 
 _DEFAULTS: dict[str, Any] = {"username": None, "password": None, "db": 0}
 _INT_FIELDS = {"db", "pool_size", "ttl_s", "max_inflight_bytes", "io_threads"}
-_FLOAT_FIELDS = {"connect_timeout_s", "read_timeout_s", "retry_interval_s", "shutdown_timeout_s"}
+_FLOAT_FIELDS = {
+    "connect_timeout_s",
+    "read_timeout_s",
+    "retry_interval_s",
+    "shutdown_timeout_s",
+    "gil_switch_interval_ms",
+}
 _BOOL_FIELDS = {"tls_verify", "allow_random_hash_seed"}
 
 
@@ -342,6 +350,7 @@ def _validate(cfg: RedisTierConfig) -> None:
     _positive(cfg.read_timeout_s, "read_timeout_s")
     _positive(cfg.retry_interval_s, "retry_interval_s")
     _positive(cfg.shutdown_timeout_s, "shutdown_timeout_s", allow_zero=True)
+    _positive(cfg.gil_switch_interval_ms, "gil_switch_interval_ms", allow_zero=True)
     _positive(cfg.pool_size, "pool_size")
     _positive(cfg.io_threads, "io_threads")
     _positive(cfg.max_inflight_bytes, "max_inflight_bytes")

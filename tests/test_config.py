@@ -59,6 +59,7 @@ def test_vllm_owned_keys_are_accepted():
         ({"max_inflight_bytes": 0}, "max_inflight_bytes"),
         ({"tls_ca_file": "/nonexistent/ca.pem"}, "tls_ca_file"),
         ({"allow_random_hash_seed": "maybe"}, "allow_random_hash_seed"),
+        ({"gil_switch_interval_ms": -1}, "gil_switch_interval_ms"),
     ],
 )
 def test_bad_values_raise_one_error_naming_the_field(extra, field):

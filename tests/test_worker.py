@@ -136,3 +136,19 @@ def test_corrupt_chunk_fails_the_load_before_any_page_is_written(worker, redis_c
     assert all(torch.equal(a, b) for a, b in zip(before, worker.tensors, strict=True))
     assert redis_client.exists(victim) == 0  # dropped, so the recompute can store a good copy
     assert redis_client.exists(*keys[:-1]) == 3
+
+
+def test_gil_switch_interval_is_lowered_never_raised():
+    import sys
+
+    from hma_redis.spec import lower_gil_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        lower_gil_switch_interval(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        lower_gil_switch_interval(0.002)  # a second worker asking for more leaves it
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)

@@ -1,0 +1,93 @@
+"""Where a worker job's time goes: milliseconds per phase of the real store and load jobs.
+
+    .venv/bin/python benchmarks/profile_phases.py [--jobs 6]
+
+Runs the tier benchmark's worker (``hma_redis.bench_tier.TierBench``: 8 layers of
+``(num_blocks, 16 KiB)`` int8 on the CPU, 32 MiB jobs) against a private ``redis-server`` and
+wraps the worker's and store's own functions with timers, so each line is the time spent inside
+that function, per job (averaged over ``--jobs`` jobs after one warm-up job per size):
+
+- store: ``exists`` (the pre-check), ``_pages_in_place`` (slicing the pages' views),
+  ``codec.encode_parts`` (CRC32C over the pages in place), ``put_parts_if_absent`` (sending,
+  replies); ``encode_parts`` and ``_pages_in_place`` run inside ``put_parts_if_absent``, which
+  builds each value just before sending it, so its line includes them;
+- load: ``get_into`` (GETs received into pooled buffers; ``_validate`` runs inside it, as each
+  value arrives), ``_validate`` (CRC32C, header checks), ``_scatter`` (copies into the KV cache).
+
+Wall time of the whole job is the ``total`` line. Profiling adds a little overhead per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from hma_redis import bench_tier, codec
+from hma_redis.local_redis import LocalRedis
+from hma_redis.store import RedisBlockStore
+from hma_redis.worker import RedisOffloadingWorker
+
+SPENT: Counter[str] = Counter()
+
+
+def _timed(owner: Any, name: str, label: str) -> None:
+    inner: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            SPENT[label] += time.perf_counter() - started
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=6, help="jobs per size and direction")
+    args = parser.parse_args()
+    for owner, name, label in (
+        (RedisOffloadingWorker, "_run_store", "store total"),
+        (RedisBlockStore, "exists", "store exists"),
+        (RedisBlockStore, "put_parts_if_absent", "store put_parts_if_absent"),
+        (codec, "encode_parts", "store   encode_parts (CRC32C)"),
+        (RedisOffloadingWorker, "_pages_in_place", "store   _pages_in_place"),
+        (RedisOffloadingWorker, "_run_load", "load total"),
+        (RedisBlockStore, "get_into", "load get_into"),
+        (RedisOffloadingWorker, "_validate", "load   _validate (CRC32C)"),
+        (RedisOffloadingWorker, "_scatter", "load _scatter"),
+    ):
+        _timed(owner, name, label)
+    plan = bench_tier.Plan(reps=1, job_bytes=32 * bench_tier.MIB, rb_bytes=0, lookup_samples=1)
+    server = LocalRedis().start()
+    try:
+        tier = bench_tier.TierBench(server.url, plan, "profile")
+        for size in plan.sizes:
+            tier.run(size, bench_tier.Samples())  # warm-up
+            SPENT.clear()
+            samples = bench_tier.Samples()
+            for _ in range(args.jobs):
+                tier.run(size, samples)
+            medians = {
+                op: statistics.median(samples.values[f"hma_redis {op} {size}"])
+                for op in ("store", "load")
+            }
+            store_ms, load_ms = medians["store"] * 1e3, medians["load"] * 1e3
+            print(
+                f"{bench_tier.size_label(size)} values, 32 MiB jobs: store job {store_ms:.1f} ms, "
+                f"load job {load_ms:.1f} ms (medians); ms per job inside:"
+            )
+            for label in sorted(SPENT, key=lambda lb: (lb.split()[0] != "store", lb)):
+                print(f"  {label:<34}{SPENT[label] / args.jobs * 1e3:8.1f}")
+        tier.close()
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
