@@ -55,21 +55,27 @@ def test_ttl_is_applied(redis_client, redis_url):
     assert 0 < redis_client.ttl("hma:ns:g0:aa") <= 100
 
 
-def test_oom_put_is_reported_failed_not_stored():
+@pytest.mark.parametrize("method", ["put_if_absent", "put_parts_if_absent"])
+def test_oom_put_is_reported_failed_not_stored(method):
     server = LocalRedis(extra_args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
     server.start()
     try:
-        store = _store(server.url)
+        store = _store(server.url, ttl_s=100)
         keys = [f"hma:ns:g0:{i:04x}" for i in range(12)]
-        results = store.put_if_absent([(k, os.urandom(300_000)) for k in keys])
+        value = memoryview(os.urandom(300_000))
+        if method == "put_if_absent":
+            results = store.put_if_absent([(k, value) for k in keys])
+        else:  # the value in two pieces, sent without joining them
+            results = store.put_parts_if_absent(keys, lambda i: [value[:1000], value[1000:]])
         client = redis.Redis(port=server.port)
         assert PutResult.FAILED in results
         assert PutResult.STORED in results
-        # Exactly the keys reported stored are there, whole; nothing else.
+        # Exactly the keys reported stored are there, whole, with their TTL; nothing else.
         for key, result in zip(keys, results, strict=True):
-            value = client.get(key)
-            assert (value is not None) == (result is PutResult.STORED)
-            assert value is None or len(value) == 300_000
+            stored = client.get(key)
+            assert (stored is not None) == (result is PutResult.STORED)
+            assert stored is None or (stored == bytes(value) and 0 < client.ttl(key) <= 100)
+        assert store.breaker.state is BreakerState.CLOSED  # a refusal is not an outage
     finally:
         server.stop()
 
@@ -277,26 +283,6 @@ def test_put_parts_stores_each_value_whole_from_its_pieces(redis_client, redis_u
     assert redis_client.get("hma:ns:g0:taken") == b"first writer"
     assert redis_client.get("hma:ns:g0:pages") == bytes(pages)
     assert redis_client.get("hma:ns:g0:empty") == b""
-
-
-def test_put_parts_applies_ttl_and_reports_refusals():
-    server = LocalRedis(extra_args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
-    server.start()
-    try:
-        store = _store(server.url, ttl_s=100)
-        keys = [f"hma:ns:g0:{i:04x}" for i in range(12)]
-        value = memoryview(os.urandom(300_000))
-        results = store.put_parts_if_absent(keys, lambda i: [value[:1000], value[1000:]])
-        client = redis.Redis(port=server.port)
-        assert PutResult.FAILED in results
-        assert PutResult.STORED in results
-        for key, result in zip(keys, results, strict=True):
-            stored = client.get(key)
-            assert (stored is not None) == (result is PutResult.STORED)
-            assert stored is None or (stored == bytes(value) and 0 < client.ttl(key) <= 100)
-        assert store.breaker.state is BreakerState.CLOSED
-    finally:
-        server.stop()
 
 
 def test_put_parts_on_a_dropped_connection_stores_nothing_partial(local_redis):
