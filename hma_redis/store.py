@@ -691,7 +691,7 @@ def _send_all(sock: Any, parts: Sequence[memoryview]) -> None:
         for part in parts:
             sock.sendall(part)
         return
-    pending = list(parts)
+    pending = [part for part in parts if part.nbytes]  # sendmsg of only empty parts sends 0
     first = 0
     while first < len(pending):
         sent = sock.sendmsg(pending[first : first + _IOV_MAX])
@@ -709,8 +709,8 @@ def _no_bulk(nbytes: int) -> memoryview:
 
 
 class _RawReplies:
-    """Replies to GET and HINCRBY (RESP2 or RESP3) read from a redis-py connection's socket,
-    bypassing its parser.
+    """Replies to GET, SET and HINCRBY (RESP2 or RESP3) read from a redis-py connection's
+    socket, bypassing its parser.
 
     A bulk string is received by ``recv_into`` straight into the caller's buffer; reply lines
     are read in small pieces, so little of a body passes through Python ``bytes``. The first
