@@ -653,7 +653,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or EXIT_OK
-        return _fail(f"bench: {exc.code}", EXIT_FAIL)
+        return _fail(f"bench: {str(exc.code).removeprefix('bench: ')}", EXIT_FAIL)
     except (RedisError, OSError) as exc:
         return _fail(f"bench: {type(exc).__name__}: {exc}", EXIT_FAIL)
     return EXIT_OK

@@ -393,6 +393,13 @@ def test_unreachable_redis_is_one_line_with_the_password_redacted(cli):
         assert SECRET not in run.err + run.out
 
 
+def test_bench_without_a_usable_lmcache_interpreter_is_one_line(cli, tmp_path):
+    missing = tmp_path / "no-such-python"
+    run = cli("bench", "--smoke", "--lmcache-python", str(missing))
+    _assert_one_line_error(run)
+    assert run.err == f"hma-redis: bench: --lmcache-python {missing} is not an executable\n"
+
+
 def test_unreachable_redis_from_the_installed_script():
     port = free_port()
     run = _run_script(
