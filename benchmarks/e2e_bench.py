@@ -25,8 +25,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -106,28 +104,11 @@ def child(job: dict[str, Any]) -> None:
 
 
 def run_engine(job: dict[str, Any]) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONHASHSEED": "0",
-        "HF_HUB_OFFLINE": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"engine process failed (exit code {proc.returncode})")
-    result: dict[str, Any] = json.loads(lines[-1][len(RESULT) :])
-    log = (proc.stdout + proc.stderr).splitlines()
-    result["log_tail"] = [ln for ln in log if "hma_redis: worker rank" in ln][-1:]
-    return result
+    from hma_redis.demo import run_engine_process
+
+    result, log = run_engine_process([__file__, "--child", json.dumps(job)], RESULT)
+    result["log_tail"] = [ln for ln in log.splitlines() if "hma_redis: worker rank" in ln][-1:]
+    return dict(result)
 
 
 def main() -> None:

@@ -71,6 +71,14 @@ def _child(job: dict[str, Any]) -> None:
 
 
 def _run_engine(job: dict[str, Any]) -> list[PromptRun]:
+    result, _ = run_engine_process(["-m", "hma_redis.demo", "--child", json.dumps(job)], _RESULT)
+    return [PromptRun(**r) for r in result]
+
+
+def run_engine_process(args: list[str], marker: str) -> tuple[Any, str]:
+    """Run ``python ARGS`` as one vLLM engine process (CPU settings unless the environment sets
+    them) and return the JSON it printed after ``marker``, and its whole output. A failed engine
+    ends the program with its stderr tail."""
     env = {
         **os.environ,
         "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
@@ -79,17 +87,13 @@ def _run_engine(job: dict[str, Any]) -> list[PromptRun]:
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "hma_redis.demo", "--child", json.dumps(job)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+        [sys.executable, *args], env=env, capture_output=True, text=True, check=False
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(marker)]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"engine process failed (exit code {proc.returncode})")
-    return [PromptRun(**r) for r in json.loads(lines[-1][len(_RESULT) :])]
+    return json.loads(lines[-1][len(marker) :]), proc.stdout + proc.stderr
 
 
 def _model(name: str | None, workdir: str) -> str:

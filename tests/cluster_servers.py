@@ -42,6 +42,18 @@ def _free_ports(n: int) -> list[int]:
     return sorted(ports)
 
 
+def _grant(client: redis.Redis, username: str | None, password: str) -> None:
+    """Give ``username`` (or ``default``) the password and every right, on one server."""
+    client.acl_setuser(
+        username or "default",
+        enabled=True,
+        passwords=[f"+{password}"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all"],
+    )
+
+
 def _wait(what: str, check: object, timeout_s: float, interval_s: float = 0.1) -> None:
     """Poll ``check()`` (redis errors count as "not yet") until true or raise after timeout."""
     assert callable(check)
@@ -115,14 +127,7 @@ class LocalCluster:
         if self.password:
             for client in self.clients(authenticated=False):
                 with client:
-                    client.acl_setuser(
-                        self.username or "default",
-                        enabled=True,
-                        passwords=[f"+{self.password}"],
-                        keys=["*"],
-                        channels=["*"],
-                        commands=["+@all"],
-                    )
+                    _grant(client, self.username, self.password)
         auth = (
             ["--user", self.username or "default", "--pass", self.password] if self.password else []
         )
@@ -259,14 +264,7 @@ class LocalSentinel:
             if self.password:
                 for server in self.servers:
                     with redis.Redis(port=server.port) as client:
-                        client.acl_setuser(
-                            self.username or "default",
-                            enabled=True,
-                            passwords=[f"+{self.password}"],
-                            keys=["*"],
-                            channels=["*"],
-                            commands=["+@all"],
-                        )
+                        _grant(client, self.username, self.password)
             self._start_sentinel(master.port)
         except BaseException:
             self.stop()
