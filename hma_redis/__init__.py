@@ -2,6 +2,6 @@
 
 from hma_redis.config import RedisTierConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 __all__ = ["FORMAT_VERSION", "RedisTierConfig"]

@@ -1,41 +1,76 @@
-"""The payload envelope: one Redis value = a small header + the raw KV bytes of one chunk.
+"""The payload envelope: one Redis value = a fixed prefix, a small header and the raw KV bytes
+of one chunk.
 
 Byte layout (all integers big-endian)::
 
     offset 0   4 bytes  magic  b"HMAK"
     offset 4   2 bytes  format version
-    offset 6   4 bytes  header length H
-    offset 10  4 bytes  CRC32C of (header ‖ body)
-    offset 14  H bytes  msgpack header (see :class:`BlockHeader`)
-    offset 14+H         body: for each layer, ``num_blocks`` pages of ``page_bytes[layer]`` bytes
+    offset 6   2 bytes  flags (bit 0: the MAC field holds a keyed MAC)
+    offset 8   4 bytes  header length H
+    offset 12  4 bytes  CRC32C of (header ‖ body)
+    offset 16 32 bytes  MAC: keyed BLAKE3 of (body ‖ header ‖ bytes 0-11) with the auth_key,
+                        all zero without one (the body first: BLAKE3 is ~3.5x slower when
+                        its big input starts at an offset that is not a multiple of 1 KiB)
+    offset 48  H bytes  msgpack header (see :class:`BlockHeader`)
+    offset 48+H         body: for each layer, ``num_blocks`` pages of ``page_bytes[layer]`` bytes
 
 The header echoes the Redis key it was written under, so a value copied onto another key (or
-another namespace) is rejected. Encoding writes the body once, straight from the KV cache into the
-value buffer; decoding returns zero-copy views of the reply. Every mismatch raises
-:class:`CorruptBlockError`; partial data is never returned.
+another namespace) is rejected. With an auth_key (:class:`MacKey`) every value carries a MAC,
+and a reader with a key accepts only values MAC'd with that key; a reader without one refuses
+MAC'd values (and a keyed reader unkeyed ones). The MAC field is always there, so a value's size
+does not depend on the key. Encoding writes the body once, straight from the KV cache into the
+value buffer (or sends the pages in place); decoding returns zero-copy views of the reply. Every
+mismatch raises :class:`CorruptBlockError`; partial data is never returned.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
+import blake3
 import crc32c
 import msgpack
 
 from hma_redis import FORMAT_VERSION
 
 MAGIC = b"HMAK"
-_PREFIX = struct.Struct(">4sHII")
+MAC_BYTES = 32
+# magic, version, flags, header length | CRC32C, MAC. The MAC covers the first four fields
+# (after body and header: the body goes first, aligned, as BLAKE3 is fastest that way).
+_SIGNED = struct.Struct(">4sHHI")
+_PREFIX = struct.Struct(f">4sHHII{MAC_BYTES}s")
 PREFIX_BYTES = _PREFIX.size
+FLAG_MAC = 0x0001
 MAX_HEADER_BYTES = 64 * 1024
+_NO_MAC = bytes(MAC_BYTES)
+# blake3 key-derivation context: the MAC key is derived from the shared secret, never used raw.
+_MAC_KEY_CONTEXT = "hma_redis 2026-11 value MAC"
 _T = TypeVar("_T")
 
 
 class CorruptBlockError(ValueError):
     """A stored value is not a valid block for the key it was read from."""
+
+
+@dataclass(frozen=True)
+class MacKey:
+    """The key of the values' MAC, derived once from the shared secret (the config's
+    ``auth_key``). Its ``repr`` never shows the key."""
+
+    key: bytes = field(repr=False)
+
+    @classmethod
+    def derive(cls, secret: bytes) -> MacKey:
+        """The MAC key for ``secret``: BLAKE3 in key-derivation mode (32 bytes, whatever the
+        secret's length), so the secret itself never keys a hash."""
+        return cls(blake3.blake3(secret, derive_key_context=_MAC_KEY_CONTEXT).digest())
+
+    def hasher(self) -> blake3.blake3:
+        return blake3.blake3(key=self.key)
 
 
 @dataclass(frozen=True)
@@ -52,6 +87,8 @@ class BlockHeader:
     num_blocks: int
     page_bytes: tuple[int, ...]
     kv_dtype: str = ""
+    # vLLM's kv_cache_layout of the writer ("" when vLLM reports none), e.g. "NHD" or "HND".
+    kv_cache_layout: str = ""
 
     @property
     def body_bytes(self) -> int:
@@ -70,6 +107,7 @@ class BlockHeader:
                 "nb": self.num_blocks,
                 "pages": list(self.page_bytes),
                 "dt": self.kv_dtype,
+                "kl": self.kv_cache_layout,
                 "n": self.body_bytes,
             }
         )
@@ -94,27 +132,41 @@ class EncodedBlock:
     header: BlockHeader
     buffer: memoryview
     header_len: int
+    mac_key: MacKey | None = None
 
     @property
     def body(self) -> memoryview:
         return self.buffer[PREFIX_BYTES + self.header_len :]
 
     def seal(self) -> memoryview:
-        """Compute the checksum over header and body; return the complete value (no copy)."""
+        """Compute checksum (and MAC) over header and body; return the complete value (no
+        copy)."""
+        signed = _signed_prefix(self.header_len, self.mac_key)
         crc = crc32c.crc32c(self.buffer[PREFIX_BYTES:])
-        _PREFIX.pack_into(self.buffer, 0, MAGIC, FORMAT_VERSION, self.header_len, crc)
+        mac = _NO_MAC
+        if self.mac_key is not None:
+            hasher = self.mac_key.hasher()
+            hasher.update(self.body)
+            hasher.update(self.buffer[PREFIX_BYTES : PREFIX_BYTES + self.header_len])
+            hasher.update(signed)
+            mac = hasher.digest()
+        _PREFIX.pack_into(self.buffer, 0, *_SIGNED.unpack(signed), crc, mac)
         return self.buffer
 
 
 def value_size(header: BlockHeader) -> int:
+    """Bytes of the value that holds ``header`` (the same with or without a MAC)."""
     return PREFIX_BYTES + len(header.to_msgpack()) + header.body_bytes
 
 
-def start_encode(header: BlockHeader, buffer: memoryview | None = None) -> EncodedBlock:
+def start_encode(
+    header: BlockHeader, buffer: memoryview | None = None, mac_key: MacKey | None = None
+) -> EncodedBlock:
     """Lay out the header in ``buffer`` (or a new one) and return the block to fill.
 
     ``buffer`` must be exactly :func:`value_size` bytes; passing one lets callers reuse
-    (pinned) staging memory. The body is left for the caller to write once.
+    (pinned) staging memory. The body is left for the caller to write once. With ``mac_key``,
+    :meth:`EncodedBlock.seal` also writes the MAC.
     """
     packed = header.to_msgpack()
     total = PREFIX_BYTES + len(packed) + header.body_bytes
@@ -124,32 +176,46 @@ def start_encode(header: BlockHeader, buffer: memoryview | None = None) -> Encod
         raise ValueError(f"buffer is {buffer.nbytes} bytes, the value needs {total}")
     buffer = buffer.cast("B")
     buffer[PREFIX_BYTES : PREFIX_BYTES + len(packed)] = packed
-    return EncodedBlock(header=header, buffer=buffer, header_len=len(packed))
+    return EncodedBlock(header=header, buffer=buffer, header_len=len(packed), mac_key=mac_key)
 
 
-def encode_parts(header: BlockHeader, body: Sequence[memoryview]) -> list[memoryview]:
+def encode_parts(
+    header: BlockHeader, body: Sequence[memoryview], mac_key: MacKey | None = None
+) -> list[memoryview]:
     """The value as pieces to send back to back, the body's pieces not copied.
 
     Returns the prefix and header in one new buffer, followed by ``body``: the pages, read in
     place (from the KV cache), whose sizes must add up to the header's body size. The checksum
-    covers them as they are now; they must not change until the value has been sent.
+    (and, with ``mac_key``, the MAC, computed piece by piece) covers them as they are now; they
+    must not change until the value has been sent.
     """
     size = sum(piece.nbytes for piece in body)
     if size != header.body_bytes:
         raise ValueError(f"body pieces hold {size} bytes, the header says {header.body_bytes}")
     packed = header.to_msgpack()
+    signed = _signed_prefix(len(packed), mac_key)
     crc = crc32c.crc32c(packed)
+    hasher = mac_key.hasher() if mac_key is not None else None
     for piece in body:
         crc = crc32c.crc32c(piece, crc)
+        if hasher is not None:
+            hasher.update(piece)
+    mac = _NO_MAC
+    if hasher is not None:
+        hasher.update(packed)
+        hasher.update(signed)
+        mac = hasher.digest()
     head = bytearray(PREFIX_BYTES + len(packed))
-    _PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, len(packed), crc)
+    _PREFIX.pack_into(head, 0, *_SIGNED.unpack(signed), crc, mac)
     head[PREFIX_BYTES:] = packed
     return [memoryview(head), *body]
 
 
-def encode(header: BlockHeader, body: bytes | memoryview) -> memoryview:
+def encode(
+    header: BlockHeader, body: bytes | memoryview, mac_key: MacKey | None = None
+) -> memoryview:
     """Encode a whole value from an existing body (one copy). Mostly for tests and tools."""
-    block = start_encode(header)
+    block = start_encode(header, mac_key=mac_key)
     block.body[:] = memoryview(body).cast("B")
     return block.seal()
 
@@ -158,24 +224,30 @@ def decode(
     value: bytes | bytearray | memoryview,
     expected_key: str | None = None,
     expected_group: int | None = None,
+    mac_key: MacKey | None = None,
 ) -> DecodedBlock:
     """Validate ``value`` and return views of its parts.
 
-    Raises :class:`CorruptBlockError` on any mismatch: wrong magic or version, bad lengths,
-    checksum failure, undecodable header, or a key/group other than the expected one.
+    Raises :class:`CorruptBlockError` on any mismatch: wrong magic or version, unknown flags,
+    bad lengths, checksum failure, a MAC that is missing (``mac_key`` given), unexpected (none
+    given) or wrong, undecodable header, or a key/group other than the expected one. The header
+    is parsed only once checksum and MAC hold.
     """
     view = memoryview(value).cast("B")
     if view.nbytes < PREFIX_BYTES:
         raise CorruptBlockError(f"value too short ({view.nbytes} bytes)")
-    magic, version, header_len, crc = _PREFIX.unpack_from(view, 0)
+    magic, version, flags, header_len, crc, mac = _PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise CorruptBlockError("bad magic: not an hma_redis block")
     if version != FORMAT_VERSION:
         raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
+    if flags & ~FLAG_MAC:
+        raise CorruptBlockError(f"unknown flags {flags:#06x}")
     if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len > view.nbytes:
         raise CorruptBlockError(f"header length {header_len} does not fit the value")
     if crc32c.crc32c(view[PREFIX_BYTES:]) != crc:
         raise CorruptBlockError("checksum mismatch")
+    _check_mac(view, flags, mac, mac_key)
     header = _parse_header(view[PREFIX_BYTES : PREFIX_BYTES + header_len])
     body = view[PREFIX_BYTES + header_len :]
     if body.nbytes != header.body_bytes:
@@ -188,15 +260,52 @@ def decode(
 
 
 def decode_header(value: bytes | memoryview) -> tuple[BlockHeader, bool]:
-    """Header of a value and whether its checksum holds (for inspection tools)."""
+    """Header of a value and whether its checksum (CRC32C) holds, for inspection tools: the MAC
+    is not checked (see :func:`has_mac`). Raises :class:`CorruptBlockError` only when no
+    header can be read at all."""
     view = memoryview(value).cast("B")
-    try:
-        return decode(view).header, True
-    except CorruptBlockError:
-        if view.nbytes < PREFIX_BYTES:
-            raise
-        _magic, _version, header_len, _crc = _PREFIX.unpack_from(view, 0)
-        return _parse_header(view[PREFIX_BYTES : PREFIX_BYTES + header_len]), False
+    if view.nbytes < PREFIX_BYTES:
+        raise CorruptBlockError(f"value too short ({view.nbytes} bytes)")
+    magic, _version, _flags, header_len, crc, _mac = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CorruptBlockError("bad magic: not an hma_redis block")
+    if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len > view.nbytes:
+        raise CorruptBlockError(f"header length {header_len} does not fit the value")
+    header = _parse_header(view[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    body_ok = view.nbytes == PREFIX_BYTES + header_len + header.body_bytes
+    return header, body_ok and crc32c.crc32c(view[PREFIX_BYTES:]) == crc
+
+
+def has_mac(value: bytes | memoryview) -> bool:
+    """Whether a value says it carries a MAC (written with an auth_key); not verified."""
+    view = memoryview(value).cast("B")
+    if view.nbytes < PREFIX_BYTES:
+        return False
+    return bool(_PREFIX.unpack_from(view, 0)[2] & FLAG_MAC)
+
+
+def _signed_prefix(header_len: int, mac_key: MacKey | None) -> bytes:
+    """The prefix fields the MAC covers (all but CRC and MAC)."""
+    flags = FLAG_MAC if mac_key is not None else 0
+    return _SIGNED.pack(MAGIC, FORMAT_VERSION, flags, header_len)
+
+
+def _check_mac(view: memoryview, flags: int, mac: bytes, mac_key: MacKey | None) -> None:
+    """The value's MAC state must match the reader's: MAC'd with ``mac_key``, or no MAC for a
+    reader without one. Constant-time comparison."""
+    if not flags & FLAG_MAC:
+        if mac_key is not None:
+            raise CorruptBlockError("value has no MAC, but this reader requires one (auth_key)")
+        return
+    if mac_key is None:
+        raise CorruptBlockError("value has a MAC (written with an auth_key); this reader has none")
+    header_len = _SIGNED.unpack_from(view, 0)[3]
+    hasher = mac_key.hasher()
+    hasher.update(view[PREFIX_BYTES + header_len :])
+    hasher.update(view[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    hasher.update(view[: _SIGNED.size])
+    if not hmac.compare_digest(hasher.digest(), mac):
+        raise CorruptBlockError("MAC mismatch: written with another auth_key, or tampered with")
 
 
 def _parse_header(raw: memoryview) -> BlockHeader:
@@ -209,6 +318,7 @@ def _parse_header(raw: memoryview) -> BlockHeader:
             num_blocks=_typed(fields["nb"], int),
             page_bytes=tuple(_typed(p, int) for p in fields["pages"]),
             kv_dtype=_typed(fields["dt"], str),
+            kv_cache_layout=_typed(fields["kl"], str),
         )
         declared = _typed(fields["n"], int)
         version = _typed(fields["v"], int)

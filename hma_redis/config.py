@@ -1,22 +1,39 @@
 """One validated, immutable configuration for the Redis tier.
 
 Built from vLLM's ``kv_connector_extra_config`` (the keys below, by name) plus the environment
-(``HMA_REDIS_URL``, falling back to ``REDIS_URL``). Every bad value raises one ``ValueError`` whose
-message names the field; passwords never appear in messages or ``repr``.
+(``HMA_REDIS_URL``, falling back to ``REDIS_URL``; ``HMA_REDIS_PASSWORD``; ``HMA_REDIS_AUTH_KEY``).
+Every bad value raises one ``ValueError`` whose message names the field; secrets (password,
+auth_key) never appear in messages, logs or ``repr``.
+
+vLLM logs ``kv_connector_extra_config`` at start-up, so secrets have ways in that avoid it: the
+password from ``HMA_REDIS_PASSWORD``, ``password_file`` or the URL in ``HMA_REDIS_URL``; the
+auth_key only from ``HMA_REDIS_AUTH_KEY`` or ``auth_key_file`` (refused in the extra config).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit, urlunsplit
+
+import blake3
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 URL_ENV_VARS = ("HMA_REDIS_URL", "REDIS_URL")
+PASSWORD_ENV = "HMA_REDIS_PASSWORD"
+AUTH_KEY_ENV = "HMA_REDIS_AUTH_KEY"
+# A shorter shared secret is too easy to guess from a value's MAC (or the namespace's key id).
+MIN_AUTH_KEY_BYTES = 16
+# blake3 key-derivation context of auth_key_id (the MAC key has its own, in the codec).
+_AUTH_KEY_ID_CONTEXT = "hma_redis 2026-11 auth_key id"
 # Redis Cluster: ``redis+cluster://[user:pw@]host:port[,host:port...]/`` (startup nodes).
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 # Sentinel: ``redis+sentinel://[user:pw@]host:port[,host:port...]/<service>[/<db>]``.
@@ -43,26 +60,74 @@ VLLM_OWNED_KEYS = frozenset(
 )
 
 
-def redact_url(url: str) -> str:
-    """Return ``url`` with any password (userinfo or query) replaced by ``***`` (safe to log).
+def split_userinfo(url: str) -> tuple[str, str | None, str]:
+    """``(head, userinfo, rest)`` with ``url == head + userinfo + "@" + rest`` (``userinfo``
+    ``None`` and ``url == head + rest`` when there is none).
 
-    Works on the raw text of the authority, so URLs with several hosts (cluster, sentinel) or a
-    bad port are redacted too.
+    ``head`` is ``scheme://``. The userinfo is everything from there to the **last** ``@`` of
+    the URL, whatever it contains: a password with unencoded ``/``, ``?``, ``#``, ``@``, ``:``,
+    ``[`` ... is never mistaken for part of the host, path or query (an ``@`` elsewhere, e.g. in
+    a sentinel service name, must be percent-encoded). A ``unix://`` URL's socket path starts
+    with ``/``, so there the userinfo ends at the last ``@`` that a ``/`` follows (if any; else
+    at the last ``@``). Text without ``://`` is all userinfo up to its last ``@``, so even a
+    mistyped URL is redacted.
     """
+    scheme, sep, tail = url.partition("://")
+    head = scheme + sep if sep else ""
+    if not sep:
+        tail = url
+    if tail.startswith("/"):
+        return head, None, tail  # no authority (unix:///path, or a URL without a host)
+    at = tail.rfind("@/") if scheme == "unix" else -1
+    if at < 0:
+        at = tail.rfind("@")
+    if at < 0:
+        return head, None, tail
+    return head, tail[:at], tail[at + 1 :]
+
+
+def strip_userinfo(url: str) -> str:
+    """``url`` without user name and password; safe to hand to ``urlsplit`` (and to log, but
+    for a ``password=`` query parameter: use :func:`redact_url` for that)."""
+    head, _userinfo, rest = split_userinfo(url)
+    return head + rest
+
+
+def redact_url(url: str) -> str:
+    """``url`` with everything between ``scheme://`` and the host (user name and password,
+    whatever characters they hold) replaced by ``***``, and any ``password=`` query value too.
+    Never raises, so it is safe on malformed URLs (cluster and sentinel host lists included).
+    A ``password=`` query parameter (refused by the config, but shown in its error) is cut
+    with all that follows it; if one appears before the userinfo's end (inside the password,
+    or a query password holding an ``@``), nothing after ``scheme://`` is shown.
+    """
+    head, userinfo, rest = split_userinfo(url)
+    shown = head + ("***@" if userinfo is not None else "")
+    cut = re.search(r"[?&]password=", url, re.IGNORECASE)
+    if cut is None:
+        return shown + rest
+    rest_at = len(url) - len(rest)
+    if cut.start() < rest_at:
+        return head + "***"
+    return shown + rest[: cut.end() - rest_at] + "***"
+
+
+def has_url_password(url: str) -> bool:
+    """Whether ``url`` carries a password (in its userinfo or a ``password=`` query)."""
+    _head, userinfo, rest = split_userinfo(url)
+    if userinfo is not None and userinfo.partition(":")[2]:
+        return True
+    return "password=" in rest.lower()
+
+
+def _split_url(url: str) -> SplitResult:
+    """``urlsplit`` of ``url`` without its userinfo; a redacted ``ValueError`` if malformed."""
     try:
-        parts = urlsplit(url)
+        return urlsplit(strip_userinfo(url))
     except ValueError:
-        return "<unparseable url>"
-    netloc = parts.netloc
-    userinfo, at, hosts = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
-    query = "&".join(
-        f"{q.split('=', 1)[0]}=***" if q.lower().startswith("password=") else q
-        for q in parts.query.split("&")
-        if q
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        raise ValueError(
+            f"hma_redis: redis_url has an invalid host or port: {redact_url(url)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -76,6 +141,8 @@ class RedisTierConfig:
     url: str = DEFAULT_URL
     username: str | None = None
     password: str | None = field(default=None, repr=False)
+    # A file whose content (one trailing newline stripped) is the password.
+    password_file: str | None = None
     db: int = 0
     connect_timeout_s: float = 1.0
     read_timeout_s: float = 2.0
@@ -91,6 +158,9 @@ class RedisTierConfig:
     shutdown_timeout_s: float = 30.0
     # Lower Python's GIL switch interval to this in the worker's process (0: leave it).
     gil_switch_interval_ms: float = 0.5
+    # Scheduler: a chunk this instance is storing answers HIT_PENDING for at most this long
+    # (vLLM never completes stores it dropped, e.g. on reset_prefix_cache).
+    store_pending_timeout_s: float = 30.0
     # TLS (rediss://) options.
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
@@ -98,8 +168,24 @@ class RedisTierConfig:
     tls_verify: bool = True
     # Accept a random per-process hash seed (sharing across processes then gets no hits).
     allow_random_hash_seed: bool = False
+    # Shared secret: every value carries a keyed MAC (codec). Never in repr, str or logs.
+    auth_key: bytes | None = field(default=None, repr=False)
+    # A file whose content (one trailing newline stripped) is the auth_key.
+    auth_key_file: str | None = None
 
     def __post_init__(self) -> None:
+        # A secret file is read once, when the secret itself is not set: a copy made with
+        # dataclasses.replace keeps the secret read by the original.
+        if self.password_file is not None and self.password is None:
+            secret = _read_secret(self.password_file, "password_file")
+            try:
+                object.__setattr__(self, "password", secret.decode())
+            except UnicodeDecodeError:
+                raise ValueError(
+                    f"hma_redis: password_file is not UTF-8 text: {self.password_file}"
+                ) from None
+        if self.auth_key_file is not None and self.auth_key is None:
+            object.__setattr__(self, "auth_key", _read_secret(self.auth_key_file, "auth_key_file"))
         # Credentials and db written in the URL apply unless given as fields (which win).
         for name, value in _url_parts(self.url).items():
             if getattr(self, name) == _DEFAULTS[name]:
@@ -112,7 +198,17 @@ class RedisTierConfig:
 
     @property
     def tls(self) -> bool:
-        return urlsplit(self.url).scheme in TLS_SCHEMES
+        return _split_url(self.url).scheme in TLS_SCHEMES
+
+    @property
+    def auth_key_id(self) -> str:
+        """A short, non-secret id of the auth_key ("" without one): 16 hex digits of a keyed
+        BLAKE3 hash of a constant label. Equal keys give equal ids; the id reveals nothing
+        about the key, so it may go into the namespace fingerprint and the logs."""
+        if self.auth_key is None:
+            return ""
+        key = blake3.blake3(self.auth_key, derive_key_context=_AUTH_KEY_ID_CONTEXT).digest()
+        return blake3.blake3(b"hma_redis auth_key id", key=key).hexdigest()[:16]
 
     @property
     def topology(self) -> Topology:
@@ -130,6 +226,8 @@ class RedisTierConfig:
             shown.append(f"{f.name}={value!r}")
         if self.password is not None:
             shown.append("password='***'")
+        if self.auth_key is not None:
+            shown.append(f"auth_key_id={self.auth_key_id!r}")
         return f"RedisTierConfig({', '.join(shown)})"
 
     @classmethod
@@ -137,16 +235,28 @@ class RedisTierConfig:
         cls,
         extra: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        *,
+        warn_credentials: bool = True,
     ) -> RedisTierConfig:
         """Build the config from ``kv_connector_extra_config`` plus the environment.
 
         The URL comes from ``redis_url`` in ``extra``, else ``HMA_REDIS_URL``, else ``REDIS_URL``,
-        else the default. Credentials and the database number may be in the URL or given as
-        separate keys (separate keys win). Unknown keys raise ``ValueError``.
+        else the default. The password comes from ``password`` or ``password_file`` in ``extra``
+        (not both), else ``HMA_REDIS_PASSWORD``, else the URL; the user name and database from
+        the separate keys, else the URL. The auth_key comes from ``auth_key_file``, else
+        ``HMA_REDIS_AUTH_KEY``; ``auth_key`` itself in ``extra`` is refused, because vLLM logs
+        that dictionary. Unknown keys raise ``ValueError``. A password in ``extra`` (``password``
+        or in ``redis_url``) is accepted with one WARNING naming the safe ways in, unless
+        ``warn_credentials`` is false (tools whose options are not logged).
         """
         extra = dict(extra or {})
         env = os.environ if env is None else env
-        names = {f.name for f in dataclasses.fields(cls)} - {"url"}
+        if "auth_key" in extra:
+            raise ValueError(
+                "hma_redis: auth_key must not be in kv_connector_extra_config (vLLM logs it at "
+                f"start-up); set the {AUTH_KEY_ENV} environment variable or auth_key_file instead"
+            )
+        names = {f.name for f in dataclasses.fields(cls)} - {"url", "auth_key"}
         known = names | {"redis_url"} | VLLM_OWNED_KEYS
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
@@ -159,24 +269,63 @@ class RedisTierConfig:
             url = next((env[v] for v in URL_ENV_VARS if env.get(v)), DEFAULT_URL)
         if not isinstance(url, str):
             raise ValueError("hma_redis: redis_url must be a string")
-        kwargs: dict[str, Any] = _url_parts(url)
-        kwargs["url"] = url
+        if extra.get("password") is not None and extra.get("password_file") is not None:
+            raise ValueError("hma_redis: give password or password_file, not both")
+        if warn_credentials:
+            _warn_credentials_in_extra(extra)
+        kwargs: dict[str, Any] = {"url": url}
         for name in names:
             if name in extra:
                 kwargs[name] = _coerce(name, extra[name])
+        explicit = kwargs.get("password") is not None or kwargs.get("password_file") is not None
+        if not explicit and env.get(PASSWORD_ENV):
+            kwargs["password"] = env[PASSWORD_ENV]
+        if kwargs.get("auth_key_file") is None and env.get(AUTH_KEY_ENV):
+            kwargs["auth_key"] = env[AUTH_KEY_ENV].encode()
         return cls(**kwargs)
 
 
+def _warn_credentials_in_extra(extra: Mapping[str, Any]) -> None:
+    """One WARNING (without the secret) when a password arrives in the extra config."""
+    where = []
+    if extra.get("password") is not None:
+        where.append("password")
+    url = extra.get("redis_url")
+    if isinstance(url, str) and has_url_password(url):
+        where.append("a password in redis_url")
+    if where:
+        logger.warning(
+            "hma_redis: kv_connector_extra_config holds %s, and vLLM logs that dictionary at "
+            "start-up; give the password through %s, password_file or the URL in "
+            "HMA_REDIS_URL instead (docs/security.md)",
+            " and ".join(where),
+            PASSWORD_ENV,
+        )
+
+
+def _read_secret(path: str, name: str) -> bytes:
+    """The content of a secret file without one trailing newline; errors name the option and
+    the path, never the content."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(
+            f"hma_redis: {name} cannot be read: {path} ({exc.strerror or type(exc).__name__})"
+        ) from None
+    if data.endswith(b"\n"):  # one line ending, as editors and `echo` write it
+        data = data[:-1].removesuffix(b"\r")
+    if not data:
+        raise ValueError(f"hma_redis: {name} is empty: {path}")
+    return data
+
+
 _DEFAULTS: dict[str, Any] = {"username": None, "password": None, "db": 0}
-_INT_FIELDS = {"db", "pool_size", "ttl_s", "max_inflight_bytes", "io_threads"}
-_FLOAT_FIELDS = {
-    "connect_timeout_s",
-    "read_timeout_s",
-    "retry_interval_s",
-    "shutdown_timeout_s",
-    "gil_switch_interval_ms",
-}
-_BOOL_FIELDS = {"tls_verify", "allow_random_hash_seed"}
+# Field kinds, from the annotations: a new option is coerced and checked like its kind.
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(RedisTierConfig)}
+_INT_FIELDS = {n for n, t in _FIELD_TYPES.items() if t in ("int", "int | None")}
+_FLOAT_FIELDS = {n for n, t in _FIELD_TYPES.items() if t in ("float", "float | None")}
+_BOOL_FIELDS = {n for n, t in _FIELD_TYPES.items() if t == "bool"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -209,16 +358,22 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _url_parts(url: str) -> dict[str, Any]:
-    """Credentials and db found in the URL (validated later with the rest)."""
+    """Credentials and db found in the URL (validated later with the rest).
+
+    The user name is the userinfo up to its first ``:``, the password all after it (see
+    :func:`split_userinfo`), both percent-decoded.
+    """
+    _head, userinfo, _rest = split_userinfo(url)
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(strip_userinfo(url))
     except ValueError:
         raise ValueError(f"hma_redis: redis_url is not a URL: {redact_url(url)}") from None
     out: dict[str, Any] = {}
-    if parts.username:
-        out["username"] = unquote(parts.username)
-    if parts.password:
-        out["password"] = unquote(parts.password)
+    user, _colon, password = (userinfo or "").partition(":")
+    if user:
+        out["username"] = unquote(user)
+    if password:
+        out["password"] = unquote(password)
     query = parse_qs(parts.query)
     unknown = sorted(set(query) - {"db"})
     if unknown:
@@ -262,7 +417,7 @@ class Topology:
 
 def topology(url: str) -> Topology:
     """Parse ``url`` into a :class:`Topology`; ``ValueError`` (redacted) if it is malformed."""
-    parts = urlsplit(url)
+    parts = _split_url(url)
     tls = parts.scheme in TLS_SCHEMES
     if parts.scheme in CLUSTER_SCHEMES:
         return Topology("cluster", _hosts(url, _CLUSTER_PORT), tls=tls)
@@ -279,7 +434,7 @@ def topology(url: str) -> Topology:
 
 def _hosts(url: str, default_port: int) -> tuple[tuple[str, int], ...]:
     """``host[:port][,host[:port]...]`` of a cluster or sentinel URL (IPv6 in brackets)."""
-    netloc = urlsplit(url).netloc.rpartition("@")[2]
+    netloc = _split_url(url).netloc
     out: list[tuple[str, int]] = []
     for item in netloc.split(","):
         if item.startswith("["):
@@ -303,7 +458,7 @@ def endpoint_url(url: str) -> str:
     The connection's username, password and db always come from the config fields, so a value
     given as a separate key wins over one in the URL (redis-py would let the URL win).
     """
-    parts = urlsplit(url)
+    parts = _split_url(url)
     if parts.scheme == "unix":
         return urlunsplit(("unix", "", parts.path, "", ""))
     host = parts.hostname or ""
@@ -315,18 +470,13 @@ def endpoint_url(url: str) -> str:
 
 
 def _validate(cfg: RedisTierConfig) -> None:
-    try:
-        parts = urlsplit(cfg.url)
-    except ValueError:
-        raise ValueError(
-            f"hma_redis: redis_url has an invalid host or port: {cfg.redacted_url}"
-        ) from None
+    parts = _split_url(cfg.url)
     if parts.scheme not in _SCHEMES:
         raise ValueError(
             f"hma_redis: redis_url scheme must be one of {list(_SCHEMES)}: {cfg.redacted_url}"
         )
     if parts.scheme in CLUSTER_SCHEMES or parts.scheme in SENTINEL_SCHEMES:
-        if not parts.netloc.rpartition("@")[2]:
+        if not parts.netloc:
             raise ValueError(f"hma_redis: redis_url has no host: {cfg.redacted_url}")
         topology(cfg.url)  # raises on a bad host list or a missing service name
         if parts.scheme in CLUSTER_SCHEMES and cfg.db != 0:
@@ -346,11 +496,14 @@ def _validate(cfg: RedisTierConfig) -> None:
             raise ValueError(f"hma_redis: redis_url has no host: {cfg.redacted_url}")
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"hma_redis: redis_url port out of range: {cfg.redacted_url}")
+    for name in sorted(_FLOAT_FIELDS):
+        _finite(getattr(cfg, name), name)
     _positive(cfg.connect_timeout_s, "connect_timeout_s")
     _positive(cfg.read_timeout_s, "read_timeout_s")
     _positive(cfg.retry_interval_s, "retry_interval_s")
     _positive(cfg.shutdown_timeout_s, "shutdown_timeout_s", allow_zero=True)
     _positive(cfg.gil_switch_interval_ms, "gil_switch_interval_ms", allow_zero=True)
+    _positive(cfg.store_pending_timeout_s, "store_pending_timeout_s")
     _positive(cfg.pool_size, "pool_size")
     _positive(cfg.io_threads, "io_threads")
     _positive(cfg.max_inflight_bytes, "max_inflight_bytes")
@@ -378,6 +531,25 @@ def _validate(cfg: RedisTierConfig) -> None:
             raise ValueError(f"hma_redis: {name} does not exist or is not a file: {path}")
     if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
         raise ValueError("hma_redis: tls_cert_file and tls_key_file must be given together")
+    _validate_auth_key(cfg.auth_key)
+
+
+def _validate_auth_key(key: object) -> None:
+    if key is None:
+        return
+    if not isinstance(key, bytes):
+        raise ValueError(f"hma_redis: auth_key must be bytes, got {type(key).__name__}")
+    if len(key) < MIN_AUTH_KEY_BYTES:
+        raise ValueError(
+            f"hma_redis: auth_key must be at least {MIN_AUTH_KEY_BYTES} bytes, got {len(key)} "
+            "(generate one with: openssl rand -hex 32)"
+        )
+
+
+def _finite(value: object, name: str) -> None:
+    """Reject nan and +-inf (a timeout of inf never fires, nan compares false to everything)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"hma_redis: {name} must be a finite number, got {value}")
 
 
 def _positive(value: float, name: str, allow_zero: bool = False) -> None:

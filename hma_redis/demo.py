@@ -83,7 +83,6 @@ def run_engine_process(args: list[str], marker: str) -> tuple[Any, str]:
         **os.environ,
         "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0"),
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     }
     proc = subprocess.run(

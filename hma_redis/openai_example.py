@@ -39,7 +39,6 @@ from hma_redis.local_redis import free_port, redis_or_local
 from hma_redis.vllm_config import kv_transfer_config
 
 SERVER_ENV = {
-    "PYTHONHASHSEED": "0",  # the same block hashes in every instance
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; only read by the CPU build

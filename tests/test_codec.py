@@ -3,7 +3,7 @@ import os
 import pytest
 
 from hma_redis import codec
-from hma_redis.codec import BlockHeader, CorruptBlockError
+from hma_redis.codec import BlockHeader, CorruptBlockError, MacKey
 
 KEY = "hma:abc:g0:00ff"
 
@@ -81,7 +81,8 @@ def _mutate(value, offset, byte):
         pytest.param(lambda v: b"XXXX" + v[4:], id="bad-magic"),
         pytest.param(lambda v: v[:4] + b"\x00\x09" + v[6:], id="other-version"),
         pytest.param(lambda v: os.urandom(len(v)), id="garbage"),
-        pytest.param(lambda v: v[:6] + b"\xff\xff\xff\xff" + v[10:], id="huge-header-length"),
+        pytest.param(lambda v: v[:8] + b"\xff\xff\xff\xff" + v[12:], id="huge-header-length"),
+        pytest.param(lambda v: v[:6] + b"\x00\x02" + v[8:], id="unknown-flag"),
     ],
 )
 def test_every_corruption_raises_corrupt_block_error(corrupt):
@@ -108,3 +109,93 @@ def test_decode_header_reports_checksum_state():
     assert ok and header.key == KEY
     header, ok = codec.decode_header(_mutate(bytes(value), len(value) - 1, 1))
     assert not ok and header.num_blocks == 3
+
+
+# ------------------------------------------------------------------ keyed MAC (auth_key)
+
+SECRET = b"shared-secret-of-the-instances-0001"
+MAC = MacKey.derive(SECRET)
+
+
+def _forge(value: bytes, new_body: bytes) -> bytes:
+    """What an attacker who can write to Redis and read this module does: replace the body and
+    recompute the CRC32C (no secret needed for that)."""
+    import crc32c
+
+    header_len = int.from_bytes(value[8:12], "big")
+    payload = value[codec.PREFIX_BYTES : codec.PREFIX_BYTES + header_len] + new_body
+    crc = crc32c.crc32c(payload).to_bytes(4, "big")
+    return value[:12] + crc + value[16 : codec.PREFIX_BYTES] + payload
+
+
+def test_keyed_value_round_trips_through_every_encoder():
+    header = _header()
+    body = memoryview(os.urandom(header.body_bytes))
+    whole = bytes(codec.encode(header, body, MAC))
+    # In place, the MAC computed piece by piece over the pages, nothing copied.
+    parts = codec.encode_parts(header, [body[:10], body[10:100], body[100:]], MAC)
+    assert [p.obj for p in parts[1:]] == [body.obj] * 3
+    assert b"".join(parts) == whole
+    block = codec.start_encode(header, mac_key=MAC)
+    block.body[:] = body
+    assert bytes(block.seal()) == whole
+    # The MAC field is always there: a value's size does not depend on the key.
+    assert len(whole) == codec.value_size(header) == len(bytes(codec.encode(header, body)))
+    assert codec.has_mac(whole) and not codec.has_mac(bytes(codec.encode(header, body)))
+    assert bytes(codec.decode(whole, expected_key=KEY, mac_key=MAC).body) == bytes(body)
+
+
+def test_forged_body_with_valid_crc_passes_unkeyed_reader_but_not_keyed_one():
+    header = _header()
+    plain = bytes(codec.encode(header, os.urandom(header.body_bytes)))
+    evil = os.urandom(header.body_bytes)
+    # CRC32C and the key echo stop accidents only: an unkeyed reader takes the forged value.
+    assert bytes(codec.decode(_forge(plain, evil), expected_key=KEY).body) == evil
+    keyed = bytes(codec.encode(header, os.urandom(header.body_bytes), MAC))
+    with pytest.raises(CorruptBlockError, match="MAC mismatch"):
+        codec.decode(_forge(keyed, evil), expected_key=KEY, mac_key=MAC)
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader", "message"),
+    [
+        pytest.param(None, MAC, "has no MAC", id="unkeyed-value-keyed-reader"),
+        pytest.param(MAC, None, "this reader has none", id="keyed-value-unkeyed-reader"),
+        pytest.param(MacKey.derive(b"another-secret-0123456789"), MAC, "MAC mismatch",
+                     id="other-key"),
+    ],
+)  # fmt: skip
+def test_value_without_a_valid_mac_for_the_reader_is_corrupt(writer, reader, message):
+    header = _header()
+    value = bytes(codec.encode(header, os.urandom(header.body_bytes), writer))
+    with pytest.raises(CorruptBlockError, match=message):
+        codec.decode(value, expected_key=KEY, mac_key=reader)
+
+
+def test_stripping_the_mac_flag_does_not_fool_a_keyed_reader():
+    header = _header()
+    value = bytearray(codec.encode(header, os.urandom(header.body_bytes), MAC))
+    value[6:8] = b"\x00\x00"  # flags: "no MAC"
+    value[16 : codec.PREFIX_BYTES] = bytes(codec.MAC_BYTES)
+    with pytest.raises(CorruptBlockError):
+        codec.decode(bytes(value), expected_key=KEY, mac_key=MAC)
+
+
+@pytest.mark.parametrize("offset", [0, 4, 6, 9, codec.PREFIX_BYTES + 3, -1])
+def test_any_changed_byte_of_a_keyed_value_is_corrupt(offset):
+    header = _header()
+    value = bytes(codec.encode(header, os.urandom(header.body_bytes), MAC))
+    with pytest.raises(CorruptBlockError):
+        codec.decode(_mutate(value, offset % len(value), 0x10), expected_key=KEY, mac_key=MAC)
+
+
+def test_mac_key_hides_its_bytes():
+    assert MAC.key.hex() not in repr(MAC) and SECRET.decode() not in repr(MAC)
+    assert MacKey.derive(SECRET) == MAC and MacKey.derive(SECRET + b"x") != MAC
+
+
+def test_header_carries_kv_cache_layout():
+    header = BlockHeader(KEY, 0, 0, 3, (64, 32), "bfloat16", "HND")
+    value = codec.encode(header, os.urandom(header.body_bytes))
+    assert codec.decode(value, expected_key=KEY).header.kv_cache_layout == "HND"
+    assert codec.decode_header(bytes(value))[0] == header

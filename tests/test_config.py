@@ -1,6 +1,13 @@
+import dataclasses
+import logging
+import math
+import re
+import string
+from urllib.parse import quote
+
 import pytest
 
-from hma_redis.config import RedisTierConfig, redact_url
+from hma_redis.config import RedisTierConfig, endpoint_url, redact_url
 
 
 def test_url_from_extra_config_wins_over_environment():
@@ -26,7 +33,7 @@ def test_credentials_in_url_are_parsed_and_never_shown():
     assert (cfg.username, cfg.password, cfg.db, cfg.tls) == ("tier", "s3cret!", 1, True)
     assert "s3cret" not in repr(cfg)
     assert "s3cret" not in str(cfg)
-    assert cfg.redacted_url == "rediss://tier:***@cache.internal:6380/1"
+    assert cfg.redacted_url == "rediss://***@cache.internal:6380/1"  # user name too
 
 
 def test_unix_socket_url():
@@ -100,3 +107,224 @@ def test_tls_files_need_a_tls_url(tmp_path):
         RedisTierConfig.from_extra_config(
             {"redis_url": "redis://h:1", "tls_ca_file": str(ca)}, env={}
         )
+
+
+# ------------------------------------------------------------------ non-finite numbers
+
+_FLOAT_OPTIONS = sorted(
+    f.name for f in dataclasses.fields(RedisTierConfig) if str(f.type) in ("float", "float | None")
+)
+
+
+def test_every_float_option_is_covered():
+    # Guards the parametrisation below: a new float option is checked like the others.
+    assert {"connect_timeout_s", "read_timeout_s", "retry_interval_s"} <= set(_FLOAT_OPTIONS)
+
+
+@pytest.mark.parametrize("field", _FLOAT_OPTIONS)
+@pytest.mark.parametrize(
+    "value", [math.nan, math.inf, -math.inf, "nan", "inf", "-inf", "Infinity", "NaN"]
+)
+def test_non_finite_numbers_are_rejected_in_every_float_option(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number") as info:
+        RedisTierConfig.from_extra_config({field: value}, env={})
+    assert "\n" not in str(info.value)
+    if isinstance(value, float):
+        with pytest.raises(ValueError, match=field):
+            RedisTierConfig(**{field: value})
+
+
+# ------------------------------------------------------------------ password sources
+
+SECRET = "pw-Zq9#/?@:%41 x"
+
+
+def test_password_file_content_is_the_password(tmp_path):
+    path = tmp_path / "pw"
+    path.write_text(SECRET + "\n")
+    cfg = RedisTierConfig.from_extra_config(
+        {"redis_url": "redis://u:from-url@h:1/0", "password_file": str(path)}, env={}
+    )
+    assert (cfg.username, cfg.password) == ("u", SECRET)
+    assert SECRET not in repr(cfg)
+    path.write_text(SECRET + "\r\n\n")  # only one line ending is stripped
+    again = RedisTierConfig(password_file=str(path))
+    assert again.password == SECRET + "\r\n"
+    # A copy keeps the secret that was read, without reading the file again.
+    path.unlink()
+    assert dataclasses.replace(again, read_timeout_s=9.0).password == SECRET + "\r\n"
+
+
+@pytest.mark.parametrize("content", [None, b"", b"\n", b"\xff\xfe secret"])
+def test_unreadable_or_empty_password_file_is_one_line_without_content(tmp_path, content):
+    path = tmp_path / "pw"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match="password_file") as info:
+        RedisTierConfig.from_extra_config({"password_file": str(path)}, env={})
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message and "secret" not in message
+
+
+def test_password_and_password_file_together_are_refused(tmp_path):
+    path = tmp_path / "pw"
+    path.write_text(SECRET)
+    with pytest.raises(ValueError, match="password or password_file, not both"):
+        RedisTierConfig.from_extra_config({"password": "x", "password_file": str(path)}, env={})
+
+
+def test_password_from_environment_and_precedence(tmp_path):
+    env = {"HMA_REDIS_PASSWORD": SECRET, "HMA_REDIS_URL": "redis://u:from-url@h:1/0"}
+    cfg = RedisTierConfig.from_extra_config({}, env=env)
+    assert (cfg.username, cfg.password) == ("u", SECRET)  # the variable wins over the URL
+    path = tmp_path / "pw"
+    path.write_text("from-file")
+    for extra, want in (({"password": "from-key"}, "from-key"),
+                        ({"password_file": str(path)}, "from-file")):  # fmt: skip
+        assert RedisTierConfig.from_extra_config(extra, env=env).password == want
+    assert RedisTierConfig.from_extra_config({}, env={"HMA_REDIS_URL": env["HMA_REDIS_URL"]}) \
+        .password == "from-url"  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "warned"),
+    [
+        ({"password": SECRET}, True),
+        ({"redis_url": f"redis://u:{quote(SECRET, safe='')}@h:1/0"}, True),
+        ({"redis_url": f"redis://u:{SECRET}@h:1/0"}, True),
+        ({"redis_url": "redis://u@h:1/0"}, False),  # a user name is no secret
+        ({"redis_url": "redis://h:1/0"}, False),
+        ({}, False),  # HMA_REDIS_PASSWORD / HMA_REDIS_URL below: vLLM never prints them
+    ],
+)
+def test_credentials_in_extra_config_log_one_warning_without_the_secret(extra, warned, caplog):
+    caplog.set_level(logging.DEBUG, logger="hma_redis")
+    env = {"HMA_REDIS_PASSWORD": "env-" + SECRET, "HMA_REDIS_URL": f"redis://u:{SECRET}@h:2"}
+    RedisTierConfig.from_extra_config(extra, env=env)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == int(warned)
+    for record in warnings:
+        text = record.getMessage()
+        assert "HMA_REDIS_PASSWORD" in text and "password_file" in text and "HMA_REDIS_URL" in text
+        assert SECRET not in text and quote(SECRET, safe="") not in text and "%41" not in text
+
+
+# ------------------------------------------------------------------ URLs and redaction
+
+# Every printable character but whitespace, unencoded: the userinfo runs to the URL's last '@'.
+PRINTABLE = "".join(c for c in string.printable if not c.isspace())
+
+URL_FORMS = [
+    ("redis://u:{pw}@cache.internal:6380/3", "redis://***@cache.internal:6380/3", 3),
+    ("rediss://u:{pw}@cache.internal/2", "rediss://***@cache.internal/2", 2),
+    ("unix://u:{pw}@/run/redis@6379.sock?db=4", "unix://***@/run/redis@6379.sock?db=4", 4),
+    ("redis+cluster://u:{pw}@h1:7000,[::1]:7001/", "redis+cluster://***@h1:7000,[::1]:7001/", 0),
+    ("redis+sentinel://u:{pw}@s1:26379,s2/mymaster/5",
+     "redis+sentinel://***@s1:26379,s2/mymaster/5", 5),
+]  # fmt: skip
+
+
+def _leaks(text: str, secret: str) -> list[str]:
+    """Pieces of ``secret`` (any 6 characters in a row) found in ``text``."""
+    return [secret[i : i + 6] for i in range(len(secret) - 5) if secret[i : i + 6] in text]
+
+
+@pytest.mark.parametrize(("form", "redacted", "db"), URL_FORMS)
+@pytest.mark.parametrize("encode", [False, True], ids=["raw", "percent-encoded"])
+def test_password_of_every_printable_character_parses_and_never_shows(form, redacted, db, encode):
+    url = form.format(pw=quote(PRINTABLE, safe="") if encode else PRINTABLE)
+    cfg = RedisTierConfig.from_extra_config({"redis_url": url}, env={}, warn_credentials=False)
+    assert (cfg.username, cfg.password, cfg.db) == ("u", PRINTABLE, db)
+    assert cfg.redacted_url == redacted
+    shown = [repr(cfg), str(cfg), cfg.redacted_url, repr(cfg.topology)]
+    if cfg.topology.kind == "single":
+        shown.append(endpoint_url(cfg.url))
+    for text in shown:
+        assert not _leaks(text, PRINTABLE), text
+    if cfg.topology.kind == "cluster":
+        assert cfg.topology.hosts == (("h1", 7000), ("::1", 7001))
+    if cfg.topology.kind == "sentinel":
+        assert cfg.topology.hosts == (("s1", 26379), ("s2", 26379))
+        assert cfg.topology.service == "mymaster"
+
+
+def test_password_with_unencoded_delimiters_ends_at_the_last_at():
+    cfg = RedisTierConfig.from_extra_config(
+        {"redis_url": "redis://user:p@ss/w#?rd@host:6379/0"}, env={}, warn_credentials=False
+    )
+    assert (cfg.username, cfg.password, cfg.db) == ("user", "p@ss/w#?rd", 0)
+    assert cfg.redacted_url == "redis://***@host:6379/0"
+    assert endpoint_url(cfg.url) == "redis://host:6379"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "redis://u:{pw}@h:99999/0",
+        "redis://u:{pw}@h:6379/x",
+        "ftp://u:{pw}@h:6379/0",
+        "u:{pw}@h:6379",
+        "redis://u:{pw}@[::1/0",
+        "redis://u:{pw}@h:6379/0?password={pw}",
+        "redis://u:{pw}&password=x@h:6379/0?password=1",
+        "redis://u:{pw}@h:6379/0?socket_timeout=1",
+        "redis+cluster://u:{pw}@h1:x,h2/",
+        "redis+sentinel://u:{pw}@s1:26379/",
+        "redis+sentinel://u:{pw}@s1:26379/svc/0/1",
+        "unix://u:{pw}@",
+        "redis://u:{pw}@",
+    ],
+)
+def test_errors_for_urls_with_a_printable_password_never_show_it(bad):
+    url = bad.format(pw=PRINTABLE)
+    with pytest.raises(ValueError) as info:
+        RedisTierConfig.from_extra_config({"redis_url": url}, env={}, warn_credentials=False)
+    message = str(info.value)
+    assert "redis_url" in message and "\n" not in message, message
+    assert not _leaks(message, PRINTABLE), message
+    assert not _leaks(redact_url(url), PRINTABLE)
+
+
+# ------------------------------------------------------------------ auth_key
+
+KEY = b"0123456789abcdef-shared-secret"
+
+
+def test_auth_key_in_extra_config_is_refused_saying_what_to_use():
+    with pytest.raises(ValueError, match=r"HMA_REDIS_AUTH_KEY.*auth_key_file") as info:
+        RedisTierConfig.from_extra_config({"auth_key": KEY.decode()}, env={})
+    assert KEY.decode() not in str(info.value) and "\n" not in str(info.value)
+    assert "logs it" in str(info.value)
+
+
+def test_auth_key_from_environment_or_file(tmp_path):
+    from_env = RedisTierConfig.from_extra_config({}, env={"HMA_REDIS_AUTH_KEY": KEY.decode()})
+    path = tmp_path / "key"
+    path.write_bytes(KEY + b"\n")
+    from_file = RedisTierConfig.from_extra_config({"auth_key_file": str(path)}, env={})
+    assert from_env.auth_key == from_file.auth_key == KEY
+    # The file, an explicit option, wins over the environment.
+    other = RedisTierConfig.from_extra_config(
+        {"auth_key_file": str(path)}, env={"HMA_REDIS_AUTH_KEY": "another-key-0123456789"}
+    )
+    assert other.auth_key == KEY
+    path.unlink()
+    assert dataclasses.replace(other, namespace="copy").auth_key == KEY
+    with pytest.raises(ValueError, match="auth_key_file cannot be read"):
+        RedisTierConfig.from_extra_config({"auth_key_file": str(tmp_path / "nope")}, env={})
+
+
+def test_auth_key_id_identifies_the_key_without_showing_it():
+    cfg = RedisTierConfig(auth_key=KEY)
+    assert RedisTierConfig().auth_key_id == ""
+    assert re.fullmatch(r"[0-9a-f]{16}", cfg.auth_key_id)
+    assert cfg.auth_key_id == RedisTierConfig(auth_key=KEY).auth_key_id
+    assert cfg.auth_key_id != RedisTierConfig(auth_key=KEY + b"!").auth_key_id
+    for text in (repr(cfg), str(cfg)):
+        assert KEY.decode() not in text and KEY.hex() not in text and "auth_key=" not in text
+    assert f"auth_key_id='{cfg.auth_key_id}'" in repr(cfg)
+
+
+def test_short_auth_key_is_refused():
+    with pytest.raises(ValueError, match="auth_key must be at least 16 bytes, got 5"):
+        RedisTierConfig.from_extra_config({}, env={"HMA_REDIS_AUTH_KEY": "short"})

@@ -5,7 +5,10 @@
   ``tls_verify: false`` turns verification off.
 * ACL: a private ``redis-server`` whose default user is disabled; the store works as a user
   restricted to ``hma:*``, Redis refuses other keys, and the password never shows up in
-  messages, logs, ``repr`` or ``str``.
+  messages, logs, ``repr`` or ``str`` - also one of every printable character, unencoded in
+  the URL, or one given through ``HMA_REDIS_PASSWORD`` / ``password_file`` / ``HMA_REDIS_URL``.
+* Values a reader must refuse, through real workers in one (explicit) namespace: another KV
+  dtype or kv_cache_layout, no MAC / another auth_key's MAC, a forged body with a fixed CRC.
 * ``cache_salt``: real vLLM engines (separate processes) sharing one Redis keep tenants with
   different salts apart and still share within a tenant, with tokens identical to a run
   without the tier.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import string
 import subprocess
 import sys
 import tempfile
@@ -27,6 +31,7 @@ from urllib.parse import quote
 
 import pytest
 import redis
+import torch
 from _salt_child import SALT_ENV
 from engine_runner import REPO_ROOT, RESULT_PREFIX, child_env, make_prompts
 from redis.backoff import NoBackoff
@@ -34,12 +39,22 @@ from redis.exceptions import AuthenticationError, NoPermissionError
 from redis.retry import Retry
 from tier import chunk_aligned_prefix, tier_config
 from tls_certs import TlsFiles, TlsLocalRedis, make_tls_files
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    make_offload_key,
+)
 
+from hma_redis import codec
 from hma_redis.config import RedisTierConfig
-from hma_redis.keys import parse_block_key
+from hma_redis.keys import KeySpace, parse_block_key
 from hma_redis.local_redis import LocalRedis
+from hma_redis.manager import RedisLoadStoreSpec
 from hma_redis.store import PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.tiny_models import VOCAB_SIZE, build_llama
+from hma_redis.worker import RedisOffloadingWorker
 
 SALT_CHILD = Path(__file__).with_name("_salt_child.py")
 # Raw clients that are expected to fail: fail at once (redis-py retries with backoff by default).
@@ -205,6 +220,9 @@ PASSWORD = "Tier-s3cret-7f2b9c"  # distinctive, so a leak is easy to find in any
 WRONG_PASSWORD = "Wrong-s3cret-41d8e0"
 SPECIAL_USER = "tier-special"
 SPECIAL_PASSWORD = "p@ss:w/rd?#%&=+ ü"
+# Every printable character but whitespace, written into URLs unencoded.
+PRINTABLE_USER = "tier-printable"
+PRINTABLE_PASSWORD = "".join(c for c in string.printable if not c.isspace())
 MIN_USER = "tier-min"
 ADMIN_USER = "admin"
 ADMIN_PASSWORD = "Admin-s3cret-0a1b2c"
@@ -223,7 +241,11 @@ def acl_redis() -> Iterator[LocalRedis]:
         pytest.fail(str(exc), pytrace=False)
     setup = redis.Redis(port=server.port, socket_timeout=2)
     acl = ["resetkeys", "~hma:*", "resetchannels"]
-    for user, password in ((USER, PASSWORD), (SPECIAL_USER, SPECIAL_PASSWORD)):
+    for user, password in (
+        (USER, PASSWORD),
+        (SPECIAL_USER, SPECIAL_PASSWORD),
+        (PRINTABLE_USER, PRINTABLE_PASSWORD),
+    ):
         setup.execute_command(
             "ACL", "SETUSER", user, "on", f">{password}", *acl, "+@all", "-@dangerous"
         )
@@ -404,6 +426,186 @@ def test_password_with_url_metacharacters(acl_redis: LocalRedis, admin: redis.Re
         store.close()
 
 
+def test_unencoded_password_of_every_printable_character_authenticates(
+    acl_redis: LocalRedis, admin: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    url = f"redis://{PRINTABLE_USER}:{PRINTABLE_PASSWORD}@127.0.0.1:{acl_redis.port}/0"
+    cfg = RedisTierConfig.from_extra_config({"redis_url": url}, env={})
+    assert cfg.password == PRINTABLE_PASSWORD
+    store = RedisBlockStore(cfg)
+    _round_trip(store, "hma:acl-test:printable", b"v")
+    store.close()
+    # A wrong port: the failure is one redacted line, and nothing logged shows the password.
+    bad = RedisTierConfig.from_extra_config(
+        {"redis_url": url.replace(str(acl_redis.port), "1"), "connect_timeout_s": 0.2}, env={}
+    )
+    message = _ping_error(RedisBlockStore(bad))
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    for text in (message, logged, repr(cfg), cfg.redacted_url, bad.redacted_url):
+        leaks = [
+            PRINTABLE_PASSWORD[i : i + 6]
+            for i in range(len(PRINTABLE_PASSWORD) - 5)
+            if PRINTABLE_PASSWORD[i : i + 6] in text
+        ]
+        assert not leaks, text
+
+
+def test_password_from_environment_or_file_authenticates_and_is_never_logged(
+    acl_redis: LocalRedis, admin: redis.Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret_file = tmp_path / "redis-password"
+    secret_file.write_text(PASSWORD + "\n")
+    url = _url(acl_redis, USER)  # a user name, no password
+    for extra, env in (
+        ({"redis_url": url}, {"HMA_REDIS_PASSWORD": PASSWORD}),
+        ({"redis_url": url, "password_file": str(secret_file)}, {}),
+        ({}, {"HMA_REDIS_URL": _url(acl_redis, USER, PASSWORD)}),
+    ):
+        store = RedisBlockStore(RedisTierConfig.from_extra_config(extra, env=env))
+        _round_trip(store, "hma:acl-test:secret-source", b"v")
+        store.close()
+    # None of those ways in put a password into the extra config: no warning, no leak.
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert PASSWORD not in "\n".join(r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------- values a reader must refuse (worker)
+
+NUM_BLOCKS, PAGE, BPC = 16, 512, 4
+NAMESPACE = "fixed-namespace"  # the explicit namespace option: no fingerprint check at all
+AUTH_KEY = b"instances-shared-secret-0001"
+CHUNK_KEYS = [make_offload_key(bytes([n]) * 16, 0) for n in (1, 2)]
+BLOCKS = [1, 2, 3, 4, 9, 10, 11, 12]
+
+
+@pytest.fixture
+def make_worker(redis_url: str, redis_client: redis.Redis) -> Iterator[Any]:
+    """Builds workers over CPU KV caches (two layers, one group) on the session Redis, all in
+    the same namespace; shuts them down after the test."""
+    built: list[tuple[RedisOffloadingWorker, RedisBlockStore]] = []
+
+    def make(seed: int, **kwargs: Any) -> RedisOffloadingWorker:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = [
+            torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen)
+            for _ in range(2)
+        ]
+        caches = CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(t, PAGE) for t in tensors],
+            group_data_refs=[[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]],
+        )
+        store = RedisBlockStore(RedisTierConfig(url=redis_url))
+        options: dict[str, Any] = {"kv_dtype": "float16", "kv_cache_layout": "NHD", **kwargs}
+        worker = RedisOffloadingWorker(
+            store=store,
+            keyspace=KeySpace("hma", NAMESPACE),
+            rank=0,
+            kv_caches=caches,
+            group_ids=[0],
+            blocks_per_chunk=BPC,
+            io_threads=1,
+            max_inflight_bytes=1 << 22,
+            shutdown_timeout_s=1.0,
+            **options,
+        )
+        worker.tensors = tensors  # type: ignore[attr-defined]
+        built.append((worker, store))
+        return worker
+
+    yield make
+    for worker, store in built:
+        worker.shutdown()
+        store.close()
+
+
+def _job(worker: RedisOffloadingWorker, job_id: int, load: bool) -> bool:
+    """Store or load CHUNK_KEYS at BLOCKS; True unless it is a failed load."""
+    spec = GPULoadStoreSpec(BLOCKS, [len(BLOCKS)], [0])
+    if load:
+        worker.submit_load(job_id, RedisLoadStoreSpec(CHUNK_KEYS), spec)
+    else:
+        worker.submit_store(job_id, spec, RedisLoadStoreSpec(CHUNK_KEYS))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for result in worker.get_finished():
+            if result.job_id == job_id:
+                return result.success and job_id not in worker.take_failed_load_jobs()
+        time.sleep(0.001)
+    raise AssertionError(f"job {job_id} did not finish")
+
+
+def _same_pages(a: RedisOffloadingWorker, b: RedisOffloadingWorker) -> bool:
+    return all(
+        torch.equal(x[BLOCKS], y[BLOCKS])
+        for x, y in zip(a.tensors, b.tensors, strict=True)  # type: ignore[attr-defined]
+    )
+
+
+def _stored_keys(client: redis.Redis) -> list[str]:
+    return sorted(k.decode() for k in client.scan_iter(f"hma:{NAMESPACE}:g*"))
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader"),
+    [
+        pytest.param({"kv_dtype": "float16"}, {"kv_dtype": "bfloat16"}, id="dtype"),
+        pytest.param({"kv_cache_layout": "NHD"}, {"kv_cache_layout": "HND"}, id="kv_cache_layout"),
+        pytest.param({"auth_key": AUTH_KEY}, {}, id="keyed-value-unkeyed-reader"),
+        pytest.param({}, {"auth_key": AUTH_KEY}, id="unkeyed-value-keyed-reader"),
+        pytest.param({"auth_key": AUTH_KEY}, {"auth_key": b"another-secret-0002-xyz"},
+                     id="other-auth-key"),
+    ],
+)  # fmt: skip
+def test_value_of_another_writer_is_corrupt_even_in_a_shared_namespace(
+    make_worker: Any, redis_client: redis.Redis, writer: dict[str, Any], reader: dict[str, Any]
+) -> None:
+    source = make_worker(1, **writer)
+    assert _job(source, 1, load=False)
+    keys = _stored_keys(redis_client)
+    assert len(keys) == 2
+    # A reader configured like the writer loads the chunks: the values themselves are good.
+    twin = make_worker(2, **writer)
+    assert _job(twin, 2, load=True) and _same_pages(twin, source)
+
+    other = make_worker(3, **reader)
+    before = [t.clone() for t in other.tensors]
+    assert not _job(other, 3, load=True), "a value of another writer was loaded"
+    assert all(torch.equal(a, b) for a, b in zip(before, other.tensors, strict=True))
+    assert _stored_keys(redis_client) == []  # deleted, so the recompute can store its own
+    # The recompute's store heals the keys for readers like it.
+    assert _job(other, 4, load=False)
+    fresh = make_worker(4, **reader)
+    assert _job(fresh, 5, load=True) and _same_pages(fresh, other)
+
+
+def test_forged_value_with_valid_checksum_is_refused_only_with_an_auth_key(
+    make_worker: Any, redis_client: redis.Redis
+) -> None:
+    """Someone who can write to Redis (no secret) replaces a chunk's KV and fixes the CRC32C:
+    without an auth_key the instance serves their bytes; with one it refuses them."""
+    import crc32c
+
+    def forge(key: str) -> None:
+        value = bytearray(redis_client.get(key))
+        header_len = int.from_bytes(value[8:12], "big")
+        body_at = codec.PREFIX_BYTES + header_len
+        value[body_at:] = bytes(len(value) - body_at)  # the attacker's KV: zeros
+        value[12:16] = crc32c.crc32c(bytes(value[codec.PREFIX_BYTES :])).to_bytes(4, "big")
+        redis_client.set(key, bytes(value))
+
+    for options, served in (({}, True), ({"auth_key": AUTH_KEY}, False)):
+        redis_client.flushall()
+        assert _job(make_worker(1, **options), 1, load=False)
+        for key in _stored_keys(redis_client):
+            forge(key)
+        reader = make_worker(2, **options)
+        loaded = _job(reader, 2, load=True)
+        zeros = all(not t[BLOCKS].any() for t in reader.tensors)
+        assert (loaded, zeros) == (served, served), options
+
+
 # --------------------------------------------------------------------------------- cache_salt
 
 SALT_PROMPT_LEN = 700
@@ -412,15 +614,18 @@ SALT_TIMEOUT_S = 900.0
 
 
 def _salted_runs(runs: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
-    """Run each ``{"salt": str | None, "tier": dict | None, "prompts": ...}`` as its own vLLM
-    instance (forked process), in order; return each run's result payload."""
+    """Run each ``{"salt": str | None, "tier": dict | None, "prompts": ..., "env": {...}}``
+    (``env`` optional) as its own vLLM instance (forked process), in order; return each run's
+    result payload."""
     with tempfile.TemporaryDirectory(prefix="hma-salt-") as tmp:
         requests = []
         for i, run in enumerate(runs):
             salt_env = {SALT_ENV: run["salt"]} if run["salt"] else {}
-            env = child_env(salt_env)
+            env = child_env({**salt_env, **run.get("env", {})})
             if not run["salt"]:
                 env.pop(SALT_ENV, None)
+            if "HMA_REDIS_AUTH_KEY" not in run.get("env", {}):
+                env.pop("HMA_REDIS_AUTH_KEY", None)
             job = {
                 "model": model,
                 "prompts": run["prompts"],
@@ -507,3 +712,46 @@ def test_cache_salt_keeps_tenants_apart_across_engines(
     keys = [k.decode() for k in redis_client.scan_iter(match="hma:*", count=1000)]
     block_keys = [k for k in keys if parse_block_key(k) is not None]
     assert len(block_keys) == 3 * (aligned // int(c["block_size"])), sorted(keys)
+
+
+# ---------------------------------------------------------------------------------- auth_key
+
+
+@pytest.mark.engine
+def test_auth_key_shares_kv_only_between_instances_with_the_same_key(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    model = build_llama(tmp_path / "llama")
+    prompts = make_prompts(seed=78, n=1, length=SALT_PROMPT_LEN, vocab=VOCAB_SIZE)
+    tier = tier_config(redis_url)
+    key_a = {"HMA_REDIS_AUTH_KEY": "key-a-" + "0123456789" * 3}
+    key_b = {"HMA_REDIS_AUTH_KEY": "key-b-" + "0123456789" * 3}
+    baseline, a, a2, b, unkeyed = _salted_runs(
+        [
+            {"salt": None, "tier": None, "prompts": prompts},  # no tier at all
+            {"salt": None, "tier": tier, "prompts": prompts, "env": key_a},  # stores, MAC'd
+            {"salt": None, "tier": tier, "prompts": prompts, "env": key_a},  # same key: loads
+            {"salt": None, "tier": tier, "prompts": prompts, "env": key_b},  # other key: no hits
+            {"salt": None, "tier": tier, "prompts": prompts},  # no key: no hits either
+        ],
+        model,
+    )
+
+    def cached(run: dict[str, Any]) -> int:
+        return int(run["results"][0]["num_cached_tokens"])
+
+    aligned = chunk_aligned_prefix(SALT_PROMPT_LEN, int(a2["block_size"]))
+    assert aligned > 0
+    assert cached(a) == 0, a["stderr_tail"]
+    assert cached(a2) == aligned, f"same auth_key did not load\n{a2['stderr_tail']}"
+    assert cached(b) == 0, f"another auth_key hit key-a's values\n{b['stderr_tail']}"
+    assert cached(unkeyed) == 0, f"an unkeyed instance hit MAC'd values\n{unkeyed['stderr_tail']}"
+    for name, run in (("A", a), ("A2", a2), ("B", b), ("unkeyed", unkeyed)):
+        assert run["results"][0]["token_ids"] == baseline["results"][0]["token_ids"], name
+    for run in (a, a2, b, unkeyed):
+        assert key_a["HMA_REDIS_AUTH_KEY"] not in run["stderr_tail"]
+    # Keyed instances wrote MAC'd values (A; B its own), the unkeyed one plain values.
+    keys = [k for k in redis_client.scan_iter(match="hma:*", count=1000)]
+    values = [redis_client.get(k) for k in keys if parse_block_key(k.decode()) is not None]
+    per_set = aligned // int(a2["block_size"])
+    assert sorted(codec.has_mac(v) for v in values) == [False] * per_set + [True] * 2 * per_set
