@@ -1,11 +1,23 @@
-"""A small thread-safe circuit breaker: stop talking to a dead Redis, probe once per interval."""
+"""A small thread-safe circuit breaker: stop talking to a dead Redis, probe once per interval;
+and what decides when it opens: which errors are outages and which are refusals."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
+
+from redis.exceptions import (
+    ClusterDownError,
+    DataError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,3 +84,81 @@ class CircuitBreaker:
             exc,
             self._interval_s,
         )
+
+
+# ---------------------------------------------------------------------------------- error kinds
+
+
+class ErrorKind(Enum):
+    """What a failed Redis call says about the server."""
+
+    OUTAGE = "outage"  # not reachable or not serving: the breaker opens
+    REFUSAL = "refusal"  # a healthy server said no to this command: the tier stays on
+
+
+class Refusal(Enum):
+    """Refusals counted apart (``refused_<value>`` counters): healthy servers saying no."""
+
+    NOPERM = "noperm"  # the ACL user may not run this command or touch this key
+    OOM = "oom"  # maxmemory reached under noeviction
+    READONLY = "readonly"  # a replica (or a demoted master) takes no writes
+    OTHER = "other"  # any other command error (WRONGTYPE, ERR ...)
+
+
+# Error-reply codes of a server that answers but does not serve data (yet): outages.
+_OUTAGE_CODES = frozenset({"LOADING", "CLUSTERDOWN", "MASTERDOWN", "TRYAGAIN", "BUSY"})
+_REFUSAL_CODES = {"NOPERM": Refusal.NOPERM, "OOM": Refusal.OOM, "READONLY": Refusal.READONLY}
+# redis-py strips the code from the message of the errors it maps to classes.
+_REFUSAL_CLASSES: tuple[tuple[type[ResponseError], Refusal], ...] = (
+    (NoPermissionError, Refusal.NOPERM),
+    (OutOfMemoryError, Refusal.OOM),
+    (ReadOnlyError, Refusal.READONLY),
+)
+
+
+def classify(exc: BaseException) -> ErrorKind:
+    """An outage (connection error, timeout, unreadable reply, a server loading or without a
+    cluster) or a refusal (an error reply of a server that serves: NOPERM, OOM, READONLY,
+    WRONGTYPE ...). Only outages may turn the tier off."""
+    if isinstance(exc, ClusterDownError | TryAgainError):
+        return ErrorKind.OUTAGE
+    if isinstance(exc, ResponseError):
+        code = str(exc).split(" ", 1)[0]
+        return ErrorKind.OUTAGE if code in _OUTAGE_CODES else ErrorKind.REFUSAL
+    if isinstance(exc, DataError):  # the client refused to send a command: not the server
+        return ErrorKind.REFUSAL
+    return ErrorKind.OUTAGE
+
+
+def refusal_of(exc: BaseException) -> Refusal:
+    """The kind of a refusal (see :func:`classify`)."""
+    for cls, kind in _REFUSAL_CLASSES:
+        if isinstance(exc, cls):
+            return kind
+    return _REFUSAL_CODES.get(str(exc).split(" ", 1)[0], Refusal.OTHER)
+
+
+class RateLimitedLog:
+    """Lets one message per kind through per ``interval_s``; counts the ones held back.
+
+    A refusal repeats on every call until an operator acts (a full Redis, a wrong ACL): logging
+    each would flood the log, logging only the first would hide that it goes on.
+    """
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def admit(self, kind: str) -> int | None:
+        """None: hold this one back (counted). Else log it now, with the returned number of
+        messages of this kind held back since the last one logged."""
+        now = self._clock()
+        with self._lock:
+            if now < self._next.get(kind, now):
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return None
+            self._next[kind] = now + self.interval_s
+            return self._held.pop(kind, 0)

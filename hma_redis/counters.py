@@ -25,6 +25,11 @@ FIELDS = (
     "loaded_bytes",
     "load_failed_chunks",
     "load_failed_jobs",
+    # Commands a healthy Redis refused (see hma_redis.breaker.Refusal); the tier stays on.
+    "refused_noperm",
+    "refused_oom",
+    "refused_readonly",
+    "refused_other",
 )
 
 
@@ -42,6 +47,11 @@ class PendingCounters:
                 if delta:
                     self._pending[name] += delta
                     self.totals[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        """Everything counted in this process so far (a consistent copy of :attr:`totals`)."""
+        with self._lock:
+            return dict(self.totals)
 
     def take(self) -> dict[str, int]:
         with self._lock:

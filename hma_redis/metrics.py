@@ -26,6 +26,13 @@ model-runner output and sums over workers)
     ``vllm:kv_offload_redis_loaded_chunks``          chunks read from Redis into the KV cache
     ``vllm:kv_offload_redis_load_failed_chunks``     chunks missing, invalid or unreadable at load
 
+both sides (each store's :class:`~hma_redis.counters.PendingCounters`): commands a healthy Redis
+refused, one counter per kind; a refusal never turns the tier off (see hma_redis.breaker)
+    ``vllm:kv_offload_redis_refused_noperm``    NOPERM: the ACL user may not run it / touch the key
+    ``vllm:kv_offload_redis_refused_oom``       OOM: maxmemory reached under noeviction
+    ``vllm:kv_offload_redis_refused_readonly``  READONLY: a replica takes no writes
+    ``vllm:kv_offload_redis_refused_other``     any other error reply (WRONGTYPE, ERR ...)
+
 Every counter is a delta since the previous report, as vLLM's stats payload expects.
 """
 
@@ -68,6 +75,10 @@ class RedisMetricName:
     STORE_FAILED_CHUNKS = PREFIX + "store_failed_chunks"
     LOADED_CHUNKS = PREFIX + "loaded_chunks"
     LOAD_FAILED_CHUNKS = PREFIX + "load_failed_chunks"
+    REFUSED_NOPERM = PREFIX + "refused_noperm"
+    REFUSED_OOM = PREFIX + "refused_oom"
+    REFUSED_READONLY = PREFIX + "refused_readonly"
+    REFUSED_OTHER = PREFIX + "refused_other"
 
 
 # ManagerStats field -> counter, with its help text.
@@ -113,6 +124,26 @@ WORKER_COUNTERS: dict[str, tuple[str, str]] = {
     ),
 }
 
+# PendingCounters field (either process) -> counter, with its help text.
+REFUSAL_COUNTERS: dict[str, tuple[str, str]] = {
+    "refused_noperm": (
+        RedisMetricName.REFUSED_NOPERM,
+        "Redis commands refused with NOPERM (ACL); the tier stays on.",
+    ),
+    "refused_oom": (
+        RedisMetricName.REFUSED_OOM,
+        "Redis commands refused with OOM (maxmemory under noeviction); the tier stays on.",
+    ),
+    "refused_readonly": (
+        RedisMetricName.REFUSED_READONLY,
+        "Redis writes refused with READONLY (a replica); the tier stays on.",
+    ),
+    "refused_other": (
+        RedisMetricName.REFUSED_OTHER,
+        "Redis commands answered with another error reply; the tier stays on.",
+    ),
+}
+
 _ERRORS_HELP = "Redis calls of the scheduler that failed (connection errors, timeouts)."
 _AVAILABLE_HELP = "1 while the scheduler reaches Redis, 0 while it serves without the tier."
 
@@ -121,11 +152,20 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Every metric hma_redis emits (vLLM registers them from the spec class at start-up)."""
     definitions: dict[str, OffloadingMetricMetadata] = {
         name: OffloadingCounterMetadata(documentation=doc)
-        for name, doc in (*MANAGER_COUNTERS.values(), *WORKER_COUNTERS.values())
+        for name, doc in (
+            *MANAGER_COUNTERS.values(),
+            *WORKER_COUNTERS.values(),
+            *REFUSAL_COUNTERS.values(),
+        )
     }
     definitions[RedisMetricName.ERRORS] = OffloadingCounterMetadata(documentation=_ERRORS_HELP)
     definitions[RedisMetricName.AVAILABLE] = OffloadingGaugeMetadata(documentation=_AVAILABLE_HELP)
     return definitions
+
+
+def _named(totals: Mapping[str, int], table: Mapping[str, tuple[str, str]]) -> dict[str, int]:
+    """``totals`` of the fields in ``table``, under their metric names."""
+    return {table[field][0]: value for field, value in totals.items() if field in table}
 
 
 def _deltas(totals: Mapping[str, int], reported: Counter[str]) -> dict[str, int]:
@@ -147,14 +187,21 @@ class ManagerMetrics:
         self._available: bool | None = None
 
     def collect(
-        self, stats: ManagerStats, *, errors: int = 0, available: bool = True
+        self,
+        stats: ManagerStats,
+        *,
+        errors: int = 0,
+        available: bool = True,
+        refusals: Mapping[str, int] | None = None,
     ) -> OffloadingConnectorStats | None:
         """What changed since the last call, or None if nothing did.
 
         ``errors`` is the scheduler store's cumulative count of failed Redis calls, ``available``
-        whether it reaches Redis now.
+        whether it reaches Redis now, ``refusals`` its counters' totals
+        (:meth:`~hma_redis.counters.PendingCounters.snapshot`; the ``refused_*`` ones count).
         """
         totals = {name: getattr(stats, field) for field, (name, _) in MANAGER_COUNTERS.items()}
+        totals.update(_named(refusals or {}, REFUSAL_COUNTERS))
         totals[RedisMetricName.ERRORS] = errors
         out = OffloadingConnectorStats()
         for name, delta in _deltas(totals, self._reported).items():
@@ -180,13 +227,7 @@ class WorkerMetrics:
 
     def collect(self) -> OffloadingConnectorStats | None:
         """What changed since the last call, or None if nothing did."""
-        with self._counters._lock:  # I/O threads update ``totals`` under this lock
-            totals = dict(self._counters.totals)
-        named = {
-            WORKER_COUNTERS[field][0]: value
-            for field, value in totals.items()
-            if field in WORKER_COUNTERS
-        }
+        named = _named(self._counters.snapshot(), {**WORKER_COUNTERS, **REFUSAL_COUNTERS})
         out = OffloadingConnectorStats()
         for name, delta in _deltas(named, self._reported).items():
             out.increase_counter(name, delta)

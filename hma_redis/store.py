@@ -1,8 +1,12 @@
 """RedisBlockStore: the only place that speaks Redis commands.
 
 Every operation is one pipelined round trip (per node, on a cluster), bounded by the configured
-timeouts, guarded by a circuit breaker, and safe to call from many threads at once. Operations
-that can degrade do: existence checks become misses, puts become FAILED, gets become ``None``.
+timeouts, and safe to call from many threads at once. Every call goes through one guard
+(:meth:`RedisBlockStore._guard`) that tells outages from refusals: an outage (connection error,
+timeout) opens the circuit breaker, so the tier is off until a probe succeeds; a refusal (NOPERM,
+OOM, READONLY: a healthy server saying no) is counted (``refused_*``) and logged at most once a
+minute per kind, and the tier stays on for everything else. Operations that can degrade do:
+existence checks become misses, puts become FAILED, gets become ``None``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -26,7 +31,7 @@ from redis.exceptions import InvalidResponse, RedisClusterException, RedisError,
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from hma_redis.breaker import CircuitBreaker
+from hma_redis.breaker import CircuitBreaker, ErrorKind, RateLimitedLog, classify, refusal_of
 from hma_redis.config import RedisTierConfig, endpoint_url
 from hma_redis.counters import PendingCounters
 
@@ -47,6 +52,10 @@ _LINE_READ = 4096
 _GET_WINDOW = 2
 # Buffers per sendmsg call (Linux' IOV_MAX is 1024).
 _IOV_MAX = 1024
+# Bytes received at a time into scratch memory when a value too long to accept is dropped.
+_DISCARD_PIECE = 256 * 1024
+# A refusal of each kind is logged at most once per this many seconds (the rest are counted).
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 _T = TypeVar("_T")
 
@@ -55,6 +64,14 @@ class PutResult(Enum):
     STORED = "stored"  # newly written by this call
     EXISTED = "existed"  # already there (content-addressed: same bytes)
     FAILED = "failed"  # not written (Redis down, OOM, timeout, ...)
+
+
+@dataclass(frozen=True)
+class OversizedValue:
+    """What :meth:`RedisBlockStore.get_into` returns for a value longer than its bound: the value
+    was not received (its bytes were dropped as they arrived)."""
+
+    nbytes: int  # its length (on a cluster: at least this many bytes)
 
 
 class RedisUnavailableError(ConnectionError):
@@ -295,6 +312,7 @@ class RedisBlockStore:
         cfg: RedisTierConfig,
         client: redis.Redis | RedisCluster | None = None,
         stats_key: str | None = None,
+        refusal_log_interval_s: float = REFUSAL_LOG_INTERVAL_S,
     ):
         self.cfg = cfg
         self.client = client if client is not None else make_client(cfg)
@@ -307,7 +325,7 @@ class RedisBlockStore:
         # Counter deltas for ``stats_key``, delivered on the store's next round trip.
         self.stats_key = stats_key
         self.counters = PendingCounters()
-        self._refusals_seen: set[str] = set()
+        self._refusal_log = RateLimitedLog(refusal_log_interval_s)
 
     # ------------------------------------------------------------------ health
 
@@ -351,28 +369,20 @@ class RedisBlockStore:
                 return [self._exists_flag(reply) for reply in replies]
             flags: list[bool] = []
             for idx, reply in enumerate(replies):
-                if isinstance(reply, ResponseError):
+                if self._refusal("EVAL", reply):
                     # Refused (e.g. an ACL without these keys): misses, Redis itself is fine.
-                    self._warn_refused("EXISTS", reply)
                     flags.extend(
                         [False] * len(batch[idx * _EXISTS_BATCH : (idx + 1) * _EXISTS_BATCH])
                     )
-                elif isinstance(reply, Exception):
-                    raise reply
                 else:
                     flags.extend(bool(v) for v in reply)
             return flags
 
-        return self._guarded(keys, run, collect, default=False)
+        return self._guarded("EXISTS", keys, run, collect, default=False)
 
     def _exists_flag(self, reply: Any) -> bool:
-        """One cluster EXISTS reply as a flag (refusals are misses, failures raise)."""
-        if isinstance(reply, ResponseError):
-            self._warn_refused("EXISTS", reply)
-            return False
-        if isinstance(reply, Exception):
-            raise reply
-        return bool(reply)
+        """One cluster EXISTS reply as a flag (refusals are misses, outages raise)."""
+        return False if self._refusal("EXISTS", reply) else bool(reply)
 
     def put_if_absent(
         self, items: Sequence[tuple[str, bytes | memoryview]], ttl_s: int | None = None
@@ -395,7 +405,7 @@ class RedisBlockStore:
         def collect(replies: list[Any], batch: Sequence[str]) -> list[PutResult]:
             return [self._put_result(reply) for reply in replies]
 
-        return self._guarded(keys, run, collect, default=PutResult.FAILED, client=self._bulk)
+        return self._guarded("SET", keys, run, collect, default=PutResult.FAILED, client=self._bulk)
 
     def put_parts_if_absent(
         self,
@@ -436,16 +446,13 @@ class RedisBlockStore:
                 _send_all(conn._sock, [memoryview(head), *value, memoryview(tail)])
             return [self._put_result(replies.read(_no_bulk)) for _ in keys]
 
-        return self._streamed(body, [PutResult.FAILED] * len(keys))
+        return self._streamed("SET", body, [PutResult.FAILED] * len(keys))
 
     def _put_result(self, reply: Any) -> PutResult:
-        """One SET NX reply: OK, nil (the key existed), or a refusal."""
-        if isinstance(reply, ResponseError):
-            # e.g. OOM under maxmemory + noeviction: this key is not stored.
-            self._warn_refused("SET", reply)
+        """One SET NX reply: OK, nil (the key existed), or a refusal (e.g. OOM under
+        maxmemory + noeviction: this key is not stored)."""
+        if self._refusal("SET", reply):
             return PutResult.FAILED
-        if isinstance(reply, Exception):
-            raise reply
         return PutResult.STORED if reply else PutResult.EXISTED
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -458,78 +465,240 @@ class RedisBlockStore:
                 pipe.get(key)
 
         def collect(replies: list[Any], batch: Sequence[str]) -> list[bytes | None]:
-            out: list[bytes | None] = []
-            for reply in replies:
-                if isinstance(reply, ResponseError):
-                    self._warn_refused("GET", reply)
-                    out.append(None)
-                elif isinstance(reply, Exception):
-                    raise reply
-                else:
-                    out.append(reply)
-            return out
+            return [None if self._refusal("GET", reply) else reply for reply in replies]
 
-        return self._guarded(keys, run, collect, default=None)
+        return self._guarded("GET", keys, run, collect, default=None)
 
     def get_into(
         self,
         keys: Sequence[str],
         alloc: Callable[[int], memoryview],
         on_value: Callable[[int, memoryview], None] | None = None,
-    ) -> list[memoryview | None]:
+        max_bytes: Sequence[int] | None = None,
+    ) -> list[memoryview | OversizedValue | None]:
         """Like :meth:`get` (one round trip; ``None`` for missing, refused, or all if Redis
         fails), but each value is received straight into ``alloc(nbytes)``: one copy, where
         redis-py + hiredis make three (its read buffer, hiredis' buffer, a new ``bytes``).
+        Every value returned lives in memory that ``alloc`` gave, whatever the topology.
+
+        With ``max_bytes``, a value longer than ``max_bytes[i]`` is never held whole: ``alloc``
+        is not asked for it, its bytes are received in bounded pieces and dropped, and it comes
+        back as :class:`OversizedValue`. A bad value under a key thus never makes the caller
+        allocate more than it bounded.
 
         Only ``_GET_WINDOW`` GETs are in flight, one more is sent as each value arrives: sending
         them all at once makes Redis build every reply in its output buffer before the socket
         drains it (measured 2x slower at 512 KiB and 2 MiB). ``on_value(index, value)`` runs as
         each value arrives, while Redis already sends the next one; it does not make the value
         final: if Redis fails later in the call, every key still comes back ``None``.
-        Cluster: :meth:`get`, copied.
+        Cluster: redis-py's GET (GETRANGE up to the bound with ``max_bytes``), each value then
+        copied into ``alloc``'d memory.
         """
         if not keys:
             return []
         if self._is_cluster:
-            values = [None if v is None else memoryview(v) for v in self.get(keys)]
-            if on_value is not None:
-                for idx, value in enumerate(values):
-                    if value is not None:
-                        on_value(idx, value)
-            return values
+            return self._get_into_cluster(keys, alloc, on_value, max_bytes)
 
-        def body(conn: Any, replies: _RawReplies) -> list[memoryview | None]:
+        def body(conn: Any, replies: _RawReplies) -> list[memoryview | OversizedValue | None]:
             first = [("GET", key) for key in keys[:_GET_WINDOW]]
             conn.send_packed_command(conn.pack_commands(first), check_health=False)
-            out: list[memoryview | None] = []
+            out: list[memoryview | OversizedValue | None] = []
             for idx in range(len(keys)):
-                reply = replies.read(alloc)
+                reply = replies.read(alloc, None if max_bytes is None else max_bytes[idx])
                 if idx + _GET_WINDOW < len(keys):
                     command = conn.pack_command("GET", keys[idx + _GET_WINDOW])
                     conn.send_packed_command(command, check_health=False)
-                if isinstance(reply, ResponseError):
-                    self._warn_refused("GET", reply)
+                if self._refusal("GET", reply):
                     reply = None
-                elif reply is not None and not isinstance(reply, memoryview):
-                    raise InvalidResponse(f"unexpected reply to GET: {bytes(reply)[:40]!r}")
-                elif reply is not None and on_value is not None:
+                elif isinstance(reply, bytes):
+                    raise InvalidResponse(f"unexpected reply to GET: {reply[:40]!r}")
+                elif isinstance(reply, memoryview) and on_value is not None:
                     on_value(idx, reply)
+                assert not isinstance(reply, ResponseError | bytes)
                 out.append(reply)
             return out
 
-        return self._streamed(body, [None] * len(keys))
+        return self._streamed("GET", body, [None] * len(keys))
 
-    def _streamed(self, body: Callable[[Any, _RawReplies], _T], default: _T) -> _T:
-        """Run ``body`` on one connection of the bulk pool, replies read by :class:`_RawReplies`.
+    def _get_into_cluster(
+        self,
+        keys: Sequence[str],
+        alloc: Callable[[int], memoryview],
+        on_value: Callable[[int, memoryview], None] | None,
+        max_bytes: Sequence[int] | None,
+    ) -> list[memoryview | OversizedValue | None]:
+        """:meth:`get_into` through redis-py's cluster pipeline: values arrive as ``bytes`` and
+        are copied into ``alloc``'d memory (the caller may write to and reuse it)."""
+        fetched = self.get(keys) if max_bytes is None else self._get_bounded(keys, max_bytes)
+        out: list[memoryview | OversizedValue | None] = []
+        for idx, value in enumerate(fetched):
+            if not isinstance(value, bytes):
+                out.append(value)
+                continue
+            buffer = alloc(len(value))
+            buffer[:] = value
+            if on_value is not None:
+                on_value(idx, buffer)
+            out.append(buffer)
+        return out
 
-        Pending counter deltas go first on the same connection (same round trip). Any error
-        resets the connection (it may stop inside a reply), opens the breaker and yields
-        ``default``; any other exception (from ``alloc``, say) resets it and propagates.
+    def _get_bounded(
+        self, keys: Sequence[str], max_bytes: Sequence[int]
+    ) -> list[bytes | OversizedValue | None]:
+        """Values of ``keys`` (one round trip per node), none read past ``max_bytes[i] + 1``
+        bytes: GETRANGE stops there, and EXISTS tells a missing key from an empty value."""
+
+        def run(pipe: Any, batch: Sequence[str]) -> None:
+            for key, limit in zip(batch, max_bytes, strict=True):
+                pipe.exists(key)
+                pipe.getrange(key, 0, limit)  # one byte past the bound shows it is over
+
+        def collect(
+            replies: list[Any], batch: Sequence[str]
+        ) -> list[bytes | OversizedValue | None]:
+            out: list[bytes | OversizedValue | None] = []
+            for limit, there, value in zip(max_bytes, replies[::2], replies[1::2], strict=True):
+                refused = [self._refusal("EXISTS", there), self._refusal("GETRANGE", value)]
+                if any(refused) or not there:
+                    out.append(None)
+                elif len(value) > limit:
+                    out.append(OversizedValue(len(value)))
+                else:
+                    out.append(value)
+            return out
+
+        return self._guarded("GET", keys, run, collect, default=None)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """UNLINK ``keys`` (used to drop values that failed validation); 0 if Redis fails."""
+        if not keys:
+            return 0
+
+        def unlink() -> int:
+            self._count_round_trip()
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.unlink(key)
+            replies = pipe.execute(raise_on_error=False)
+            return sum(0 if self._refusal("UNLINK", n) else int(n) for n in replies)
+
+        return self._guard("UNLINK", unlink, 0)
+
+    # ------------------------------------------------------------------ metadata
+
+    def write_info(self, info_key: str, fields: Mapping[str, str]) -> bool:
+        """Record a namespace's fingerprint fields (idempotent). False only if Redis is
+        unavailable; a refusal (an ACL without HSET, a full Redis) is counted and logged by
+        the store, and True says that Redis answered."""
+
+        def hset() -> bool:
+            self._count_round_trip()
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(info_key, mapping=dict(fields))  # type: ignore[arg-type]
+            self._refusal("HSET", pipe.execute(raise_on_error=False)[0])
+            return True
+
+        return self._guard("HSET", hset, False)
+
+    def read_hash(self, key: str) -> dict[str, str]:
+        raw = self.client.hgetall(key)
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    def flush_counters(self) -> None:
+        """Deliver pending counter deltas now (one round trip); kept for later if Redis fails
+        (dropped if Redis refuses them: they would be refused again)."""
+        pending = self.counters.take() if self.stats_key is not None else {}
+        if not pending:
+            return
+
+        def deliver() -> bool:
+            self._count_round_trip()
+            pipe = self.client.pipeline(transaction=False)
+            self._append_counters(pipe, pending)
+            self._check_counter_replies(pipe.execute(raise_on_error=False))
+            return True
+
+        if not self._guard("HINCRBY", deliver, False):
+            self.counters.restore(pending)
+
+    def _append_counters(self, pipe: Any, pending: Mapping[str, int]) -> None:
+        for name, delta in pending.items():
+            pipe.hincrby(self.stats_key, name, delta)
+
+    def _check_counter_replies(self, replies: Sequence[Any]) -> None:
+        """Counter increments that rode along: an outage raises; a refusal is logged, not
+        counted (counting it would make the next round trip carry a counter to refuse)."""
+        for reply in replies:
+            self._refusal("HINCRBY", reply, count=False)
+
+    # ------------------------------------------------------------------ the guard
+
+    def _guard(self, command: str, call: Callable[[], _T], default: _T) -> _T:
+        """Run ``call`` (one Redis round trip) under the breaker; every Redis call goes here.
+
+        While the breaker is open ``default`` at once, except for one probe per interval. An
+        outage (see :func:`~hma_redis.breaker.classify`) opens the breaker and yields
+        ``default``. A refusal raised by the whole call (NOPERM, OOM, READONLY, another error
+        reply) yields ``default`` too but proves the server answers: it is counted and logged
+        (rate-limited) and the breaker stays (or becomes) closed. Exceptions that are not
+        Redis errors (a caller's bug, a failed allocation) propagate.
         """
         if not self.breaker.allow():
             return default
+        try:
+            out = call()
+        except (RedisError, OSError) as exc:
+            if classify(exc) is ErrorKind.OUTAGE:
+                self.breaker.record_failure(exc)
+                return default
+            self._refused(command, exc, count=True)
+            out = default
+        self.breaker.record_success()
+        return out
+
+    def _refusal(self, command: str, reply: Any, count: bool = True) -> bool:
+        """One reply of a pipelined call: True if it is a refusal (counted and logged), False
+        if it is an answer. An outage error in a reply raises it, for the guard."""
+        if not isinstance(reply, Exception):
+            return False
+        if classify(reply) is ErrorKind.OUTAGE:
+            raise reply
+        self._refused(command, reply, count)
+        return True
+
+    def _refused(self, command: str, exc: BaseException, count: bool) -> None:
+        """Count a refusal (``refused_<kind>``) and log it at most once per interval per
+        command and kind, with the number held back since."""
+        kind = refusal_of(exc)
+        if count:
+            self.counters.add(**{f"refused_{kind.value}": 1})
+        held = self._refusal_log.admit(f"{command}:{kind.value}")
+        if held is None:
+            return
+        logger.warning(
+            "hma_redis: Redis at %s refused %s: %s (%s; %d more since the last report; the "
+            "tier stays on; at most one report per %.0fs)",
+            self.cfg.redacted_url,
+            command,
+            exc,
+            kind.name,
+            held,
+            self._refusal_log.interval_s,
+        )
+
+    def _count_round_trip(self) -> None:
         with self._stats_lock:
             self.round_trips += 1
+
+    def _streamed(self, command: str, body: Callable[[Any, _RawReplies], _T], default: _T) -> _T:
+        """Run ``body`` on one connection of the bulk pool, replies read by :class:`_RawReplies`,
+        under :meth:`_guard` (an outage opens the breaker and yields ``default``)."""
+        return self._guard(command, lambda: self._on_bulk_connection(body), default)
+
+    def _on_bulk_connection(self, body: Callable[[Any, _RawReplies], _T]) -> _T:
+        """Pending counter deltas go first on the same connection (same round trip). Any
+        exception resets the connection (it may stop inside a reply) and propagates."""
+        self._count_round_trip()
         assert isinstance(self._bulk, redis.Redis)
         pool = self._bulk.connection_pool
         pending = self.counters.take() if self.stats_key is not None else {}
@@ -537,116 +706,39 @@ class RedisBlockStore:
         conn = None
         try:
             conn = pool.get_connection()
-            replies = _RawReplies(conn, skip=len(pending))
+            replies = _RawReplies(
+                conn, skip=len(pending), on_skipped=lambda r: self._check_counter_replies([r])
+            )
             if pending:
                 counters = [("HINCRBY", self.stats_key, n, d) for n, d in pending.items()]
                 conn.send_packed_command(conn.pack_commands(counters), check_health=False)
-            out = body(conn, replies)
-        except BaseException as exc:
+            return body(conn, replies)
+        except BaseException:
             if conn is not None:
                 conn.disconnect()
             if replies is None or replies.skip:
                 self.counters.restore(pending)
-            if not isinstance(exc, RedisError | OSError):
-                raise
-            self.breaker.record_failure(exc)
-            return default
+            raise
         finally:
             if conn is not None:
                 pool.release(conn)
-        self.breaker.record_success()
-        return out
-
-    def delete(self, keys: Sequence[str]) -> int:
-        """UNLINK ``keys`` (used to drop values that failed validation); 0 if Redis fails."""
-        if not keys or not self.breaker.allow():
-            return 0
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.unlink(key)
-            removed = sum(int(n) for n in pipe.execute())
-        except RedisError as exc:
-            self.breaker.record_failure(exc)
-            return 0
-        self.breaker.record_success()
-        return removed
-
-    # ------------------------------------------------------------------ metadata
-
-    def write_info(self, info_key: str, fields: Mapping[str, str]) -> bool:
-        """Record a namespace's fingerprint fields (idempotent). False if Redis is unavailable."""
-        if not self.breaker.allow():
-            return False
-        try:
-            self.client.hset(info_key, mapping=dict(fields))  # type: ignore[arg-type]
-        except RedisError as exc:
-            self.breaker.record_failure(exc)
-            return False
-        self.breaker.record_success()
-        return True
-
-    def read_hash(self, key: str) -> dict[str, str]:
-        raw = self.client.hgetall(key)
-        return {_text(k): _text(v) for k, v in raw.items()}
-
-    def flush_counters(self) -> None:
-        """Deliver pending counter deltas now (one round trip); kept for later if Redis fails."""
-        if self.stats_key is None or not self.breaker.allow():
-            return
-        pending = self.counters.take()
-        if not pending:
-            return
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            self._append_counters(pipe, pending)
-            pipe.execute()
-        except RedisError as exc:
-            self.counters.restore(pending)
-            self.breaker.record_failure(exc)
-            return
-        self.breaker.record_success()
-
-    def _append_counters(self, pipe: Any, pending: Mapping[str, int]) -> None:
-        for name, delta in pending.items():
-            pipe.hincrby(self.stats_key, name, delta)
-
-    # ------------------------------------------------------------------ internals
-
-    def _warn_refused(self, command: str, reply: ResponseError) -> None:
-        """Log each kind of refusal once (OOM, NOPERM, ...): it is a configuration problem."""
-        kind = f"{command}:{str(reply).split(' ', 1)[0]}"
-        if kind in self._refusals_seen:
-            return
-        self._refusals_seen.add(kind)
-        logger.warning(
-            "hma_redis: Redis at %s refused %s: %s (logged once)",
-            self.cfg.redacted_url,
-            command,
-            reply,
-        )
 
     def _guarded(
         self,
+        command: str,
         keys: Sequence[str],
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
         default: _T,
         client: redis.Redis | RedisCluster | None = None,
     ) -> list[_T]:
-        """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``.
-
-        Any connection error or timeout opens the breaker and yields ``default`` for every key.
-        """
-        if not self.breaker.allow():
-            return [default] * len(keys)
-        try:
-            out = self._execute(client or self.client, keys, run, collect)
-        except RedisError as exc:
-            self.breaker.record_failure(exc)
-            return [default] * len(keys)
-        self.breaker.record_success()
-        return out
+        """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``,
+        under :meth:`_guard` (an outage yields ``default`` for every key)."""
+        return self._guard(
+            command,
+            lambda: self._execute(client or self.client, keys, run, collect),
+            [default] * len(keys),
+        )
 
     def _execute(
         self,
@@ -655,8 +747,7 @@ class RedisBlockStore:
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
     ) -> list[_T]:
-        with self._stats_lock:
-            self.round_trips += 1
+        self._count_round_trip()
         pending = self.counters.take() if self.stats_key is not None else {}
         try:
             return self._execute_with(client, keys, run, collect, pending)
@@ -679,7 +770,10 @@ class RedisBlockStore:
         run(pipe, keys)
         self._append_counters(pipe, pending)
         replies = pipe.execute(raise_on_error=False)
-        return collect(replies[: len(replies) - len(pending)], keys)
+        split = len(replies) - len(pending)
+        out = collect(replies[:split], keys)
+        self._check_counter_replies(replies[split:])
+        return out
 
 
 def _send_all(sock: Any, parts: Sequence[memoryview]) -> None:
@@ -714,13 +808,16 @@ class _RawReplies:
 
     A bulk string is received by ``recv_into`` straight into the caller's buffer; reply lines
     are read in small pieces, so little of a body passes through Python ``bytes``. The first
-    ``skip`` replies (counter increments sent ahead) are read and dropped.
+    ``skip`` replies (counter increments sent ahead) are read and handed to ``on_skipped``.
     """
 
-    def __init__(self, conn: Any, skip: int = 0) -> None:
+    def __init__(
+        self, conn: Any, skip: int = 0, on_skipped: Callable[[Any], None] | None = None
+    ) -> None:
         self._conn = conn
         self._buf = b""
         self.skip = skip
+        self._on_skipped = on_skipped
 
     def _recv(self) -> bytes:
         sock = self._conn._sock
@@ -731,16 +828,22 @@ class _RawReplies:
             raise RedisConnectionError("Connection closed by server")
         return chunk
 
-    def read(self, alloc: Callable[[int], memoryview]) -> memoryview | bytes | ResponseError | None:
-        """The next reply: a bulk string (in ``alloc``'d memory), a line, an error or None."""
+    def read(
+        self, alloc: Callable[[int], memoryview], max_bytes: int | None = None
+    ) -> memoryview | bytes | ResponseError | OversizedValue | None:
+        """The next reply: a bulk string (in ``alloc``'d memory), a line, an error or None.
+        A bulk string longer than ``max_bytes`` is received in bounded pieces and dropped
+        (:class:`OversizedValue`): ``alloc`` is never asked for it."""
         while self.skip:
-            self._read(_no_bulk)
+            skipped = self._read(_no_bulk, None)
             self.skip -= 1
-        return self._read(alloc)
+            if self._on_skipped is not None:
+                self._on_skipped(skipped)
+        return self._read(alloc, max_bytes)
 
     def _read(
-        self, alloc: Callable[[int], memoryview]
-    ) -> memoryview | bytes | ResponseError | None:
+        self, alloc: Callable[[int], memoryview], max_bytes: int | None
+    ) -> memoryview | bytes | ResponseError | OversizedValue | None:
         while (end := self._buf.find(b"\r\n")) < 0:
             self._buf += self._recv()
         line, self._buf = self._buf[:end], self._buf[end + 2 :]
@@ -759,22 +862,42 @@ class _RawReplies:
             raise InvalidResponse(f"bad bulk length {line[:40]!r}") from None
         if nbytes < 0:
             return None
-        out = alloc(nbytes)
-        have = min(nbytes, len(self._buf))
-        out[:have] = memoryview(self._buf)[:have]
-        self._buf = self._buf[have:]
-        sock = self._conn._sock
-        while have < nbytes:
-            got = sock.recv_into(out[have:], nbytes - have)
-            if not got:
-                raise RedisConnectionError("Connection closed by server")
-            have += got
+        out: memoryview | OversizedValue
+        if max_bytes is not None and nbytes > max_bytes:
+            out = OversizedValue(nbytes)
+            self._drop(nbytes)
+        else:
+            out = alloc(nbytes)
+            self._receive(nbytes, out)
         while len(self._buf) < 2:
             self._buf += self._recv()
         if self._buf[:2] != b"\r\n":
             raise InvalidResponse("bulk string not terminated by CRLF")
         self._buf = self._buf[2:]
         return out
+
+    def _receive(self, nbytes: int, into: memoryview) -> None:
+        """The next ``nbytes`` of the stream, into ``into``."""
+        have = min(nbytes, len(self._buf))
+        into[:have] = memoryview(self._buf)[:have]
+        self._buf = self._buf[have:]
+        while have < nbytes:
+            have += self._recv_into(into[have:], nbytes - have)
+
+    def _drop(self, nbytes: int) -> None:
+        """Skip the next ``nbytes`` of the stream, received into a scratch buffer of at most
+        ``_DISCARD_PIECE`` bytes: a value too long to accept is never held whole."""
+        have = min(nbytes, len(self._buf))
+        self._buf = self._buf[have:]
+        scratch = memoryview(bytearray(min(_DISCARD_PIECE, nbytes - have)))
+        while have < nbytes:
+            have += self._recv_into(scratch, min(nbytes - have, scratch.nbytes))
+
+    def _recv_into(self, target: memoryview, nbytes: int) -> int:
+        got: int = self._conn._sock.recv_into(target, nbytes)
+        if not got:
+            raise RedisConnectionError("Connection closed by server")
+        return got
 
 
 def _text(value: bytes | str) -> str:

@@ -14,9 +14,11 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 from vllm.logger import init_logger
@@ -35,7 +37,7 @@ from hma_redis import codec
 from hma_redis.codec import BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.keys import KeySpace
 from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.store import PutResult, RedisBlockStore
+from hma_redis.store import OversizedValue, PutResult, RedisBlockStore
 
 logger = init_logger(__name__)
 
@@ -50,6 +52,8 @@ TEST_LOAD_DELAY_ENV = "HMA_REDIS_TEST_LOAD_DELAY_S"
 _PUT_BATCH = 16
 # The same when values are sent from the KV cache in place (no memory to bound).
 _PUT_BATCH_IN_PLACE = 64
+# Room in a value's bound for header fields whose msgpack width varies with their value.
+_HEADER_SLACK = 64
 
 
 @dataclass(frozen=True)
@@ -93,21 +97,45 @@ class _Job:
     # Set once the job no longer reads the KV cache (stores) or is completely done (loads).
     released: threading.Event = field(default_factory=threading.Event)
     future: Future[None] | None = None
+    # Recorded on the compute stream at submit (CUDA only): the transfer starts after it.
+    ready: torch.cuda.Event | None = None
     chunks_loaded: int = 0
+    chunks_counted: int = 0  # store: chunks counted as stored, skipped or failed so far
 
 
 class _ByteBudget:
-    """Bounds the bytes held in transfer buffers; one oversize request may run alone."""
+    """Bounds the bytes held in transfer buffers, fairly.
+
+    A waiting load goes first: while one waits, no store acquires (a request waits on a load;
+    stores are background work). Loads are served in arrival order, stores likewise, so a
+    steady stream of small requests cannot starve a large one. A request larger than the whole
+    limit proceeds alone once nothing else holds budget (those behind it wait).
+    """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._used = 0
         self._cond = threading.Condition()
+        # Tickets of the requests waiting, in arrival order: loads, stores.
+        self._waiting: dict[bool, deque[object]] = {True: deque(), False: deque()}
 
-    def acquire(self, nbytes: int) -> None:
+    def acquire(self, nbytes: int, *, load: bool) -> None:
+        """Block until ``nbytes`` may be held; the caller must :meth:`release` them."""
+        ticket = object()
         with self._cond:
-            self._cond.wait_for(lambda: self._used == 0 or self._used + nbytes <= self._limit)
-            self._used += nbytes
+            line = self._waiting[load]
+            line.append(ticket)
+            try:
+                self._cond.wait_for(lambda: self._may_take(ticket, nbytes, load))
+                self._used += nbytes
+            finally:
+                line.remove(ticket)
+                self._cond.notify_all()  # the next in line may go now
+
+    def _may_take(self, ticket: object, nbytes: int, load: bool) -> bool:
+        if self._waiting[load][0] is not ticket or (not load and self._waiting[True]):
+            return False
+        return self._used == 0 or self._used + nbytes <= self._limit
 
     def release(self, nbytes: int) -> None:
         with self._cond:
@@ -118,7 +146,12 @@ class _ByteBudget:
 class _BufferPool:
     """Value buffers kept for reuse, so a transfer neither allocates nor page-faults a fresh
     buffer per value (a new 2 MiB ``bytearray`` costs ~0.3 ms, as much as its CRC32C).
-    Holds at most ``limit`` idle bytes; buffers are pinned when the KV cache is on a GPU."""
+    Holds at most ``limit`` idle bytes; buffers are pinned when the KV cache is on a GPU.
+
+    Only buffers taken from the pool may be given back (anything else, a read-only view of a
+    reply say, would be handed to the next writer). ``peak_bytes`` is the most bytes ever out
+    of the pool at once: what the transfers held, for the memory bound's tests and stats.
+    """
 
     def __init__(self, limit: int, pinned: bool) -> None:
         self._limit = limit
@@ -126,21 +159,80 @@ class _BufferPool:
         self._idle = 0
         self._free: dict[int, list[memoryview]] = {}
         self._lock = threading.Lock()
+        self._out = 0
+        self.peak_bytes = 0
 
     def take(self, nbytes: int) -> memoryview:
         with self._lock:
+            self._out += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._out)
             free = self._free.get(nbytes)
             if free:
                 self._idle -= nbytes
                 return free.pop()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned).numpy().data
 
-    def give(self, buffers: Iterable[memoryview | None]) -> None:
+    def give(self, buffers: Sequence[memoryview]) -> None:
+        """Return buffers that :meth:`take` gave and nobody uses any more."""
         with self._lock:
             for buf in buffers:
-                if buf is not None and self._idle + buf.nbytes <= self._limit:
+                self._out -= buf.nbytes
+                if self._idle + buf.nbytes <= self._limit:
                     self._free.setdefault(buf.nbytes, []).append(buf)
                     self._idle += buf.nbytes
+
+
+class _TransferStreams:
+    """Device and stream ordering of the transfer threads. Every method is a no-op for a CPU
+    KV cache, so the CPU runs the same code as a GPU.
+
+    On CUDA: each transfer thread selects the KV cache's device (a TP rank's GPU, not device
+    0) and copies on a stream of its own; a transfer starts only after an event recorded on
+    the submitting (compute) stream at submit, so it reads what the model wrote (stores) and
+    overwrites blocks only once the work queued before it is done with them (loads); and a
+    transfer is over only once an event recorded after its copies has completed.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._local = threading.local()
+
+    def init_thread(self) -> None:
+        """Executor initializer of every transfer thread."""
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+            self._local.stream = torch.cuda.Stream(self.device)
+
+    def mark_submit(self) -> torch.cuda.Event | None:
+        """On the submitting thread: an event after everything queued so far on its current
+        (compute) stream."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextmanager
+    def ordered(self, after: torch.cuda.Event | None) -> Iterator[None]:
+        """Run the block's copies on this thread's stream, after ``after``; on leaving (also
+        by an exception) wait until they have completed, so their host buffers may be read,
+        reused or freed."""
+        if not self._cuda:
+            yield
+            return
+        stream = getattr(self._local, "stream", None)
+        if stream is None:  # a thread the executors did not start (store at interpreter exit)
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        if after is not None:
+            stream.wait_event(after)
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                yield
+        finally:
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()
 
 
 class RedisOffloadingWorker(OffloadingWorker):
@@ -158,12 +250,18 @@ class RedisOffloadingWorker(OffloadingWorker):
         io_threads: int,
         max_inflight_bytes: int,
         shutdown_timeout_s: float,
+        auth_key: bytes | None = None,
+        kv_cache_layout: str = "",
     ) -> None:
         self._store = store
         self._keyspace = keyspace
         self._rank = rank
         self._blocks_per_chunk = blocks_per_chunk
         self._kv_dtype = kv_dtype
+        # Written into every header and required of every value read, whatever the namespace.
+        self._kv_cache_layout = kv_cache_layout
+        # With a shared secret every value is MAC'd, and only values MAC'd with it are read.
+        self._mac_key = codec.MacKey.derive(auth_key) if auth_key is not None else None
         self._shutdown_timeout_s = shutdown_timeout_s
         self._group_pos = {gid: pos for pos, gid in enumerate(group_ids)}
         self._layers: list[list[LayerSource]] = [
@@ -176,11 +274,21 @@ class RedisOffloadingWorker(OffloadingWorker):
         self._pages = [tuple(layer.page_bytes for layer in group) for group in self._layers]
         self._budget = _ByteBudget(max_inflight_bytes)
         pinned = any(layer_device(group) == "cuda" for group in self._layers)
+        tensors = kv_caches.tensors
+        self._streams = _TransferStreams(
+            tensors[0].tensor.device if tensors else torch.device("cpu")
+        )
         # A CPU KV cache is sent to Redis from where it is; other devices go through buffers.
         self._in_place = all(layer.host is not None for group in self._layers for layer in group)
         self._buffers = _BufferPool(max_inflight_bytes // 4, pinned)
-        self._loads = ThreadPoolExecutor(io_threads, thread_name_prefix="hma-load")
-        self._stores = ThreadPoolExecutor(max(1, io_threads // 2), thread_name_prefix="hma-store")
+        self._loads = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="hma-load", initializer=self._streams.init_thread
+        )
+        self._stores = ThreadPoolExecutor(
+            max(1, io_threads // 2),
+            thread_name_prefix="hma-store",
+            initializer=self._streams.init_thread,
+        )
         self._jobs: dict[int, _Job] = {}
         self._finished: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         # Load jobs that failed; moved to _failed_reported when get_finished returns them.
@@ -188,6 +296,9 @@ class RedisOffloadingWorker(OffloadingWorker):
         self._failed_reported: set[int] = set()
         self._failed_lock = threading.Lock()
         self._closed = False
+        # Whether the connector turns failed loads into recomputes (enable_failure_reporting);
+        # until it says so a failed load is reported as failed and vLLM stops the engine.
+        self._failures_reported = False
         self._test_load_delay_s = float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
 
     # ------------------------------------------------------------------ vLLM API
@@ -198,7 +309,7 @@ class RedisOffloadingWorker(OffloadingWorker):
         """Queue a store; returns at once. The job reads the KV cache in a background thread
         (``wait`` blocks until it has), then encodes and puts the chunks."""
         assert isinstance(dst_spec, RedisLoadStoreSpec)
-        job = _Job(job_id, is_store=True)
+        job = _Job(job_id, is_store=True, ready=self._streams.mark_submit())
         self._jobs[job_id] = job
         try:
             job.future = self._stores.submit(self._run_store, job, src_spec, dst_spec)
@@ -210,14 +321,16 @@ class RedisOffloadingWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         """Queue a load; returns at once. Completion is reported through ``get_finished``."""
         assert isinstance(src_spec, RedisLoadStoreSpec)
-        job = _Job(job_id, is_store=False)
+        job = _Job(job_id, is_store=False, ready=self._streams.mark_submit())
         self._jobs[job_id] = job
+
         job.future = self._loads.submit(self._run_load, job, src_spec, dst_spec)
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        """Finished jobs. Every result says success (vLLM 0.32 asserts it); a load that failed is
-        listed by :meth:`take_failed_load_jobs` once its result has been returned here."""
+        """Finished jobs. Every result says success (vLLM 0.32 asserts it) except a failed load
+        before :meth:`enable_failure_reporting`; a load that failed is listed by
+        :meth:`take_failed_load_jobs` once its result has been returned here."""
         results: list[TransferResult] = []
         while True:
             try:
@@ -229,6 +342,19 @@ class RedisOffloadingWorker(OffloadingWorker):
                     self._failed_loads.discard(result.job_id)
                     self._failed_reported.add(result.job_id)
             results.append(result)
+
+    def enable_failure_reporting(self) -> None:
+        """Called by RedisOffloadingConnector, which reads :meth:`take_failed_load_jobs` and
+        has vLLM recompute those requests: from now on a failed load's result says success
+        (vLLM 0.32 asserts it). Without this call it says failure, so a connector that cannot
+        recompute stops loudly instead of serving the destination blocks' stale contents."""
+        self._failures_reported = True
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        """The most bytes this worker's transfers have held in value buffers at once (bounded
+        by ``max_inflight_bytes``, unless a single job is larger and ran alone)."""
+        return self._buffers.peak_bytes
 
     def take_failed_load_jobs(self) -> set[int]:
         """Load jobs whose failure was returned by ``get_finished`` since the last call."""
@@ -312,6 +438,8 @@ class RedisOffloadingWorker(OffloadingWorker):
     # ------------------------------------------------------------------ stores
 
     def _run_store(self, job: _Job, src: GPULoadStoreSpec, dst: RedisLoadStoreSpec) -> None:
+        """Store a job's chunks. Every chunk is counted once: stored, skipped (present) or
+        failed; chunks of a job that stops early (bad layout, an error) count as failed."""
         started = time.perf_counter()
         stored_bytes = 0
         try:
@@ -322,49 +450,57 @@ class RedisOffloadingWorker(OffloadingWorker):
             # Another instance may have stored some chunks already: skip them (one round trip).
             present = self._store.exists([c.redis_key for c in plan])
             self._store.counters.add(store_skipped_chunks=sum(present))
+            job.chunks_counted += sum(present)
             plan = [c for c, there in zip(plan, present, strict=True) if not there]
             batch = _PUT_BATCH_IN_PLACE if self._in_place else _PUT_BATCH
             for start in range(0, len(plan), batch):
-                stored_bytes += self._store_batch(plan[start : start + batch])
+                stored_bytes += self._store_batch(job, plan[start : start + batch])
         except Exception:
             logger.exception(
                 "hma_redis: store job %d failed; its chunks are not stored", job.job_id
             )
         finally:
+            self._store.counters.add(store_failed_chunks=len(dst.keys) - job.chunks_counted)
             job.released.set()
             self._jobs.pop(job.job_id, None)
             self._finished.put(
                 TransferResult(job.job_id, True, stored_bytes, time.perf_counter() - started)
             )
 
-    def _store_batch(self, chunks: list[ChunkTransfer]) -> int:
+    def _store_batch(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
         headers = [self._header(c) for c in chunks]
         if self._in_place:
             # The checksum is computed over the pages in place and the kernel copies them from
             # there to the socket: no gather, no buffer (the job holds its blocks until sent).
             # Each value is built as it is sent, while Redis reads the one before.
             def parts(idx: int) -> list[memoryview]:
-                return codec.encode_parts(headers[idx], self._pages_in_place(chunks[idx]))
+                return codec.encode_parts(
+                    headers[idx], self._pages_in_place(chunks[idx]), self._mac_key
+                )
 
             keys = [c.redis_key for c in chunks]
             results = self._store.put_parts_if_absent(keys, parts)
-            return self._count_stored([codec.value_size(h) for h in headers], results)
+            return self._count_stored(job, [codec.value_size(h) for h in headers], results)
         sizes = [codec.value_size(h) for h in headers]
-        self._budget.acquire(sum(sizes))
+        self._budget.acquire(sum(sizes), load=False)
+        taken: list[memoryview] = []
         try:
-            items: list[tuple[str, memoryview]] = []
-            for chunk, header, size in zip(chunks, headers, sizes, strict=True):
-                encoded = codec.start_encode(header, self._buffers.take(size))
-                items.append((chunk.redis_key, encoded.buffer))
-                self._gather(chunk, encoded.body)
-                encoded.seal()
+            encoded: list[codec.EncodedBlock] = []
+            for header, size in zip(headers, sizes, strict=True):
+                taken.append(self._buffers.take(size))
+                encoded.append(codec.start_encode(header, taken[-1], self._mac_key))
+            # Every page is in its buffer when this block ends (CUDA: its copies completed).
+            with self._streams.ordered(job.ready):
+                for chunk, block in zip(chunks, encoded, strict=True):
+                    self._gather(chunk, block.body)
+            items = [(c.redis_key, block.seal()) for c, block in zip(chunks, encoded, strict=True)]
             results = self._store.put_if_absent(items)
         finally:
-            self._buffers.give(buf for _, buf in items)
+            self._buffers.give(taken)
             self._budget.release(sum(sizes))
-        return self._count_stored(sizes, results)
+        return self._count_stored(job, sizes, results)
 
-    def _count_stored(self, sizes: Sequence[int], results: list[PutResult]) -> int:
+    def _count_stored(self, job: _Job, sizes: Sequence[int], results: list[PutResult]) -> int:
         """Count a batch's outcome; return the bytes stored."""
         stored = sum(size for size, r in zip(sizes, results, strict=True) if r is PutResult.STORED)
         self._store.counters.add(
@@ -373,6 +509,7 @@ class RedisOffloadingWorker(OffloadingWorker):
             store_skipped_chunks=results.count(PutResult.EXISTED),
             store_failed_chunks=results.count(PutResult.FAILED),
         )
+        job.chunks_counted += len(results)
         return stored
 
     def _header(self, chunk: ChunkTransfer) -> BlockHeader:
@@ -383,6 +520,7 @@ class RedisOffloadingWorker(OffloadingWorker):
             num_blocks=len(chunk.block_ids),
             page_bytes=self._pages[chunk.group_pos],
             kv_dtype=self._kv_dtype,
+            kv_cache_layout=self._kv_cache_layout,
         )
 
     def _pages_in_place(self, chunk: ChunkTransfer) -> list[memoryview]:
@@ -403,10 +541,11 @@ class RedisOffloadingWorker(OffloadingWorker):
             if layer.host is not None:
                 _copy_pages(layer, runs, body[offset : offset + nbytes], to_cache=False)
             else:
+                # Queued on the transfer stream; complete when _TransferStreams.ordered ends.
                 ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=layer.tensor.device)
                 dst = torch.frombuffer(body[offset : offset + nbytes], dtype=torch.int8)
                 src = layer.tensor[:, : layer.page_bytes].index_select(0, ids)
-                dst.view(len(chunk.block_ids), layer.page_bytes).copy_(src)
+                dst.view(len(chunk.block_ids), layer.page_bytes).copy_(src, non_blocking=True)
             offset += nbytes
 
     # ------------------------------------------------------------------ loads
@@ -439,18 +578,21 @@ class RedisOffloadingWorker(OffloadingWorker):
                 )
                 with self._failed_lock:
                     self._failed_loads.add(job.job_id)
+            reported = success or self._failures_reported
             self._finished.put(
-                TransferResult(job.job_id, True, loaded, time.perf_counter() - started)
+                TransferResult(job.job_id, reported, loaded, time.perf_counter() - started)
             )
 
     def _load_chunks(self, plan: list[ChunkTransfer], job: _Job) -> int:
         """Fetch and validate every chunk, then copy them into the KV cache.
 
-        Each value is validated as it arrives, while Redis sends the next (CRC32C of a value
-        still in the CPU cache, in time the job would otherwise spend waiting for Redis).
-        Nothing is copied unless every chunk is valid (the request is recomputed whole anyway).
-        Invalid values are deleted: SET NX would never replace them, so the recompute's store
-        could not heal them otherwise.
+        The byte budget is taken before anything is received, for the most bytes each chunk's
+        value can hold (:meth:`_value_bound`); a longer value is never received (its bytes are
+        dropped as they arrive) and is corrupt. Each value is validated as it arrives, while
+        Redis sends the next (CRC32C of a value still in the CPU cache, in time the job would
+        otherwise spend waiting for Redis). Nothing is copied unless every chunk is valid (the
+        request is recomputed whole anyway). Invalid values are deleted: SET NX would never
+        replace them, so the recompute's store could not heal them otherwise.
         """
         if self._test_load_delay_s:
             time.sleep(self._test_load_delay_s)
@@ -463,11 +605,24 @@ class RedisOffloadingWorker(OffloadingWorker):
             except CorruptBlockError as exc:
                 invalid[plan[idx].redis_key] = exc
 
-        values = self._store.get_into([c.redis_key for c in plan], self._buffers.take, check)
-        total = sum(len(v) for v in values if v is not None)
-        self._budget.acquire(total)
+        taken: list[memoryview] = []
+
+        def take(nbytes: int) -> memoryview:
+            taken.append(self._buffers.take(nbytes))
+            return taken[-1]
+
+        bounds = [self._value_bound(chunk) for chunk in plan]
+        self._budget.acquire(sum(bounds), load=True)
         try:
-            missing = [c.redis_key for c, v in zip(plan, values, strict=True) if v is None]
+            keys = [c.redis_key for c in plan]
+            values = self._store.get_into(keys, take, check, max_bytes=bounds)
+            for key, value, bound in zip(keys, values, bounds, strict=True):
+                if isinstance(value, OversizedValue):
+                    invalid[key] = CorruptBlockError(
+                        f"{key} holds {value.nbytes} bytes, its chunk at most {bound}"
+                    )
+            total = sum(len(v) for v in values if isinstance(v, memoryview))
+            missing = [key for key, v in zip(keys, values, strict=True) if v is None]
             valid = [(chunk, blocks[idx]) for idx, chunk in enumerate(plan) if idx in blocks]
             if invalid:
                 self._store.delete(list(invalid))
@@ -477,18 +632,48 @@ class RedisOffloadingWorker(OffloadingWorker):
                     f"{len(missing)} chunk(s) missing, {len(invalid)} invalid"
                     + (f" (first: {first})" if first else "")
                 )
-            for chunk, block in valid:
-                self._scatter(chunk, block)
-                job.chunks_loaded += 1
+            # The pages are in the KV cache when this block ends (CUDA: copies completed).
+            with self._streams.ordered(job.ready):
+                for chunk, block in valid:
+                    self._scatter(chunk, block)
+            job.chunks_loaded += len(valid)
         finally:
-            self._buffers.give(values)
-            self._budget.release(total)
+            self._buffers.give(taken)
+            self._budget.release(sum(bounds))
         self._store.counters.add(loaded_chunks=len(plan), loaded_bytes=total)
         return total
 
+    def _value_bound(self, chunk: ChunkTransfer) -> int:
+        """The most bytes a valid value under ``chunk``'s key can hold: every block of the
+        chunk (a value may hold more blocks than a load needs) and its header."""
+        whole = replace(chunk, start=0, block_ids=tuple(range(self._blocks_per_chunk)))
+        return codec.value_size(self._header(whole)) + _HEADER_SLACK
+
     def _validate(self, chunk: ChunkTransfer, value: memoryview) -> DecodedBlock:
-        block = codec.decode(value, expected_key=chunk.redis_key, expected_group=chunk.group)
+        """The value as a block this worker can copy into its KV cache, or CorruptBlockError.
+
+        Besides the codec's checks (checksum, MAC, key echo, group), the writer's KV dtype,
+        kv_cache_layout and page sizes must be this worker's: the namespace normally keeps
+        other layouts apart, but an explicit ``namespace`` option skips that, so the header
+        is checked whatever the namespace.
+        """
+        block = codec.decode(
+            value,
+            expected_key=chunk.redis_key,
+            expected_group=chunk.group,
+            mac_key=self._mac_key,
+        )
         header = block.header
+        if header.kv_dtype != self._kv_dtype:
+            raise CorruptBlockError(
+                f"{chunk.redis_key} holds {header.kv_dtype!r} KV, this worker uses "
+                f"{self._kv_dtype!r}"
+            )
+        if header.kv_cache_layout != self._kv_cache_layout:
+            raise CorruptBlockError(
+                f"{chunk.redis_key} has kv_cache_layout {header.kv_cache_layout!r}, this worker "
+                f"uses {self._kv_cache_layout!r}"
+            )
         if header.page_bytes != self._pages[chunk.group_pos]:
             raise CorruptBlockError(f"{chunk.redis_key} has another page layout")
         skip = chunk.start - header.first_block
@@ -507,11 +692,11 @@ class RedisOffloadingWorker(OffloadingWorker):
             if layer.host is not None:
                 _copy_pages(layer, runs, src, to_cache=True)
                 continue
+            # Queued on the transfer stream; complete when _TransferStreams.ordered ends.
             ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=layer.tensor.device)
             pages = torch.frombuffer(src, dtype=torch.int8).view(count, page)
-            layer.tensor[:, :page].index_copy_(0, ids, pages.to(layer.tensor.device))
-        if layer_device(self._layers[chunk.group_pos]) == "cuda":
-            torch.cuda.current_stream().synchronize()
+            pages = pages.to(layer.tensor.device, non_blocking=True)
+            layer.tensor[:, :page].index_copy_(0, ids, pages)
 
 
 def layer_device(layers: Sequence[LayerSource]) -> str:

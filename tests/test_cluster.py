@@ -17,13 +17,15 @@ from cluster_servers import LocalCluster
 from engine_runner import make_prompts, run_engine
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
+from test_worker import DST, KEYS, SRC, make_worker, run_job, spec_of
 from tier import chunk_aligned_prefix, tier_config
 
 from hma_redis.breaker import BreakerState
 from hma_redis.config import RedisTierConfig
 from hma_redis.keys import KeySpace
 from hma_redis.local_redis import free_port
-from hma_redis.store import PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.manager import RedisLoadStoreSpec
+from hma_redis.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.tiny_models import VOCAB_SIZE, build_llama
 
 USER, PASSWORD = "tier", "cluster-s3cret"
@@ -84,7 +86,7 @@ def test_cluster_url_forms(url: str, hosts: tuple[tuple[str, int], ...], tls: bo
     assert (cfg.topology.hosts, cfg.tls, cfg.db) == (hosts, tls, 0)
     if "@" in url:
         assert (cfg.username, cfg.password) == ("u", "p@ss")
-        assert "p%40ss" not in cfg.redacted_url and "u:***@h1:7000,[::1]:7001" in cfg.redacted_url
+        assert "p%40ss" not in cfg.redacted_url and "***@h1:7000,[::1]:7001" in cfg.redacted_url
 
 
 @pytest.mark.parametrize(
@@ -189,6 +191,57 @@ def test_put_get_and_dedup(clean: LocalCluster) -> None:
     assert store.exists(keys[:6]) == [False] * 5 + [True]
     assert store.breaker.state is BreakerState.CLOSED
     store.close()
+
+
+def test_get_into_fills_the_callers_buffers_and_bounds_each_value(clean: LocalCluster) -> None:
+    store = _store(clean.url)
+    keys = _keys("bounded", groups=1, per_group=6)
+    values = {k: os.urandom(n) for k, n in zip(keys, [100, 5000, 0, 100, 100], strict=False)}
+    store.put_if_absent(list(values.items()))
+    given: list[memoryview] = []
+
+    def alloc(nbytes: int) -> memoryview:
+        given.append(memoryview(bytearray(nbytes)))
+        return given[-1]
+
+    got = store.get_into(keys, alloc, max_bytes=[100] * len(keys))
+    assert got[1] == OversizedValue(101)  # read no further than one byte past its bound
+    assert got[5] is None  # missing
+    present = [got[i] for i in (0, 2, 3, 4)]
+    assert [bytes(v) for v in present] == [values[keys[i]] for i in (0, 2, 3, 4)]
+    # Every value is in memory alloc gave (writable, reusable), never a view of redis-py's bytes.
+    assert all(v is g for v, g in zip(present, given, strict=True))
+    assert sorted(g.nbytes for g in given) == [0, 100, 100, 100]
+    store.close()
+
+
+def test_a_buffered_worker_keeps_storing_after_loads(clean: LocalCluster) -> None:
+    """A KV cache the worker cannot address in place (a GPU's, here a strided CPU view) goes
+    through pooled buffers: buffers that served loads are reused by stores."""
+    store = _store(clean.url)
+    worker = make_worker(store, strided=True)
+    try:
+        assert run_job(
+            worker, 1, lambda j: worker.submit_store(j, spec_of(SRC), RedisLoadStoreSpec(KEYS))
+        )
+        assert run_job(
+            worker, 2, lambda j: worker.submit_load(j, RedisLoadStoreSpec(KEYS), spec_of(DST))
+        )
+        other = [k[:-5] + b"\xee" + k[-4:] for k in KEYS]  # other chunks, same sizes
+        assert run_job(
+            worker, 3, lambda j: worker.submit_store(j, spec_of(SRC), RedisLoadStoreSpec(other))
+        )
+        totals = store.counters.snapshot()
+        assert totals["stored_chunks"] == len(KEYS) + len(other)
+        assert totals.get("store_failed_chunks", 0) == 0
+        found = 0
+        for client in clean.clients():
+            with client:
+                found += sum(1 for _ in client.scan_iter(match="hma:worker-test:g*"))
+        assert found == len(KEYS) + len(other)
+    finally:
+        worker.shutdown()
+        store.close()
 
 
 def test_a_resharded_slot_is_followed_by_redirection(clean: LocalCluster) -> None:

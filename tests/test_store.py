@@ -9,7 +9,7 @@ from hma_redis.breaker import BreakerState
 from hma_redis.config import RedisTierConfig
 from hma_redis.keys import KeySpace
 from hma_redis.local_redis import LocalRedis
-from hma_redis.store import PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
 
 
 def _store(url, **overrides):
@@ -241,6 +241,26 @@ def test_get_into_broken_mid_value_misses_all_within_timeout(local_redis, mode):
         assert store.breaker.state is BreakerState.CLOSED
     finally:
         proxy.close()
+
+
+def test_get_into_drops_a_value_longer_than_its_bound_without_receiving_it(redis_client, redis_url):
+    store = _store(redis_url)
+    values = {
+        "hma:ns:g0:01": os.urandom(1000),
+        "hma:ns:g0:02": os.urandom(3_000_000),  # over its bound: never held
+        "hma:ns:g0:03": os.urandom(1000),  # exactly its bound: fine
+        "hma:ns:g0:04": os.urandom(5),
+    }
+    store.put_if_absent(list(values.items()))
+    keys = list(values)
+    buffers = _Buffers()
+    got = store.get_into(keys, buffers, max_bytes=[1000, 1000, 1000, 1000])
+    assert got[1] == OversizedValue(3_000_000)
+    assert [bytes(v) for i, v in enumerate(got) if i != 1] == [values[keys[i]] for i in (0, 2, 3)]
+    assert buffers.sizes == [1000, 1000, 5]  # alloc never asked for the long one
+    assert store.breaker.state is BreakerState.CLOSED
+    # Its bytes were drained: the connection's next replies are the next call's own.
+    assert [bytes(v) for v in store.get_into(keys[2:], _Buffers())] == [values[k] for k in keys[2:]]
 
 
 def test_get_into_alloc_error_propagates_and_leaves_no_stale_reply(redis_client, redis_url):

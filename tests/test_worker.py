@@ -1,5 +1,6 @@
 """The worker's data path on CPU KV-cache tensors against a real Redis: pages land where they
-belong, padding and other blocks are never touched, and a bad value writes nothing."""
+belong, padding and other blocks are never touched, a bad value writes nothing, and every
+chunk a store job drops is counted."""
 
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ ROW0, PAGE0 = 3000, 2500
 PAGE1 = 1000
 
 
-def _caches() -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+def _caches(strided: bool = False) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+    """The KV caches of two groups. ``strided``: each layer a non-contiguous view (rows of a
+    wider tensor), which the worker cannot address as host memory: it goes through value
+    buffers and torch copies, as a GPU KV cache does."""
     gen = torch.Generator().manual_seed(7)
     shapes = [(NUM_BLOCKS, ROW0)] * 3 + [(NUM_BLOCKS, PAGE1)] * 2
     tensors = [torch.randint(-128, 128, s, dtype=torch.int8, generator=gen) for s in shapes]
+    if strided:
+        tensors = [torch.cat([t, t[:, :16]], dim=1)[:, : t.shape[1]] for t in tensors]
+        assert not any(t.is_contiguous() for t in tensors)
     caches = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in tensors],
         group_data_refs=[
@@ -43,10 +50,14 @@ def _caches() -> tuple[list[torch.Tensor], CanonicalKVCaches]:
     return tensors, caches
 
 
-@pytest.fixture
-def worker(redis_client, redis_url):
-    tensors, caches = _caches()
-    store = RedisBlockStore(RedisTierConfig(url=redis_url))
+def make_worker(
+    store: RedisBlockStore,
+    strided: bool = False,
+    max_inflight_bytes: int = 1 << 24,
+    io_threads: int = 2,
+) -> RedisOffloadingWorker:
+    """A worker over fresh CPU KV caches (see :func:`_caches`), kept as ``worker.tensors``."""
+    tensors, caches = _caches(strided)
     w = RedisOffloadingWorker(
         store=store,
         keyspace=KeySpace("hma", "worker-test"),
@@ -55,17 +66,25 @@ def worker(redis_client, redis_url):
         group_ids=[0, 1],
         blocks_per_chunk=BPC,
         kv_dtype="int8",
-        io_threads=2,
-        max_inflight_bytes=1 << 24,
+        io_threads=io_threads,
+        max_inflight_bytes=max_inflight_bytes,
         shutdown_timeout_s=1.0,
     )
     w.tensors = tensors  # type: ignore[attr-defined]
+    w.test_store = store  # type: ignore[attr-defined]
+    return w
+
+
+@pytest.fixture(params=[False, True], ids=["in-place", "buffered"])
+def worker(request, redis_client, redis_url):
+    store = RedisBlockStore(RedisTierConfig(url=redis_url))
+    w = make_worker(store, strided=request.param)
     yield w
     w.shutdown()
     store.close()
 
 
-def _run(worker: RedisOffloadingWorker, job_id: int, submit) -> bool:
+def run_job(worker: RedisOffloadingWorker, job_id: int, submit) -> bool:
     """Run one job to completion; True unless it is reported as a failed load."""
     submit(job_id)
     deadline = time.monotonic() + 10
@@ -85,7 +104,7 @@ KEYS = [make_offload_key(bytes([n]) * 16, 0) for n in (1, 2)] + [
 ]
 
 
-def _spec(ids: tuple[list[int], list[int]]) -> GPULoadStoreSpec:
+def spec_of(ids: tuple[list[int], list[int]]) -> GPULoadStoreSpec:
     return GPULoadStoreSpec(ids[0] + ids[1], [len(ids[0]), len(ids[1])], [0, 2])
 
 
@@ -102,10 +121,14 @@ def test_block_runs_groups_consecutive_ids():
 
 def test_store_then_load_moves_every_page_and_nothing_else(worker):
     before = [t.clone() for t in worker.tensors]
-    assert _run(worker, 1, lambda j: worker.submit_store(j, _spec(SRC), RedisLoadStoreSpec(KEYS)))
+    assert run_job(
+        worker, 1, lambda j: worker.submit_store(j, spec_of(SRC), RedisLoadStoreSpec(KEYS))
+    )
     assert all(torch.equal(a, b) for a, b in zip(before, worker.tensors, strict=True))
 
-    assert _run(worker, 2, lambda j: worker.submit_load(j, RedisLoadStoreSpec(KEYS), _spec(DST)))
+    assert run_job(
+        worker, 2, lambda j: worker.submit_load(j, RedisLoadStoreSpec(KEYS), spec_of(DST))
+    )
     for group in (0, 1):
         for got, want in zip(
             _pages(worker, group, DST[group]), _pages(worker, group, SRC[group]), strict=True
@@ -121,7 +144,9 @@ def test_store_then_load_moves_every_page_and_nothing_else(worker):
 
 
 def test_corrupt_chunk_fails_the_load_before_any_page_is_written(worker, redis_client):
-    assert _run(worker, 1, lambda j: worker.submit_store(j, _spec(SRC), RedisLoadStoreSpec(KEYS)))
+    assert run_job(
+        worker, 1, lambda j: worker.submit_store(j, spec_of(SRC), RedisLoadStoreSpec(KEYS))
+    )
     keys = sorted(k.decode() for k in redis_client.scan_iter("hma:worker-test:g*"))
     assert len(keys) == 4
     victim = keys[-1]
@@ -130,8 +155,8 @@ def test_corrupt_chunk_fails_the_load_before_any_page_is_written(worker, redis_c
     redis_client.set(victim, bytes(value))
 
     before = [t.clone() for t in worker.tensors]
-    assert not _run(
-        worker, 2, lambda j: worker.submit_load(j, RedisLoadStoreSpec(KEYS), _spec(DST))
+    assert not run_job(
+        worker, 2, lambda j: worker.submit_load(j, RedisLoadStoreSpec(KEYS), spec_of(DST))
     )
     assert all(torch.equal(a, b) for a, b in zip(before, worker.tensors, strict=True))
     assert redis_client.exists(victim) == 0  # dropped, so the recompute can store a good copy
@@ -152,3 +177,26 @@ def test_gil_switch_interval_is_lowered_never_raised():
         assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_store_job_that_raises_counts_every_chunk_as_failed(worker, redis_client):
+    # A block id past the end of the KV cache: the job fails while it reads the pages.
+    bad = ([*SRC[0][:-1], NUM_BLOCKS + 5], SRC[1])
+    store = worker.test_store
+    assert run_job(
+        worker, 1, lambda j: worker.submit_store(j, spec_of(bad), RedisLoadStoreSpec(KEYS))
+    )
+    # Every chunk is counted once; those of the failed batch as failed.
+    totals = store.counters.snapshot()
+    assert totals.get("stored_chunks", 0) + totals["store_failed_chunks"] == len(KEYS)
+    assert totals["store_failed_chunks"] >= 1
+
+
+def test_store_job_with_an_inconsistent_layout_counts_its_chunks_as_failed(worker, redis_client):
+    extra_key = [*KEYS, make_offload_key(bytes([9]) * 16, 1)]  # one key more than the blocks
+    store = worker.test_store
+    assert run_job(
+        worker, 1, lambda j: worker.submit_store(j, spec_of(SRC), RedisLoadStoreSpec(extra_key))
+    )
+    assert store.counters.snapshot()["store_failed_chunks"] == len(extra_key)
+    assert not list(redis_client.scan_iter("hma:worker-test:g*"))
