@@ -5,7 +5,9 @@ that was a hit at lookup time can be evicted, flushed or corrupted before the wo
 this subclass changes exactly three behaviours:
 
 1. **Failed loads are recomputed.** The worker reports such a load as done (so vLLM's assert
-   holds) and this connector reports its request in ``failed_recving``; under
+   holds) and this connector reports its request in ``failed_recving``; the spec refuses to
+   start under any other connector, and a worker this connector did not enable reports a
+   failed load as failed, so vLLM stops instead of serving stale blocks. Under
    ``kv_load_failure_policy="recompute"`` the scheduler recomputes the request's tokens, under
    ``"fail"`` it fails the request. (vLLM cannot take per-block failures for models with several
    KV-cache groups, so a failed load recomputes the whole request, never a partial prefix.)
@@ -22,9 +24,11 @@ Everything else is the stock connector.
 from __future__ import annotations
 
 import atexit
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import torch
 from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -32,10 +36,11 @@ from vllm.logger import init_logger
 
 from hma_redis.manager import RedisOffloadingManager
 from hma_redis.metrics import WorkerMetrics
-from hma_redis.spec import RedisOffloadingSpec
+from hma_redis.spec import RedisOffloadingSpec, failure_reporting_connector
 from hma_redis.worker import RedisOffloadingWorker
 
 if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
 
 logger = init_logger(__name__)
@@ -44,11 +49,17 @@ logger = init_logger(__name__)
 class RedisOffloadingConnector(OffloadingConnector):
     """OffloadingConnector with recompute-on-failed-load and a flushing shutdown."""
 
-    def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
-        # vLLM builds the scheduler outside its config context; the spec needs the config
-        # (prefix-hash algorithm) to derive the same namespace as the workers.
-        with set_current_vllm_config(vllm_config):
-            super().__init__(vllm_config, *args, **kwargs)
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        # The spec vLLM builds in here learns that its connector reports failed loads (it
+        # refuses to start otherwise) and gets the configs its namespace is derived from.
+        # vLLM builds the scheduler side outside its config context: enter it here too.
+        with (
+            set_current_vllm_config(vllm_config),
+            failure_reporting_connector(vllm_config, kv_cache_config),
+        ):
+            super().__init__(vllm_config, role, kv_cache_config)
         self._shut_down = False
         self._worker_metrics: WorkerMetrics | None = None
         if self.connector_worker is not None:
@@ -57,6 +68,15 @@ class RedisOffloadingConnector(OffloadingConnector):
             atexit.register(self.shutdown)
 
     # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's registration (which creates the spec's worker), then tell the worker that
+        its failed loads reach vLLM through :meth:`get_transfer_results`."""
+        super().register_kv_caches(kv_caches)
+        connector_worker = self.connector_worker
+        worker = connector_worker.worker if connector_worker is not None else None
+        if isinstance(worker, RedisOffloadingWorker):
+            worker.enable_failure_reporting()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Like the stock connector, plus the requests whose load failed."""

@@ -30,8 +30,10 @@ class GroupLayout:
     layer_names: tuple[str, ...]
     # Un-padded bytes per block for each layer (same order as ``layer_names`` refs).
     page_bytes: tuple[int, ...]
-    # "full", "sliding_window:<n>", ... (informational, and part of the fingerprint).
-    kind: str = "full"
+    # The group's attention kind as vLLM's KV-cache spec says it: "full_attention",
+    # "sliding_window:<tokens>", "chunked_local_attention:<tokens>", "mamba", ... (shown by
+    # ``hma-redis info``, and part of the fingerprint).
+    kind: str = "full_attention"
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,16 @@ class NamespaceFingerprint:
     pcp_size: int = 1
     hash_algo: str = "sha256"
     kv_cache_layout: str = ""
+    # The model's identity beyond its name: vLLM's resolved revision (a commit id for Hub
+    # models), the weight quantization, the compute dtype, and the other model/cache options
+    # that change KV bytes as canonical JSON (see docs/key-layout.md).
     revision: str = ""
+    quantization: str = ""
+    model_dtype: str = ""
+    model_config: str = ""
+    # Which auth_key signs this namespace's values ("" when none): instances with different
+    # keys never share a namespace.
+    auth_key_id: str = ""
     format_version: int = 1
 
     def namespace_id(self) -> str:
@@ -61,6 +72,10 @@ class NamespaceFingerprint:
         fields: dict[str, str] = {
             "model": self.model,
             "revision": self.revision,
+            "quantization": self.quantization,
+            "model_dtype": self.model_dtype,
+            "model_config": self.model_config,
+            "auth_key_id": self.auth_key_id,
             "kv_dtype": self.kv_dtype,
             "tp_size": str(self.tp_size),
             "pp_size": str(self.pp_size),

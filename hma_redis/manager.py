@@ -69,6 +69,14 @@ class _Answer:
 
 
 @dataclass
+class _StoreMark:
+    """Stores of one key this instance has in flight, and since when."""
+
+    count: int
+    since: float
+
+
+@dataclass
 class ManagerStats:
     lookup_round_trips: int = 0
     keys_looked_up: int = 0
@@ -76,6 +84,8 @@ class ManagerStats:
     miss_keys: int = 0
     store_skipped_present: int = 0
     failed_loads: int = 0
+    # In-flight store marks dropped after store_pending_timeout_s (vLLM never completed them).
+    stale_store_marks: int = 0
 
 
 class RedisOffloadingManager(OffloadingManager):
@@ -83,6 +93,9 @@ class RedisOffloadingManager(OffloadingManager):
 
     Answers are cached for ``answer_ttl_s`` seconds, and always for at least two scheduler steps
     so a request that waited for its lookup finds the answer even when steps are slow.
+    A chunk this instance is storing answers HIT_PENDING until vLLM completes the store, for at
+    most ``store_pending_timeout_s`` (vLLM drops jobs, e.g. on ``reset_prefix_cache``, and never
+    completes them; a request must never wait on such a store for ever).
     """
 
     def __init__(
@@ -94,6 +107,7 @@ class RedisOffloadingManager(OffloadingManager):
         max_answers: int = 200_000,
         lookup_wait_s: float = 0.005,
         emit_events: bool = False,
+        store_pending_timeout_s: float = 30.0,
     ) -> None:
         self._store = store
         self._keyspace = keyspace
@@ -101,13 +115,15 @@ class RedisOffloadingManager(OffloadingManager):
         self._max_answers = max_answers
         self._lookup_wait_s = lookup_wait_s
         self._emit_events = emit_events
+        self._store_pending_timeout_s = store_pending_timeout_s
         self._answers: OrderedDict[OffloadKey, _Answer] = OrderedDict()
         # Keys asked about this step and not yet known (an ordered set).
         self._queued: dict[OffloadKey, None] = {}
         self._inflight: Future[list[bool]] | None = None
         self._inflight_keys: list[OffloadKey] = []
         self._inflight_set: set[OffloadKey] = set()
-        self._storing: dict[OffloadKey, int] = {}
+        self._storing: dict[OffloadKey, _StoreMark] = {}
+        self._warned_stale_store = False
         # Keys each request is loading, so a failed load can be forgotten.
         self._loading: dict[str, list[OffloadKey]] = {}
         self._events: list[OffloadingEvent] = []
@@ -121,7 +137,7 @@ class RedisOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """Answer from the cache; queue unknown keys and answer RETRY (never blocks)."""
-        if key in self._storing:
+        if self._store_pending(key):
             return LookupResult.HIT_PENDING
         self._absorb_finished_batch()
         answer = self._answers.get(key)
@@ -199,6 +215,25 @@ class RedisOffloadingManager(OffloadingManager):
         self._inflight_keys = []
         self._inflight_set = set()
 
+    def _store_pending(self, key: OffloadKey) -> bool:
+        """Whether this instance is storing ``key``. A mark older than store_pending_timeout_s
+        is dropped: vLLM will not complete it, and the key is asked of Redis again."""
+        mark = self._storing.get(key)
+        if mark is None:
+            return False
+        if time.monotonic() - mark.since <= self._store_pending_timeout_s:
+            return True
+        del self._storing[key]
+        self.stats.stale_store_marks += 1
+        if not self._warned_stale_store:
+            self._warned_stale_store = True
+            logger.warning(
+                "hma_redis: a store was not completed within store_pending_timeout_s=%.1fs; "
+                "its chunks are looked up in Redis again (logged once)",
+                self._store_pending_timeout_s,
+            )
+        return False
+
     def _known_fresh(self, key: OffloadKey) -> bool:
         answer = self._answers.get(key)
         return answer is not None and self._fresh(answer)
@@ -219,12 +254,24 @@ class RedisOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """The keys to fetch, in vLLM's order. Redis needs no pinning: values are immutable and a
-        value evicted before the worker reads it fails validation and is recomputed."""
-        self._loading[req_context.req_id] = list(keys)
+        value evicted before the worker reads it fails validation and is recomputed.
+
+        A request may have several loads in flight: their keys accumulate, so a failed load
+        forgets every one of them (:meth:`on_load_failed`)."""
+        self._loading.setdefault(req_context.req_id, []).extend(keys)
         return RedisLoadStoreSpec(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._loading.pop(req_context.req_id, None)
+        """Stop tracking the keys of one finished load of the request (not its other loads)."""
+        loading = self._loading.get(req_context.req_id)
+        if loading is None:
+            return
+        done = set(keys)
+        remaining = [k for k in loading if k not in done]
+        if remaining:
+            self._loading[req_context.req_id] = remaining
+        else:
+            del self._loading[req_context.req_id]
 
     def on_load_failed(self, req_id: str) -> None:
         """A worker could not load this request's chunks: answer MISS for them from now on
@@ -243,12 +290,17 @@ class RedisOffloadingManager(OffloadingManager):
         to_store: list[OffloadKey] = []
         for key in keys:
             answer = self._answers.get(key)
-            if key in self._storing or (answer is not None and answer.present):
+            if self._store_pending(key) or (answer is not None and answer.present):
                 self.stats.store_skipped_present += 1
                 continue
             to_store.append(key)
+        now = time.monotonic()
         for key in to_store:
-            self._storing[key] = self._storing.get(key, 0) + 1
+            mark = self._storing.get(key)
+            if mark is None:
+                self._storing[key] = _StoreMark(1, now)
+            else:
+                mark.count += 1
         return PrepareStoreOutput(
             keys_to_store=to_store, store_spec=RedisLoadStoreSpec(to_store), evicted_keys=[]
         )
@@ -259,11 +311,11 @@ class RedisOffloadingManager(OffloadingManager):
         """Forget the in-flight marks. Presence is learned from Redis, never assumed: a store
         the worker had to drop (Redis down, OOM) must not turn into a hit here."""
         for key in keys:
-            count = self._storing.get(key, 0) - 1
-            if count <= 0:
-                self._storing.pop(key, None)
-            else:
-                self._storing[key] = count
+            mark = self._storing.get(key)
+            if mark is not None:
+                mark.count -= 1
+                if mark.count <= 0:
+                    del self._storing[key]
             self._answers.pop(key, None)
         if success and self._emit_events and keys:
             self._events.append(
@@ -285,14 +337,21 @@ class RedisOffloadingManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        """Forget every cached answer (Redis itself is shared and left alone)."""
+        """vLLM's ``reset_prefix_cache`` (with the connector): forget every cached answer and
+        every in-flight store mark. vLLM drops its in-flight jobs here and never completes
+        them, so a kept mark would answer HIT_PENDING for ever. Redis itself is shared and
+        left alone."""
         self._answers.clear()
+        self._storing.clear()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Prometheus counters since the last call (see :mod:`hma_redis.metrics`)."""
         breaker = self._store.breaker
         return self._metrics.collect(
-            self.stats, errors=breaker.failures, available=breaker.state is BreakerState.CLOSED
+            self.stats,
+            errors=breaker.failures,
+            available=breaker.state is BreakerState.CLOSED,
+            refusals=self._store.counters.snapshot(),
         )
 
     def shutdown(self) -> None:

@@ -72,6 +72,14 @@ _IMPORT_TIME_PREFIXES = (
 FIRST_PLAIN_TOKEN = 4
 
 
+class EngineFailed(AssertionError):
+    """A vLLM child failed, timed out or printed no result; ``stderr`` is its whole stderr."""
+
+    def __init__(self, message: str, stderr: str) -> None:
+        super().__init__(message)
+        self.stderr = stderr
+
+
 @dataclass
 class PromptResult:
     token_ids: list[int]
@@ -328,8 +336,8 @@ def run_engine(
     but the first, so any cached tokens must come from the KV connector. ``llm_kwargs`` are
     extra ``vllm.LLM`` arguments (they override the defaults). ``fresh_interpreter`` forces
     (True) or forbids (False) a new interpreter instead of a fork of the fork server; None
-    follows ``HMA_ENGINE_FORKSERVER``. Raises ``AssertionError`` with the child's stderr tail
-    when the child fails, times out or prints no result.
+    follows ``HMA_ENGINE_FORKSERVER``. Raises :class:`EngineFailed` (an ``AssertionError``)
+    with the child's stderr tail when the child fails, times out or prints no result.
     """
     job = {
         "model": model_dir,
@@ -359,14 +367,15 @@ def run_engine(
         process_s = time.monotonic() - t0
 
     if returncode is None:
-        raise AssertionError(
-            f"vLLM child timed out after {timeout_s:.0f}s; stderr tail:\n{_tail(stderr)}"
+        raise EngineFailed(
+            f"vLLM child timed out after {timeout_s:.0f}s; stderr tail:\n{_tail(stderr)}", stderr
         )
     lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if returncode != 0 or len(lines) != 1:
-        raise AssertionError(
+        raise EngineFailed(
             f"vLLM child failed (exit code {returncode}, {len(lines)} result lines); "
-            f"stdout tail:\n{_tail(stdout, 1000)}\nstderr tail:\n{_tail(stderr)}"
+            f"stdout tail:\n{_tail(stdout, 1000)}\nstderr tail:\n{_tail(stderr)}",
+            stderr,
         )
     payload = json.loads(lines[0][len(RESULT_PREFIX) :])
     kv = payload["kv_cache"]

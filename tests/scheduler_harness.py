@@ -1,11 +1,12 @@
-"""A real vLLM ``Scheduler`` wired to hma_redis through vLLM's own ``OffloadingConnector``.
+"""A real vLLM ``Scheduler`` wired to hma_redis through ``RedisOffloadingConnector``.
 
 Mirrors the pattern of vLLM's unit tests (``tests/v1/kv_connector/unit/offloading_connector``):
 a real scheduler on the CPU, no model, no worker process. Where vLLM's tests plug in a mock
 offloading spec, this harness plugs in the real ``hma_redis.spec.RedisOffloadingSpec`` against a
 real Redis. The worker side is simulated only as far as the scheduler needs it: every transfer job
 the scheduler issues is reported finished in the same step (loads as ``finished_recving``, all jobs
-in ``OffloadingWorkerMetadata.completed_jobs``), as vLLM's tests do with ``complete_transfers``.
+in ``OffloadingWorkerMetadata.completed_jobs``), as vLLM's tests do with ``complete_transfers``;
+``step(complete_stores=False)`` holds store jobs back (a store still in flight).
 Nothing is ever written to or read from the KV cache.
 
 KV cache layout used by default (three groups, one block = one chunk unless ``blocks_per_chunk``):
@@ -70,7 +71,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from hma_redis.keys import KeySpace
 from hma_redis.manager import RedisLoadStoreSpec, RedisOffloadingManager
-from hma_redis.spec import RedisOffloadingSpec
+from hma_redis.spec import RedisOffloadingSpec, failure_reporting_connector
 
 EOS_TOKEN_ID = 1
 HEAD_SIZE = 64
@@ -140,6 +141,76 @@ def three_group_kv_cache_config(
     )
 
 
+def make_vllm_config(
+    model_dir: str,
+    redis_url: str,
+    *,
+    block_size: int = 16,
+    blocks_per_chunk: int = 1,
+    num_blocks: int = 1000,
+    max_num_batched_tokens: int = 4096,
+    extra_config: dict[str, object] | None = None,
+    hash_algo: str = "sha256",
+    kv_connector: str = "RedisOffloadingConnector",
+    kv_connector_module_path: str | None = "hma_redis.connector",
+    kv_load_failure_policy: str = "recompute",
+    model_kwargs: dict[str, object] | None = None,
+) -> VllmConfig:
+    """The harness' VllmConfig: the tiny model on the CPU, the tier as the KV connector.
+    ``model_kwargs`` go to ``ModelConfig`` (e.g. ``revision``, ``quantization``)."""
+    extra: dict[str, object] = {
+        "spec_name": "RedisOffloadingSpec",
+        "spec_module_path": "hma_redis.spec",
+        "redis_url": redis_url,
+        "blocks_per_chunk": blocks_per_chunk,
+    }
+    extra.update(extra_config or {})
+    model: dict[str, object] = {"dtype": "float32", **(model_kwargs or {})}
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            seed=0,
+            **model,  # type: ignore[arg-type]
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=2048,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=True,
+            prefix_caching_hash_algo=hash_algo,  # type: ignore[arg-type]
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=kv_connector,
+            kv_connector_module_path=kv_connector_module_path,
+            kv_role="kv_both",
+            kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
+            kv_connector_extra_config=extra,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    # Building the VllmConfig with the hybrid manager enabled raises on a CPU-only host;
+    # the scheduler itself is fine with it (and needs it for several KV cache groups).
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return vllm_config
+
+
+def worker_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RedisOffloadingSpec:
+    """The spec a worker process builds: vLLM's WorkerWrapperBase.initialize_from_config creates
+    the worker connector inside set_current_vllm_config, and RedisOffloadingConnector builds
+    its spec inside ``failure_reporting_connector``."""
+    with (
+        set_current_vllm_config(vllm_config),
+        failure_reporting_connector(vllm_config, kv_cache_config),
+    ):
+        return RedisOffloadingSpec(build_offloading_config(vllm_config, kv_cache_config))
+
+
 @dataclass
 class StepResult:
     output: SchedulerOutput
@@ -178,45 +249,25 @@ class SchedulerHarness:
         extra_config: dict[str, object] | None = None,
         counter: redis.Redis | None = None,
         hash_algo: str = "sha256",
-        kv_connector: str = "OffloadingConnector",
-        kv_connector_module_path: str | None = None,
+        kv_connector: str = "RedisOffloadingConnector",
+        kv_connector_module_path: str | None = "hma_redis.connector",
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
         self.block_size = block_size
         self.counter = counter
-        extra: dict[str, object] = {
-            "spec_name": "RedisOffloadingSpec",
-            "spec_module_path": "hma_redis.spec",
-            "redis_url": redis_url,
-            "blocks_per_chunk": blocks_per_chunk,
-        }
-        extra.update(extra_config or {})
-        self.vllm_config = VllmConfig(
-            model_config=ModelConfig(
-                model=model_dir, skip_tokenizer_init=True, dtype="float32", seed=0
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=16,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=2048,
-                is_encoder_decoder=False,
-            ),
-            cache_config=CacheConfig(
-                block_size=block_size,
-                enable_prefix_caching=True,
-                prefix_caching_hash_algo=hash_algo,  # type: ignore[arg-type]
-            ),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector=kv_connector,
-                kv_connector_module_path=kv_connector_module_path,
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
-            ),
-            device_config=DeviceConfig("cpu"),
+        self.vllm_config = make_vllm_config(
+            model_dir,
+            redis_url,
+            block_size=block_size,
+            blocks_per_chunk=blocks_per_chunk,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            extra_config=extra_config,
+            hash_algo=hash_algo,
+            kv_connector=kv_connector,
+            kv_connector_module_path=kv_connector_module_path,
+            kv_load_failure_policy=kv_load_failure_policy,
         )
-        # Building the VllmConfig with the hybrid manager enabled raises on a CPU-only host;
-        # the scheduler itself is fine with it (and needs it for several KV cache groups).
-        self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
-        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.kv_cache_config = three_group_kv_cache_config(
             block_size, num_blocks, sliding_window_blocks, third_group
         )
@@ -237,13 +288,9 @@ class SchedulerHarness:
         self.manager = manager
 
         # The scheduler-side connector keeps only the manager, not the spec. Build the spec the
-        # way each worker process does (vLLM's WorkerWrapperBase.initialize_from_config creates
-        # the worker connector inside set_current_vllm_config) to learn the Redis key space the
-        # workers write: a scheduler that finds these keys finds what the workers stored.
-        with set_current_vllm_config(self.vllm_config):
-            self.spec = RedisOffloadingSpec(
-                build_offloading_config(self.vllm_config, self.kv_cache_config)
-            )
+        # way each worker process does to learn the Redis key space the workers write: a
+        # scheduler that finds these keys finds what the workers stored.
+        self.spec = worker_spec(self.vllm_config, self.kv_cache_config)
         self.keyspace: KeySpace = self.spec.keyspace
 
         # What EngineCore does before it builds the scheduler.
@@ -252,6 +299,8 @@ class SchedulerHarness:
         self._block_hasher = get_request_block_hasher(block_size, hash_fn)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        # Store jobs issued but not reported completed yet (step(complete_stores=False)).
+        self.held_store_jobs: list[int] = []
 
     # ------------------------------------------------------------------ requests
 
@@ -287,10 +336,11 @@ class SchedulerHarness:
 
     # ------------------------------------------------------------------ driving
 
-    def step(self, settle_s: float = STEP_PAUSE_S) -> StepResult:
+    def step(self, settle_s: float = STEP_PAUSE_S, complete_stores: bool = True) -> StepResult:
         """One engine step: schedule, report the (simulated) worker's output, then wait
         ``settle_s`` (the engine's model forward) so the step's lookup batch lands at Redis and is
-        counted with this step."""
+        counted with this step. With ``complete_stores=False`` the step's store jobs stay in
+        flight (``held_store_jobs``) until a step that completes stores."""
         before = command_calls(self.counter) if self.counter is not None else {}
         start = time.monotonic()
         output = self.scheduler.schedule()
@@ -300,10 +350,14 @@ class SchedulerHarness:
         load_jobs = dict(meta.load_jobs)
         store_jobs = dict(meta.store_jobs)
 
-        # Every job finishes at once (nothing is actually transferred).
+        # Every job finishes at once (nothing is actually transferred), stores unless held.
         completed = OffloadingWorkerMetadata()
-        for job_id in (*load_jobs, *store_jobs):
+        self.held_store_jobs.extend(store_jobs)
+        finished_stores = self.held_store_jobs if complete_stores else []
+        for job_id in (*load_jobs, *finished_stores):
             completed.mark_completed(job_id)
+        if complete_stores:
+            self.held_store_jobs = []
         finished_recving = {job.req_id for job in load_jobs.values()}
         scheduled = dict(output.num_scheduled_tokens)
         req_ids = list(scheduled)
@@ -325,12 +379,15 @@ class SchedulerHarness:
         return StepResult(output, scheduled, load_jobs, store_jobs, calls, elapsed)
 
     def run_until(
-        self, done: Callable[[StepResult], bool], max_steps: int = 50
+        self,
+        done: Callable[[StepResult], bool],
+        max_steps: int = 50,
+        complete_stores: bool = True,
     ) -> list[StepResult]:
         """Step until ``done(step)``; return every step run (the last one satisfied ``done``)."""
         steps: list[StepResult] = []
         for _ in range(max_steps):
-            result = self.step()
+            result = self.step(complete_stores=complete_stores)
             steps.append(result)
             if done(result):
                 return steps

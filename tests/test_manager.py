@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 
@@ -65,3 +67,71 @@ def test_cached_answers_are_bounded(redis_url: str, redis_client: redis.Redis) -
     manager.on_schedule_end(END_OF_STEP)
     manager.lookup(make_offload_key(b"\xff" * 32, 0), ctx)  # absorbs the finished batch
     assert len(manager._answers) == 100
+
+
+def test_a_store_never_completed_stops_answering_hit_pending(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A chunk being stored answers HIT_PENDING (the request waits for it), but only for
+    store_pending_timeout_s: vLLM never completes a store it dropped, and the request must not
+    wait for ever. After that the key is asked of Redis again."""
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}))
+    manager = RedisOffloadingManager(
+        store, KeySpace("hma", "pending"), lookup_wait_s=1.0, store_pending_timeout_s=0.2
+    )
+    key = make_offload_key(b"\x05" * 32, 0)
+    out = manager.prepare_store([key], ReqContext(req_id="writer"))
+    assert out is not None and out.keys_to_store == [key]
+    reader = ReqContext(req_id="reader")
+    assert manager.lookup(key, reader) is LookupResult.HIT_PENDING
+    time.sleep(0.3)
+    assert manager.lookup(key, reader) is LookupResult.RETRY  # queued for Redis
+    manager.on_schedule_end(END_OF_STEP)
+    assert manager.lookup(key, reader) is LookupResult.MISS
+    assert manager.stats.stale_store_marks == 1
+    # The chunk is stored again by whoever computes it next.
+    again = manager.prepare_store([key], ReqContext(req_id="writer-2"))
+    assert again is not None and again.keys_to_store == [key]
+
+
+def test_second_load_of_a_request_keeps_the_first_loads_keys(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Both loads of a request are forgotten when its load fails, not only the last one
+    (a later prepare_load used to overwrite the earlier keys, which then kept answering HIT)."""
+    manager, keyspace = _manager(redis_url, world_size=1)
+    first, second = make_offload_key(b"\x21" * 32, 0), make_offload_key(b"\x22" * 32, 1)
+    redis_client.set(keyspace.block_key(0, b"\x21" * 32), b"x")
+    redis_client.set(keyspace.block_key(1, b"\x22" * 32), b"x")
+    assert _lookup_twice(manager, first) is LookupResult.HIT
+    assert _lookup_twice(manager, second) is LookupResult.HIT
+    ctx = ReqContext(req_id="r1")
+    manager.prepare_load([first], ctx)
+    manager.prepare_load([second], ctx)
+
+    manager.on_load_failed("r1")
+
+    other = ReqContext(req_id="r2")
+    assert manager.lookup(first, other) is LookupResult.MISS
+    assert manager.lookup(second, other) is LookupResult.MISS
+
+
+def test_completing_one_load_keeps_the_requests_other_load(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    manager, keyspace = _manager(redis_url, world_size=1)
+    first, second = make_offload_key(b"\x31" * 32, 0), make_offload_key(b"\x32" * 32, 0)
+    for block_hash in (b"\x31" * 32, b"\x32" * 32):
+        redis_client.set(keyspace.block_key(0, block_hash), b"x")
+    assert _lookup_twice(manager, first) is LookupResult.HIT
+    assert _lookup_twice(manager, second) is LookupResult.HIT
+    ctx = ReqContext(req_id="r1")
+    manager.prepare_load([first], ctx)
+    manager.prepare_load([second], ctx)
+    manager.complete_load([first], ctx)
+
+    manager.on_load_failed("r1")  # the second load failed
+
+    other = ReqContext(req_id="r2")
+    assert manager.lookup(first, other) is LookupResult.HIT  # loaded fine: still a hit
+    assert manager.lookup(second, other) is LookupResult.MISS

@@ -1,4 +1,4 @@
-"""Scheduler-level lookup tests: a REAL vLLM Scheduler + OffloadingConnector + hma_redis spec.
+"""Scheduler-level tests: a REAL vLLM Scheduler + RedisOffloadingConnector + hma_redis spec.
 
 Nothing is mocked: vLLM's scheduler asks the hma_redis manager about offload keys, the manager
 asks a real Redis (conftest's session server, flushed per test). Tests put chunks in Redis by
@@ -22,6 +22,7 @@ The numbers below follow vLLM 0.32's offloading scheduler
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,8 +30,11 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import redis
 from redis_server import LocalRedis, command_calls, command_delta
-from scheduler_harness import SchedulerHarness, StepResult, write_tiny_model_config
+from scheduler_harness import SchedulerHarness, StepResult, worker_spec, write_tiny_model_config
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.request import Request, RequestStatus
+
+from hma_redis.spec import CONNECTOR_CONFIG
 
 BLOCK = 16
 WINDOW_CHUNKS = 3  # g1's sliding window: 48 tokens = 3 chunks of 16
@@ -52,25 +56,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_tiny_model_config(tmp_path_factory.mktemp("tiny-llama"))
 
 
-# The scheduler-side lookup logic is vLLM's in both: the stock OffloadingConnector, and
-# hma_redis' subclass (which only adds failed-load handling and a flushing shutdown).
-CONNECTORS = {
-    "stock": {"kv_connector": "OffloadingConnector"},
-    "hma": {
-        "kv_connector": "RedisOffloadingConnector",
-        "kv_connector_module_path": "hma_redis.connector",
-    },
-}
-
-
-@pytest.fixture(params=list(CONNECTORS))
-def connector(request: pytest.FixtureRequest) -> dict[str, str]:
-    return CONNECTORS[request.param]
+# The scheduler-side lookup logic is vLLM's OffloadingConnector's; hma_redis' subclass only adds
+# failed-load handling and a flushing shutdown (the spec refuses the stock connector).
 
 
 @pytest.fixture
 def make_harness(
-    redis_url: str, redis_client: redis.Redis, model_dir: str, connector: dict[str, str]
+    redis_url: str, redis_client: redis.Redis, model_dir: str
 ) -> Iterator[Callable[..., SchedulerHarness]]:
     """Build harnesses on the session Redis (flushed by ``redis_client``); closed at teardown."""
     made: list[SchedulerHarness] = []
@@ -78,8 +70,6 @@ def make_harness(
     def make(**kwargs: object) -> SchedulerHarness:
         kwargs.setdefault("redis_url", redis_url)
         kwargs.setdefault("counter", redis_client)
-        for key, value in connector.items():
-            kwargs.setdefault(key, value)
         h = SchedulerHarness(model_dir=model_dir, **kwargs)  # type: ignore[arg-type]
         made.append(h)
         return h
@@ -313,13 +303,11 @@ def test_request_waits_while_lookup_in_flight(
     assert req.status == RequestStatus.RUNNING
 
 
-def test_request_waits_while_redis_is_stalled(
-    local_redis: LocalRedis, model_dir: str, connector: dict[str, str]
-) -> None:
+def test_request_waits_while_redis_is_stalled(local_redis: LocalRedis, model_dir: str) -> None:
     """A Redis that does not answer (SIGSTOP) keeps the request waiting, steps stay fast, and
     it is scheduled with its hit once Redis answers again."""
     client = redis.Redis.from_url(local_redis.url)
-    h = SchedulerHarness(local_redis.url, model_dir, counter=client, **connector)
+    h = SchedulerHarness(local_redis.url, model_dir, counter=client)
     try:
         req = h.add_request(prompt())
         put(h, client, req, {0: range(10), 1: range(3, 6), 2: range(6)})
@@ -459,14 +447,8 @@ def test_scheduler_reads_the_namespace_workers_write(
     namespace, or every chunk a worker stores is invisible to the scheduler (0 % hits).
     """
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # xxhash needs a fixed seed to be shareable
-    # Only hma_redis' connector builds the scheduler side inside vLLM's config context, where the
-    # spec can read the hash algorithm; the stock connector is documented as sha256-only.
     h = SchedulerHarness(
-        model_dir=model_dir,
-        redis_url=redis_url,
-        counter=redis_client,
-        hash_algo=hash_algo,
-        **CONNECTORS["hma"],
+        model_dir=model_dir, redis_url=redis_url, counter=redis_client, hash_algo=hash_algo
     )
     req = h.add_request(prompt())
     put(h, redis_client, req, {0: ALL_CHUNKS, 1: range(9, 12), 2: ALL_CHUNKS})
@@ -478,3 +460,84 @@ def test_scheduler_reads_the_namespace_workers_write(
         f"(hash algo {hash_algo})"
     )
     h.close()
+
+
+# --------------------------------------------------------------------------- connector guard
+
+
+def test_stock_offloading_connector_is_refused(redis_url: str, model_dir: str) -> None:
+    """vLLM's stock OffloadingConnector cannot turn a failed load into a recompute (it would
+    serve the stale blocks): the spec refuses to start under it, with one line naming the
+    connector to use."""
+    with pytest.raises(ValueError) as refused:
+        SchedulerHarness(
+            redis_url, model_dir, kv_connector="OffloadingConnector", kv_connector_module_path=None
+        )
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("hma_redis: RedisOffloadingSpec needs RedisOffloadingConnector")
+    assert CONNECTOR_CONFIG in message
+
+
+# --------------------------------------------------------------------------- reset
+
+
+def test_reset_prefix_cache_mid_store_does_not_hang_the_next_request(
+    harness: SchedulerHarness,
+) -> None:
+    """vLLM drops in-flight jobs on reset_prefix_cache and never completes their stores; the
+    manager must not answer HIT_PENDING for their chunks for ever."""
+    tokens = prompt(4 * BLOCK + 3)
+    first = harness.add_request(tokens, max_tokens=2)
+    harness.run_until(
+        lambda _: first.is_finished() and bool(harness.held_store_jobs),
+        max_steps=20,
+        complete_stores=False,
+    )
+    probe = ReqContext(req_id="probe")
+    stored_key = harness.offload_key(first, 0, 0)
+    assert harness.manager.lookup(stored_key, probe) is LookupResult.HIT_PENDING  # in flight
+
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True)
+
+    again = harness.add_request(tokens, max_tokens=2)
+    steps = harness.run_until_scheduled(again, max_steps=10)
+    # Nothing reached Redis (the harness transfers nothing): the request runs from token 0.
+    assert scheduled_computed_tokens(steps[-1], again) == 0
+
+
+# --------------------------------------------------------------------------- failure policy
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize(("policy", "warnings"), [("fail", 1), ("recompute", 0)])
+def test_fail_policy_warns_once_at_start_up(
+    make_harness: Callable[..., SchedulerHarness], policy: str, warnings: int
+) -> None:
+    """vLLM's default kv_load_failure_policy "fail" turns an eviction between lookup and load
+    into a failed request: say so once at start-up, and how to choose "recompute"."""
+    records = _Records()
+    # hma_redis' loggers may not propagate (they use vLLM's handlers): listen on ours.
+    logger = logging.getLogger("hma_redis")
+    logger.addHandler(records)
+    try:
+        h = make_harness(kv_load_failure_policy=policy)
+        worker_spec(h.vllm_config, h.kv_cache_config)  # a worker's spec says nothing
+    finally:
+        logger.removeHandler(records)
+    found = [
+        r.getMessage()
+        for r in records.records
+        if r.levelno == logging.WARNING and "kv_load_failure_policy" in r.getMessage()
+    ]
+    assert len(found) == warnings, found
+    if found:
+        assert '"recompute"' in found[0] and "fails the user's request" in found[0]
