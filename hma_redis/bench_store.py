@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from hma_redis import codec
-from hma_redis.config import RedisTierConfig
+from hma_redis.config import RedisTierConfig, strip_userinfo
 from hma_redis.keys import KeySpace, RedisKey
 from hma_redis.local_redis import redis_or_local
 from hma_redis.store import PutResult, RedisBlockStore
@@ -98,39 +98,92 @@ def _require(binary: str) -> str:
 
 # ---------------------------------------------------------------------------------- redis-benchmark
 
+# redis-benchmark (7.x) takes a password only as ``-a`` or inside ``-u URL``, on its command
+# line, which every user of the host can read (``ps``, /proc/<pid>/cmdline); unlike redis-cli it
+# ignores REDISCLI_AUTH. So it is never given one: against a server that needs a password its
+# column is skipped, with this note.
+PASSWORD_SKIP_NOTE = (
+    "redis-benchmark skipped: it takes a password only on its command line, where other users "
+    "of this host can read it; measure a Redis without a password for its column"
+)
 
-def redis_benchmark_args(url: str, plan: Plan, size: int) -> list[str]:
-    """The ``redis-benchmark`` command line for one value size."""
-    parts = urlsplit(url)
+
+class RedisBenchmarkSkipped(Exception):
+    """redis-benchmark cannot measure this server safely; the message says why."""
+
+
+def redis_benchmark_target(cfg: RedisTierConfig) -> list[str]:
+    """Where ``redis-benchmark`` connects, as its options: ``-h``/``-p`` or ``-s``, ``--dbnum``,
+    TLS files. Never a URL and never credentials, so nothing secret reaches its command line.
+
+    Raises :class:`RedisBenchmarkSkipped` when the server needs a password, and ``SystemExit``
+    (one line) for a deployment redis-benchmark does not measure (Cluster, Sentinel).
+    """
+    if cfg.topology.kind != "single":
+        raise SystemExit(
+            "bench: measures one Redis server: give its redis://, rediss:// or unix:// URL "
+            "(for a cluster, one master's address)"
+        )
+    if cfg.password:
+        raise RedisBenchmarkSkipped(PASSWORD_SKIP_NOTE)
+    parts = urlsplit(strip_userinfo(cfg.url))
     if parts.scheme == "unix":
         target = ["-s", parts.path]
     else:
-        target = ["-u", url] + (["--tls"] if parts.scheme == "rediss" else [])
-    n = plan.rb_requests(size)
+        target = ["-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379)]
+    if cfg.db:
+        target += ["--dbnum", str(cfg.db)]
+    if cfg.tls:
+        target.append("--tls")
+        files = (("--cacert", cfg.tls_ca_file), ("--cert", cfg.tls_cert_file))
+        target += [arg for flag, path in files if path for arg in (flag, path)]
+        if cfg.tls_key_file:
+            target += ["--key", cfg.tls_key_file]
+        if not cfg.tls_verify:
+            target.append("--insecure")
+    return target
+
+
+def redis_benchmark_args(cfg: RedisTierConfig, plan: Plan, size: int) -> list[str]:
+    """The ``redis-benchmark`` command line for one value size (see
+    :func:`redis_benchmark_target`: no URL, no password)."""
     return [
         _require("redis-benchmark"),
-        *target,
+        *redis_benchmark_target(cfg),
         "-P", str(plan.batch),
         "-c", "1",
-        "-n", str(n),
+        "-n", str(plan.rb_requests(size)),
         "-d", str(size),
         "-t", "get,set",
         "--csv",
     ]  # fmt: skip
 
 
-def run_redis_benchmark(args: Sequence[str]) -> dict[str, float]:
-    """Run it once; seconds per request for ``SET`` and ``GET`` (from ``--csv`` rps)."""
-    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=300).stdout
+def run_redis_benchmark(args: Sequence[str], timeout_s: float = 300.0) -> dict[str, float]:
+    """Run it once; seconds per request for ``SET`` and ``GET`` (from ``--csv`` rps).
+
+    Any failure (exit status, time-out, unparseable output) is ``SystemExit`` with one line.
+    """
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(
+            f"bench: redis-benchmark did not finish within {timeout_s:.0f} s"
+        ) from None
+    except OSError as exc:
+        raise SystemExit(f"bench: cannot run redis-benchmark: {exc}") from None
+    out = proc.stdout
+    if proc.returncode != 0:
+        said = proc.stderr.strip().splitlines() or out.strip().splitlines() or ["no output"]
+        raise SystemExit(f"bench: redis-benchmark exited with status {proc.returncode}: {said[-1]}")
     rows = {row["test"]: float(row["rps"]) for row in csv.DictReader(out.splitlines())}
     if "SET" not in rows or "GET" not in rows:
-        raise SystemExit(f"unexpected redis-benchmark output:\n{out}")
+        raise SystemExit(f"bench: unexpected redis-benchmark output: {' '.join(out.split())[:200]}")
     return {name: 1.0 / rps for name, rps in rows.items()}
 
 
 def _shown_command(args: Sequence[str]) -> str:
-    shown = [os.path.basename(args[0]), *args[1:]]
-    return " ".join(RedisTierConfig(url=a).redacted_url if "://" in a else a for a in shown)
+    return " ".join([os.path.basename(args[0]), *args[1:]])
 
 
 # ---------------------------------------------------------------------------------- store
@@ -238,19 +291,24 @@ def _check_stored(results: Sequence[PutResult]) -> None:
 class Report:
     samples: Samples
     value_bytes: dict[int, int]  # bytes of one stored value (envelope included) per body size
-    rb_args: dict[int, list[str]]  # the redis-benchmark command per body size
+    rb_args: dict[int, list[str]]  # the redis-benchmark command per body size; {} if skipped
     redis_version: str
+    notes: tuple[str, ...] = ()
 
 
-def measure(url: str, plan: Plan) -> Report:
-    """Run every measurement, interleaved, against the Redis at ``url``."""
-    store = RedisBlockStore(RedisTierConfig(url=url, read_timeout_s=30.0))
+def measure(cfg: RedisTierConfig, plan: Plan) -> Report:
+    """Run every measurement, interleaved, against the Redis ``cfg`` names."""
+    store = RedisBlockStore(dataclasses.replace(cfg, read_timeout_s=30.0))
     lookup_keys: list[RedisKey] = []
     try:
         store.ping()
         version = str(store.client.info("server")["redis_version"])
         bench = StoreBench(store, plan)
-        rb_args = {size: redis_benchmark_args(url, plan, size) for size in plan.sizes}
+        notes: tuple[str, ...] = ()
+        try:
+            rb_args = {size: redis_benchmark_args(cfg, plan, size) for size in plan.sizes}
+        except RedisBenchmarkSkipped as exc:
+            rb_args, notes = {}, (str(exc),)
         lookup_keys, expected = bench.add_lookup_keys()
         samples = Samples()
         warmup = Samples()
@@ -260,10 +318,11 @@ def measure(url: str, plan: Plan) -> Report:
         for _ in range(plan.reps):
             bench.lookups(lookup_keys, expected, samples)
             for size in plan.sizes:
-                for name, per_request in run_redis_benchmark(rb_args[size]).items():
-                    samples.add(f"rb {name} {size}", per_request)
+                if rb_args:
+                    for name, per_request in run_redis_benchmark(rb_args[size]).items():
+                        samples.add(f"rb {name} {size}", per_request)
                 bench.transfers(size, samples)
-        return Report(samples, bench.value_bytes, rb_args, version)
+        return Report(samples, bench.value_bytes, rb_args, version, notes)
     finally:
         store.delete(lookup_keys[::2])
         store.close()
@@ -290,7 +349,10 @@ def format_table(report: Report, plan: Plan) -> str:
             ("put_if_absent", "put", "SET", "put+encode"),
             ("get", "get", "GET", "get+decode"),
         ):
-            rb_gbps = size / samples.median(f"rb {rb_name} {size}") / GB
+            rb_name_size = f"rb {rb_name} {size}"
+            rb_gbps = (
+                size / samples.median(rb_name_size) / GB if rb_name_size in samples.values else None
+            )
             store_s = samples.median(f"{name} {size}")
             codec_s = samples.median(f"{with_codec} {size}")
             store_gbps = batch * value_bytes / store_s / GB
@@ -299,13 +361,13 @@ def format_table(report: Report, plan: Plan) -> str:
                 row.format(
                     f"{size // MIB} MiB",
                     f"{op} / {rb_name}",
-                    f"{rb_gbps:.2f}",
+                    "-" if rb_gbps is None else f"{rb_gbps:.2f}",
                     f"{store_s * 1e3:.2f}",
                     f"{store_gbps:.2f}",
-                    f"{store_gbps / rb_gbps:.2f}",
+                    "-" if rb_gbps is None else f"{store_gbps / rb_gbps:.2f}",
                     f"{codec_s * 1e3:.2f}",
                     f"{codec_gbps:.2f}",
-                    f"{codec_gbps / rb_gbps:.2f}",
+                    "-" if rb_gbps is None else f"{codec_gbps / rb_gbps:.2f}",
                 )
             )
     return "\n".join(lines)
@@ -336,8 +398,8 @@ def store_main(argv: Sequence[str] | None = None) -> None:
         plan = dataclasses.replace(plan, reps=args.reps)
     started = time.perf_counter()
     load = os.getloadavg()[0]
-    with _server(args.url) as (url, where):
-        report = measure(url, plan)
+    with _server(args.url) as (cfg, where):
+        report = measure(cfg, plan)
     print(
         f"hma_redis store benchmark: Redis {report.redis_version}, {where}, {os.cpu_count()} CPUs"
     )
@@ -345,8 +407,10 @@ def store_main(argv: Sequence[str] | None = None) -> None:
         f"{plan.reps} interleaved repetitions; GB/s = 10^9 value bytes per second; "
         f"load average at start {load:.2f}"
     )
-    for size in plan.sizes:
-        print(f"  {_shown_command(report.rb_args[size])}")
+    for args_of_size in report.rb_args.values():
+        print(f"  {_shown_command(args_of_size)}")
+    for note in report.notes:
+        print(f"  {note}")
     print()
     print(format_table(report, plan))
     elapsed = time.perf_counter() - started
@@ -354,9 +418,16 @@ def store_main(argv: Sequence[str] | None = None) -> None:
 
 
 @contextmanager
-def _server(url: str | None) -> Iterator[tuple[str, str]]:
-    if url is not None:
-        yield url, RedisTierConfig(url=url).redacted_url
+def server_config(
+    cfg: RedisTierConfig | None,
+) -> Iterator[tuple[RedisTierConfig, str]]:
+    """``cfg`` and its redacted URL; without one, a throwaway local ``redis-server``."""
+    if cfg is not None:
+        yield cfg, cfg.redacted_url
         return
     with local_redis() as local:
-        yield local, f"local redis-server at {local} (persistence off)"
+        yield RedisTierConfig(url=local), f"local redis-server at {local} (persistence off)"
+
+
+def _server(url: str | None) -> AbstractContextManager[tuple[RedisTierConfig, str]]:
+    return server_config(None if url is None else RedisTierConfig(url=url))

@@ -31,7 +31,13 @@ Every figure is a median over repetitions that interleave all measurements, so l
 processes hits each column alike. GB/s = 10^9 payload bytes per second (the KV bytes for the
 worker, the value bytes for the others). ``--smoke`` runs every measured path once on small jobs
 and checks what it measures is correct (bytes round-trip equal, lookups answer right, one round
-trip per step); it skips ``redis-benchmark``.
+trip per step), with ``redis-benchmark`` run on a few requests per size only.
+
+The connection (``--url``; with ``hma-redis bench`` also ``--password``, ``--username`` and the
+TLS options, as for the other commands) reaches every client as a config, never on a command
+line: ``redis-benchmark`` gets ``-h``/``-p`` (or ``-s``) and no credentials, and against a
+server that needs a password its column is skipped (it reads a password only from its command
+line, where other users can see it).
 """
 
 from __future__ import annotations
@@ -45,19 +51,23 @@ import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 import redis
 import torch
 
-from hma_redis.bench_store import _shown_command, local_redis, run_redis_benchmark
-from hma_redis.config import RedisTierConfig
+from hma_redis.bench_store import (
+    RedisBenchmarkSkipped,
+    _shown_command,
+    redis_benchmark_target,
+    run_redis_benchmark,
+    server_config,
+)
+from hma_redis.config import RedisTierConfig, endpoint_url
 from hma_redis.keys import KeySpace
 
 KIB = 1024
@@ -95,7 +105,8 @@ class Plan:
 
 FULL = Plan(reps=7, job_bytes=32 * MIB, rb_bytes=128 * MIB, lookup_samples=10)
 QUICK = Plan(reps=3, job_bytes=16 * MIB, rb_bytes=64 * MIB, lookup_samples=5)
-SMOKE = Plan(reps=1, job_bytes=8 * MIB, rb_bytes=0, lookup_samples=2)
+# rb_bytes so small that redis-benchmark runs its minimum (4 x depth requests) per size.
+SMOKE = Plan(reps=1, job_bytes=8 * MIB, rb_bytes=1, lookup_samples=2)
 
 
 class BenchError(SystemExit):
@@ -135,16 +146,19 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 # ---------------------------------------------------------------------------------- (a)
 
 
-def redis_benchmark_args(url: str, plan: Plan, size: int) -> list[str]:
-    """``redis-benchmark -P depth -c 1 -n N -d size -t get,set --csv`` against ``url``."""
+def redis_benchmark_args(cfg: RedisTierConfig, plan: Plan, size: int) -> list[str]:
+    """``redis-benchmark -P depth -c 1 -n N -d size -t get,set --csv`` against ``cfg``'s server.
+
+    No URL and no credentials on the command line (see
+    :func:`~hma_redis.bench_store.redis_benchmark_target`, which raises
+    ``RedisBenchmarkSkipped`` for a server that needs a password).
+    """
+    target = redis_benchmark_target(cfg)
     binary = shutil.which("redis-benchmark")
     if binary is None:
-        raise SystemExit("redis-benchmark not found on PATH (Debian: apt-get install redis-tools)")
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        target = ["-s", parts.path]
-    else:
-        target = ["-u", url] + (["--tls"] if parts.scheme == "rediss" else [])
+        raise SystemExit(
+            "bench: redis-benchmark not found on PATH (Debian: apt-get install redis-tools)"
+        )
     return [
         binary, *target,
         "-P", str(plan.depth), "-c", "1",
@@ -159,8 +173,8 @@ def redis_benchmark_args(url: str, plan: Plan, size: int) -> list[str]:
 class RedisPyBench:
     """Plain redis-py as users would write it: SET / GET of raw values, pipelined ``depth``."""
 
-    def __init__(self, url: str, plan: Plan, prefix: str) -> None:
-        self.client = redis.Redis.from_url(url, socket_timeout=60)
+    def __init__(self, cfg: RedisTierConfig, plan: Plan, prefix: str) -> None:
+        self.client = redis_py_client(cfg)
         self.plan = plan
         self.prefix = prefix
         rng = random.Random(1)
@@ -204,6 +218,26 @@ class RedisPyBench:
         self.client.close()
 
 
+def redis_py_client(cfg: RedisTierConfig) -> redis.Redis:
+    """Plain redis-py as a user would build it for ``cfg`` (``Redis.from_url``: hiredis parser
+    and packer), with the config's credentials, database and TLS files."""
+    kwargs: dict[str, Any] = {
+        "username": cfg.username,
+        "password": cfg.password,
+        "db": cfg.db,
+        "socket_timeout": 60,
+    }
+    if cfg.tls:
+        kwargs.update(
+            ssl_ca_certs=cfg.tls_ca_file,
+            ssl_certfile=cfg.tls_cert_file,
+            ssl_keyfile=cfg.tls_key_file,
+            ssl_cert_reqs="required" if cfg.tls_verify else "none",
+            ssl_check_hostname=cfg.tls_verify,
+        )
+    return redis.Redis.from_url(endpoint_url(cfg.url), **kwargs)
+
+
 # ---------------------------------------------------------------------------------- (c)
 
 
@@ -213,13 +247,18 @@ class LMCachePeer:
     separate venv with LMCache installed (optional; never in CI). Each sample is one put and
     one get of a job's worth of fresh values, after one untimed warm-up, every byte checked."""
 
-    def __init__(self, python: str, url: str, plan: Plan) -> None:
+    def __init__(self, python: str, cfg: RedisTierConfig, plan: Plan) -> None:
+        if cfg.password:
+            raise SystemExit(
+                "bench: --lmcache-python needs a Redis without a password: LMCache's peer takes "
+                "the URL (and its password) on its command line, where other users can read it"
+            )
         if not LMCACHE_PEER.is_file():
             raise SystemExit(f"bench: {LMCACHE_PEER} not found (run from a source checkout)")
         if not os.access(python, os.X_OK):
             raise SystemExit(f"bench: --lmcache-python {python} is not an executable")
         self.python = python
-        self.url = url
+        self.url = cfg.url
         self.plan = plan
         self.version = "?"
 
@@ -251,7 +290,7 @@ class TierBench:
     the cache and loaded back into random ids of the second half, then compared.
     """
 
-    def __init__(self, url: str, plan: Plan, namespace: str) -> None:
+    def __init__(self, target: str | RedisTierConfig, plan: Plan, namespace: str) -> None:
         from vllm.v1.kv_offload.base import (
             CanonicalKVCacheRef,
             CanonicalKVCaches,
@@ -262,7 +301,8 @@ class TierBench:
         from hma_redis.worker import RedisOffloadingWorker
 
         self.plan = plan
-        self.cfg = RedisTierConfig(url=url, read_timeout_s=60.0)
+        cfg = RedisTierConfig(url=target) if isinstance(target, str) else target
+        self.cfg = dataclasses.replace(cfg, read_timeout_s=60.0)
         self.store = RedisBlockStore(self.cfg)
         self.keyspace = KeySpace(self.cfg.key_prefix, namespace)
         self.blocks = plan.job_bytes // (LAYERS * PAGE_BYTES)
@@ -289,6 +329,7 @@ class TierBench:
                 io_threads=self.cfg.io_threads,
                 max_inflight_bytes=self.cfg.max_inflight_bytes,
                 shutdown_timeout_s=1.0,
+                auth_key=self.cfg.auth_key,
             )
             for size in plan.sizes
         }
@@ -470,6 +511,7 @@ class Report:
     load_after: float = 0.0
     seconds: float = 0.0
     lmcache_version: str | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def clients(self) -> list[str]:
@@ -504,19 +546,32 @@ class Report:
         }
 
 
-def measure(url: str, plan: Plan, where: str, lmcache_python: str | None = None) -> Report:
-    """Every measurement, interleaved, against the Redis at ``url``."""
+def measure(
+    cfg: RedisTierConfig, plan: Plan, where: str, lmcache_python: str | None = None
+) -> Report:
+    """Every measurement, interleaved, against the Redis ``cfg`` names."""
     namespace = f"bench-{os.getpid()}"
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    peer = LMCachePeer(lmcache_python, url, plan) if lmcache_python else None
-    tier = TierBench(url, plan, namespace)
-    plain = RedisPyBench(url, plan, f"{tier.cfg.key_prefix}:{namespace}")
+    if cfg.topology.kind != "single":
+        raise SystemExit(
+            "bench: measures one Redis server: give its redis://, rediss:// or unix:// URL "
+            "(for a cluster, one master's address)"
+        )
+    rb_args: dict[int, list[str]] = {}
+    notes: tuple[str, ...] = ()
+    try:
+        if plan.rb_bytes:
+            rb_args = {s: redis_benchmark_args(cfg, plan, s) for s in plan.sizes}
+    except RedisBenchmarkSkipped as exc:
+        notes = (str(exc),)
+    peer = LMCachePeer(lmcache_python, cfg, plan) if lmcache_python else None
+    tier = TierBench(cfg, plan, namespace)
+    plain = RedisPyBench(cfg, plan, f"{tier.cfg.key_prefix}:{namespace}")
     lookups = LookupBench(tier.store, tier.keyspace)
     try:
         tier.store.ping()
         version = str(tier.store.client.info("server")["redis_version"])
-        rb_args = {s: redis_benchmark_args(url, plan, s) for s in plan.sizes if plan.rb_bytes}
         warmup = Samples()
         for size in plan.sizes:  # first touch of every buffer and connection
             tier.run(size, warmup)
@@ -534,7 +589,7 @@ def measure(url: str, plan: Plan, where: str, lmcache_python: str | None = None)
                     runners.insert(1, lambda s=size: peer.run(s, samples))
                 if rep % 2:
                     runners.reverse()
-                if plan.rb_bytes:
+                if rb_args:
                     for name, per_request in run_redis_benchmark(rb_args[size]).items():
                         op = "store" if name == "SET" else "load"
                         samples.add(f"redis-benchmark {op} {size}", per_request, 1)
@@ -553,6 +608,7 @@ def measure(url: str, plan: Plan, where: str, lmcache_python: str | None = None)
             load_after=os.getloadavg()[0],
             seconds=time.perf_counter() - started,
             lmcache_version=peer.version if peer is not None else None,
+            notes=notes,
         )
     finally:
         lookups.close()
@@ -589,6 +645,7 @@ def format_report(report: Report) -> str:
         f"and redis-benchmark pipeline {plan.depth} deep; GB/s = 10^9 payload bytes per second",
     ]
     lines += [f"  {_shown_command(args)}" for args in report.rb_args.values()]
+    lines += [f"  {note}" for note in report.notes]
     if report.lmcache_version is not None:
         lines.append(
             f"  LMCache {report.lmcache_version}: benchmarks/lmcache_peer.py, batched_put, then "
@@ -727,20 +784,15 @@ def draw_plot(report: Report, path: str) -> bool:
 # ---------------------------------------------------------------------------------- main
 
 
-@contextmanager
-def _server(url: str | None) -> Iterator[tuple[str, str]]:
-    if url is not None:
-        yield url, RedisTierConfig(url=url).redacted_url
-        return
-    with local_redis() as local:
-        yield local, f"local redis-server at {local} (persistence off)"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark and print its table; 0, or ``SystemExit`` if what it measured is wrong."""
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's own options (``hma-redis bench`` adds the CLI's connection options)."""
     parser = argparse.ArgumentParser(
         prog="hma-redis bench",
         description="hma_redis' worker and lookups vs redis-benchmark and redis-py, in one run.",
+        epilog="hma-redis bench also takes the CLI's connection options (--password, "
+        "--username, --db, --tls-ca-file, ...; see hma-redis --help); they reach the "
+        "benchmark's clients, never a command line (redis-benchmark is skipped for a server "
+        "that needs a password).",
     )
     parser.add_argument("--url", help="Redis to measure (default: start a local redis-server)")
     mode = parser.add_mutually_exclusive_group()
@@ -757,14 +809,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also measure LMCache's redis:// and resp:// connectors with this interpreter "
         "(a separate venv with lmcache==0.5.6; see docs/performance.md)",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) -> int:
+    """Run the benchmark and print its table; 0, or ``SystemExit`` if what it measured is wrong.
+
+    ``cfg`` (from ``hma-redis bench``'s connection options) is the Redis to measure; without it,
+    ``--url``, else a throwaway local ``redis-server``.
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if cfg is None and args.url is not None:
+        cfg = RedisTierConfig(url=args.url)
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.reps is not None:
         if args.reps < 1:
             parser.error("--reps must be at least 1")
         plan = dataclasses.replace(plan, reps=args.reps)
-    with _server(args.url) as (url, where):
-        report = measure(url, plan, where, args.lmcache_python)
+    with server_config(cfg) as (target, where):
+        report = measure(target, plan, where, args.lmcache_python)
     print(format_report(report))
     if args.smoke:
         print("\nsmoke: every measured path round-tripped its bytes and answered right")

@@ -1,6 +1,6 @@
 """``hma-redis``: look at and clean up what hma_redis keeps in Redis.
 
-    hma-redis info                      namespaces, fingerprints, sizes per group, counters
+    hma-redis info [--by-node]          namespaces: fingerprint, sizes per group, counters
     hma-redis ls [--namespace NS]       keys with size and TTL, one SCAN page at a time
     hma-redis inspect KEY               a block's header, checksum and key echo
     hma-redis purge --namespace NS      UNLINK a namespace (or --all) after confirmation
@@ -8,9 +8,13 @@
     hma-redis bench [--quick|--smoke]   the tier benchmark (hma_redis.bench_tier)
 
 The connection is configured as the tier's (``--url`` else ``HMA_REDIS_URL`` else ``REDIS_URL``,
-validated by :class:`~hma_redis.config.RedisTierConfig`). Every Redis command goes through
-:class:`~hma_redis.admin.RedisAdmin`; this module parses arguments, judges and formats. Errors
-are one line on stderr, with any password redacted, and a non-zero exit code.
+validated by :class:`~hma_redis.config.RedisTierConfig`): one server, a Redis Cluster (every
+master is scanned, sizes are summed; ``--by-node`` shows each master's share) or Sentinel (the
+master the sentinels name). The options may come before or after the command. Every Redis
+command goes through :class:`~hma_redis.admin.RedisAdmin`; this module parses arguments, judges
+and formats. Everything printed as text passes :func:`printable` (what Redis holds may contain
+terminal escape sequences); errors are one line on stderr, with any password redacted, and a
+non-zero exit code.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ import dataclasses
 import ipaddress
 import json
 import os
+import re
 import statistics
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from redis.exceptions import (
     AuthenticationError,
@@ -36,9 +41,17 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from hma_redis.admin import KeyEntry, NamespaceUsage, RedisAdmin
-from hma_redis.codec import CorruptBlockError, decode, decode_header
-from hma_redis.config import RedisTierConfig
+from hma_redis.admin import (
+    CLUSTER_SLOTS,
+    GroupUsage,
+    KeyEntry,
+    NamespaceUsage,
+    NodeAdmin,
+    PurgeResult,
+    RedisAdmin,
+)
+from hma_redis.codec import CorruptBlockError, MacKey, decode, decode_header, has_mac
+from hma_redis.config import RedisTierConfig, strip_userinfo
 from hma_redis.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.keys import parse_block_key
 
@@ -51,7 +64,10 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 _EPILOG = """\
 connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0;
+  redis+cluster://host:port[,host:port]/ reaches every master of a Redis Cluster,
+  redis+sentinel://host:port[,host:port]/<service> the master the sentinels name;
   prefer $HMA_REDIS_PASSWORD to --password (command lines are visible to other users).
+options may be given before or after the command (hma-redis info --json).
 exit codes: 0 success; 1 Redis error, a doctor FAIL or an invalid block; 2 usage or
   configuration error."""
 
@@ -72,11 +88,12 @@ class Verdict(Enum):
 
 @dataclass(frozen=True)
 class Check:
-    """One line of ``doctor``."""
+    """One line of ``doctor``; ``node`` names the server it is about (cluster, sentinel)."""
 
     name: str
     verdict: Verdict
     detail: str
+    node: str | None = None
 
 
 # ---------------------------------------------------------------------------------- entry point
@@ -116,34 +133,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; the global options are accepted after the command too."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Inspect and maintain the hma_redis KV-cache tier in Redis.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    conn = parser.add_argument_group("connection (as the tier's kv_connector_extra_config)")
-    conn.add_argument("--url", help="redis://, rediss:// (TLS) or unix:// URL")
-    conn.add_argument("--prefix", default="hma", help="key_prefix (default: hma)")
-    conn.add_argument("--username", help="ACL user name")
-    conn.add_argument("--password", help=f"password (default: ${PASSWORD_ENV})")
-    conn.add_argument("--db", type=int, help="database number (overrides the URL's)")
-    conn.add_argument("--tls-ca-file", help="CA bundle for rediss://")
-    conn.add_argument("--tls-cert-file", help="client certificate for rediss://")
-    conn.add_argument("--tls-key-file", help="client key for rediss://")
-    conn.add_argument(
-        "--no-tls-verify", action="store_true", help="do not verify the server certificate"
-    )
-    conn.add_argument("--connect-timeout", type=float, help="seconds (default 1)")
-    conn.add_argument("--read-timeout", type=float, help="seconds per command (default 2)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_global_options(parser, after_command=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser(
-        "info", help="namespaces: fingerprint, keys and bytes per group, counters"
-    ).set_defaults(handler=cmd_info)
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        _add_global_options(cmd, after_command=True)
+        return cmd
 
-    ls = sub.add_parser("ls", help="keys with size and TTL, one SCAN page at a time")
+    info = command("info", "namespaces: fingerprint, keys and bytes per group, counters")
+    info.add_argument("--by-node", action="store_true", help="each node's share (Redis Cluster)")
+    info.set_defaults(handler=cmd_info)
+
+    ls = command("ls", "keys with size and TTL, one SCAN page at a time")
     ls.add_argument("--namespace", help="only this namespace")
     ls.add_argument("--group", type=_non_negative, help="only this KV group (g<N>)")
     ls.add_argument(
@@ -152,27 +161,88 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--cursor", type=_non_negative, default=0, help="continue a previous page")
     ls.set_defaults(handler=cmd_ls)
 
-    inspect = sub.add_parser("inspect", help="decode a block's header and verify it")
+    inspect = command("inspect", "decode a block's header and verify it")
     inspect.add_argument("key", metavar="KEY")
     inspect.set_defaults(handler=cmd_inspect)
 
-    purge = sub.add_parser("purge", help="UNLINK a namespace's keys, or all under the prefix")
+    purge = command("purge", "UNLINK a namespace's keys, or all under the prefix")
     which = purge.add_mutually_exclusive_group(required=True)
     which.add_argument("--namespace", help="the namespace to delete")
     which.add_argument("--all", action="store_true", help="every key under the prefix")
     purge.add_argument("--dry-run", action="store_true", help="only count the keys")
     purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    purge.add_argument("--by-node", action="store_true", help="the count of each node")
     purge.set_defaults(handler=cmd_purge)
 
-    sub.add_parser("doctor", help="check the server's setup for a cache tier").set_defaults(
+    command("doctor", "check every server's setup for a cache tier").set_defaults(
         handler=cmd_doctor
     )
-    sub.add_parser(
+    # bench's own options (``--json FILE``, --help, ...) are bench_tier's; only the connection
+    # options are the CLI's.
+    bench = sub.add_parser(
         "bench",
         add_help=False,
+        allow_abbrev=False,
         help="tier benchmark vs redis-py and redis-benchmark (args go to hma_redis.bench_tier)",
     )
+    _add_connection_options(bench, after_command=True)
     return parser
+
+
+def _add_global_options(parser: argparse.ArgumentParser, after_command: bool) -> None:
+    _add_connection_options(parser, after_command)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS if after_command else False,
+        help="machine-readable output",
+    )
+
+
+def _add_connection_options(parser: argparse.ArgumentParser, after_command: bool) -> None:
+    """The connection options; after the command they default to SUPPRESS, so that they do not
+    overwrite what was given before it."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if after_command else value
+
+    conn = parser.add_argument_group("connection (as the tier's kv_connector_extra_config)")
+    conn.add_argument(
+        "--url",
+        default=default(None),
+        help="redis://, rediss:// (TLS), unix://, redis+cluster:// or redis+sentinel:// URL",
+    )
+    conn.add_argument("--prefix", default=default("hma"), help="key_prefix (default: hma)")
+    conn.add_argument("--username", default=default(None), help="ACL user name")
+    conn.add_argument(
+        "--password", default=default(None), help=f"password (default: ${PASSWORD_ENV})"
+    )
+    conn.add_argument("--password-file", default=default(None), help="a file holding the password")
+    conn.add_argument(
+        "--db", type=int, default=default(None), help="database number (overrides the URL's)"
+    )
+    conn.add_argument("--tls-ca-file", default=default(None), help="CA bundle for rediss://")
+    conn.add_argument(
+        "--tls-cert-file", default=default(None), help="client certificate for rediss://"
+    )
+    conn.add_argument("--tls-key-file", default=default(None), help="client key for rediss://")
+    conn.add_argument(
+        "--no-tls-verify",
+        action="store_true",
+        default=default(False),
+        help="do not verify the server certificate",
+    )
+    conn.add_argument(
+        "--auth-key-file",
+        default=default(None),
+        help="the tier's auth_key, to verify MACs (default: $HMA_REDIS_AUTH_KEY)",
+    )
+    conn.add_argument(
+        "--connect-timeout", type=float, default=default(None), help="seconds (default 1)"
+    )
+    conn.add_argument(
+        "--read-timeout", type=float, default=default(None), help="seconds per command (default 2)"
+    )
 
 
 def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> RedisTierConfig:
@@ -180,21 +250,26 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> RedisTierC
     extra: dict[str, Any] = {"key_prefix": args.prefix}
     if args.url is not None:
         extra["redis_url"] = args.url
-    password = args.password if args.password is not None else env.get(PASSWORD_ENV)
+    password = args.password
+    if password is None and args.password_file is None:
+        password = env.get(PASSWORD_ENV)
     options = {
         "username": args.username,
         "password": password or None,
+        "password_file": args.password_file,
         "db": args.db,
         "tls_ca_file": args.tls_ca_file,
         "tls_cert_file": args.tls_cert_file,
         "tls_key_file": args.tls_key_file,
+        "auth_key_file": args.auth_key_file,
         "connect_timeout_s": args.connect_timeout,
         "read_timeout_s": args.read_timeout,
     }
     extra.update({name: value for name, value in options.items() if value is not None})
     if args.no_tls_verify:
         extra["tls_verify"] = False
-    return RedisTierConfig.from_extra_config(extra, env=env)
+    # The CLI's options are never logged, so no warning about credentials in them.
+    return RedisTierConfig.from_extra_config(extra, env=env, warn_credentials=False)
 
 
 # ---------------------------------------------------------------------------------- info
@@ -202,10 +277,13 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> RedisTierC
 
 def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
     usage = admin.usage()
+    deployment = admin.deployment()
     if args.json:
         _print_json(
             {
                 "url": admin.cfg.redacted_url,
+                "deployment": deployment,
+                "nodes": usage.nodes,
                 "prefix": admin.prefix,
                 "namespaces": [_namespace_json(ns) for ns in usage.namespaces.values()],
                 "unrecognized_keys": usage.unrecognized_keys,
@@ -213,54 +291,160 @@ def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     count = len(usage.namespaces)
-    print(
-        f"{admin.cfg.redacted_url}, prefix {admin.prefix!r}: "
+    _emit(
+        f"{admin.cfg.redacted_url} ({deployment}), prefix {admin.prefix!r}: "
         f"{count} namespace{'' if count == 1 else 's'}"
     )
     if usage.unrecognized_keys:
-        print(f"({usage.unrecognized_keys} other keys under '{admin.prefix}:' are not hma_redis's)")
+        _emit(f"({usage.unrecognized_keys} other keys under '{admin.prefix}:' are not hma_redis's)")
     for ns in usage.namespaces.values():
-        print()
-        print("\n".join(_namespace_lines(ns)))
+        _emit("", *namespace_report(ns, usage.nodes if args.by_node else None))
     return EXIT_OK
 
 
-def _namespace_lines(ns: NamespaceUsage) -> list[str]:
+# Fingerprint fields in report order: (label, info-hash field, shown when absent). The model's
+# identity first, then the KV bytes' layout, then how keys are made. The parallel layout
+# (None) is one line of several fields; groups follow, one line each, then "other": every field
+# this version does not know (none is ever dropped).
+_PARALLEL = ("tp_size", "pp_size", "dcp_size", "pcp_size", "world_size")
+_FINGERPRINT_ORDER: tuple[tuple[str, str | None, bool], ...] = (
+    ("model", "model", True),
+    ("revision", "revision", True),
+    ("quantization", "quantization", False),
+    ("model dtype", "model_dtype", False),
+    ("model config", "model_config", False),
+    ("kv dtype", "kv_dtype", True),
+    ("layout", "kv_cache_layout", True),
+    ("parallel", None, True),
+    ("hash", "hash_algo", True),
+    ("auth key", "auth_key_id", False),
+    ("format", "format_version", True),
+)
+_GROUP_FIELD = re.compile(r"^g(\d+)\.(kind|tokens_per_chunk|layers|page_bytes)$")
+_KNOWN_FIELDS = frozenset(
+    {name for _, name, _ in _FINGERPRINT_ORDER if name} | set(_PARALLEL) | {"num_groups"}
+)
+_EMPTY_TEXT = {"auth_key_id": "none (values carry no MAC)"}
+_LAYERS_SHOWN = 4
+
+
+def namespace_report(ns: NamespaceUsage, nodes: Sequence[str] | None = None) -> list[str]:
+    """``info``'s text for one namespace: the fingerprint in a fixed order (model, revision,
+    dtype, layout, parallel layout, hash, format, one line per group, then any field this
+    version does not know), the sizes table, each node's share (``nodes`` given) and the
+    counters."""
     lines = [f"namespace {ns.namespace}"]
-    if ns.info:
-        width = max(len(k) for k in ns.info)
-        lines += [f"  {k:<{width}}  {v}".rstrip() for k, v in ns.info.items()]
-    else:
-        lines.append("  (no info hash: fingerprint unknown, e.g. evicted)")
-    rows: list[list[object]] = []
-    for group, g in sorted(ns.groups.items()):
-        kind = ns.info.get(f"g{group}.kind", "")
-        rows.append(
-            [f"g{group}", kind, g.keys, g.value_bytes, _size(g.value_bytes), _size(g.memory_bytes)]
-        )
-    total = ns.total
-    rows.append(
-        [
-            "total",
-            "",
-            total.keys,
-            total.value_bytes,
-            _size(total.value_bytes),
-            _size(total.memory_bytes),
-        ]
+    lines += (
+        _fingerprint_lines(ns.info)
+        if ns.info
+        else ["  (no info hash: fingerprint unknown, e.g. evicted)"]
     )
-    header = ["group", "kind", "keys", "value bytes", "size", "memory"]
     lines.append("")
-    lines += _table(header, rows, right={2, 3, 4, 5}, indent="  ")
+    lines += _sizes_table(ns)
     if ns.other_keys:
         lines.append(f"  ({ns.other_keys} other keys in this namespace)")
-    if ns.stats:
+    if nodes is not None:
         lines.append("")
-        lines.append("  counters")
+        lines += _nodes_table(ns.by_node, nodes)
+    if ns.stats:
         stats = _ordered_counters(ns.stats)
         width = max(len(k) for k in stats)
-        lines += [f"    {k:<{width}}  {v}" for k, v in stats.items()]
+        lines += ["", "  counters", *(f"    {k:<{width}}  {v}" for k, v in stats.items())]
     return lines
+
+
+def _fingerprint_lines(info: Mapping[str, str]) -> list[str]:
+    rows: list[tuple[str, str]] = []
+    for label, name, always in _FINGERPRINT_ORDER:
+        if name is not None and name not in info and not always:
+            continue
+        value = _parallel_layout(info) if name is None else info.get(name, "")
+        empty = "(not recorded)" if always else _EMPTY_TEXT.get(name or "", "-")
+        rows.append((label, value or empty))
+    for group in _group_indices(info):
+        rows.append((f"g{group}", _group_line(info, group)))
+    width = max(len(label) for label, _ in rows)
+    lines = [f"  {label:<{width}}  {value}" for label, value in rows]
+    other = {k: v for k, v in info.items() if k not in _KNOWN_FIELDS and not _GROUP_FIELD.match(k)}
+    if other:
+        key_width = max(len(k) for k in other)
+        lines.append("  other")
+        lines += [f"    {k:<{key_width}}  {other[k] or '-'}" for k in sorted(other)]
+    return lines
+
+
+def _parallel_layout(info: Mapping[str, str]) -> str:
+    sizes = [
+        f"{name.removesuffix('_size')} {info[name]}" for name in _PARALLEL[:-1] if name in info
+    ]
+    if "world_size" in info:
+        sizes.append(f"world size {info['world_size']}")
+    return ", ".join(sizes)
+
+
+def _group_indices(info: Mapping[str, str]) -> list[int]:
+    """Groups the info hash describes: ``num_groups`` of them and any ``g<N>.`` field."""
+    seen = {int(m.group(1)) for k in info if (m := _GROUP_FIELD.match(k))}
+    declared = info.get("num_groups", "")
+    if declared.isdigit():
+        seen |= set(range(int(declared)))
+    return sorted(seen)
+
+
+def _group_line(info: Mapping[str, str], group: int) -> str:
+    """One group of the fingerprint: attention kind, chunk size, layers, page sizes."""
+    kind = info.get(f"g{group}.kind")
+    parts = [attention_kind(kind) if kind else "attention kind not recorded"]
+    if kind is not None and _is_unrecorded_kind(kind):
+        parts[0] += " (attention kind not recorded)"
+    tokens = info.get(f"g{group}.tokens_per_chunk")
+    if tokens:
+        parts.append(f"{tokens} tokens per chunk")
+    layers = [name for name in info.get(f"g{group}.layers", "").split(",") if name]
+    if layers:
+        shown = layers if len(layers) <= _LAYERS_SHOWN else [layers[0], "...", layers[-1]]
+        parts.append(f"{len(layers)} layer{'' if len(layers) == 1 else 's'} ({', '.join(shown)})")
+    pages = [p for p in info.get(f"g{group}.page_bytes", "").split(",") if p]
+    if len(pages) > 1 and len(set(pages)) == 1:
+        parts.append(f"page bytes {len(pages)} x {pages[0]}")
+    elif pages:
+        parts.append(f"page bytes {','.join(pages)}")
+    return ", ".join(parts)
+
+
+def attention_kind(kind: str) -> str:
+    """A group's ``g<N>.kind`` for people: ``full_attention`` -> ``full attention``,
+    ``sliding_window:512`` -> ``sliding window 512``; anything else as recorded."""
+    if kind in ("full", "full_attention"):
+        return "full attention"
+    name, _, arg = kind.partition(":")
+    if name == "sliding_window" and arg:
+        return f"sliding window {arg}"
+    return kind
+
+
+def _is_unrecorded_kind(kind: str) -> bool:
+    """Namespaces written before kinds were recorded say ``kv_group_<N>``."""
+    return re.fullmatch(r"kv_group_\d+", kind) is not None
+
+
+def _sizes_table(ns: NamespaceUsage) -> list[str]:
+    rows: list[list[object]] = []
+    for group, usage in sorted(ns.groups.items()):
+        kind = ns.info.get(f"g{group}.kind")
+        rows.append([f"g{group}", attention_kind(kind) if kind else "?", *_size_cells(usage)])
+    rows.append(["total", "", *_size_cells(ns.total)])
+    header = ["group", "attention", "keys", "value bytes", "size", "memory"]
+    return _table(header, rows, right={2, 3, 4, 5}, indent="  ")
+
+
+def _nodes_table(by_node: Mapping[str, GroupUsage], nodes: Sequence[str]) -> list[str]:
+    rows = [[node, *_size_cells(by_node.get(node, GroupUsage()))] for node in nodes]
+    return _table(["node", "keys", "value bytes", "size", "memory"], rows, {1, 2, 3, 4}, "  ")
+
+
+def _size_cells(usage: GroupUsage) -> list[object]:
+    return [usage.keys, usage.value_bytes, _size(usage.value_bytes), _size(usage.memory_bytes)]
 
 
 def _namespace_json(ns: NamespaceUsage) -> dict[str, Any]:
@@ -269,6 +453,7 @@ def _namespace_json(ns: NamespaceUsage) -> dict[str, Any]:
         "info": ns.info,
         "groups": {str(g): dataclasses.asdict(u) for g, u in sorted(ns.groups.items())},
         "total": dataclasses.asdict(ns.total),
+        "by_node": {node: dataclasses.asdict(u) for node, u in sorted(ns.by_node.items())},
         "other_keys": ns.other_keys,
         "stats": {k: _int_or_text(v) for k, v in _ordered_counters(ns.stats).items()},
     }
@@ -297,24 +482,27 @@ def cmd_ls(admin: RedisAdmin, args: argparse.Namespace) -> int:
             }
         )
         return EXIT_OK
-    rows = [_key_row(e) for e in sorted(page.entries, key=lambda e: e.key)]
+    with_node = admin.kind == "cluster"
+    rows = [_key_row(e, with_node) for e in sorted(page.entries, key=lambda e: e.key)]
+    header = ["type", "value bytes", "memory", "ttl", *(["node"] if with_node else []), "key"]
     if rows:
-        print("\n".join(_table(["type", "value bytes", "memory", "ttl", "key"], rows, {1, 2, 3})))
+        _emit(*_table(header, rows, {1, 2, 3}))
     else:
-        print(f"no keys matching {pattern!r} in this page")
+        _emit(f"no keys matching {pattern!r} in this page")
     if page.cursor:
-        print(f"next cursor: {page.cursor} (continue with: ls --cursor {page.cursor})")
+        _emit(f"next cursor: {page.cursor} (continue with: ls --cursor {page.cursor})")
     else:
-        print("end of scan (cursor 0)")
+        _emit("end of scan (cursor 0)")
     return EXIT_OK
 
 
-def _key_row(entry: KeyEntry) -> list[object]:
+def _key_row(entry: KeyEntry, with_node: bool) -> list[object]:
     return [
         entry.type,
         "-" if entry.value_bytes is None else entry.value_bytes,
         "?" if entry.memory_bytes is None else entry.memory_bytes,
         "-" if entry.ttl_s is None else f"{entry.ttl_s}s",
+        *([entry.node] if with_node else []),
         entry.key,
     ]
 
@@ -332,7 +520,7 @@ def cmd_inspect(admin: RedisAdmin, args: argparse.Namespace) -> int:
     value = admin.get(key)
     if value is None:
         raise CliError(f"no such key: {key} (deleted or expired just now)")
-    report = inspect_value(key, value)
+    report = inspect_value(key, value, admin.cfg.auth_key)
     report["ttl_s"] = admin.ttl(key)
     if args.json:
         _print_json(report)
@@ -341,14 +529,18 @@ def cmd_inspect(admin: RedisAdmin, args: argparse.Namespace) -> int:
     return EXIT_OK if report["valid"] else EXIT_FAIL
 
 
-def inspect_value(key: str, value: bytes) -> dict[str, Any]:
-    """What ``inspect`` reports about one stored value (no Redis involved)."""
+def inspect_value(key: str, value: bytes, auth_key: bytes | None = None) -> dict[str, Any]:
+    """What ``inspect`` reports about one stored value (no Redis involved): the decoded header,
+    checksum, key echo and MAC (verified with ``auth_key``, the tier's shared secret), and
+    whether the tier would use the value."""
     report: dict[str, Any] = {"key": key, "value_bytes": len(value)}
+    mac_key = MacKey.derive(auth_key) if auth_key is not None else None
     try:
-        decode(value, expected_key=key, expected_group=_group_of(key))
+        decode(value, expected_key=key, expected_group=_group_of(key), mac_key=mac_key)
         report["error"] = None
     except CorruptBlockError as exc:
         report["error"] = str(exc)
+    report["mac"] = _mac_state(value, mac_key is not None, report["error"])
     try:
         header, checksum_ok = decode_header(value)
     except CorruptBlockError:
@@ -361,6 +553,7 @@ def inspect_value(key: str, value: bytes) -> dict[str, Any]:
         "num_blocks": header.num_blocks,
         "page_bytes": list(header.page_bytes),
         "kv_dtype": header.kv_dtype,
+        "kv_cache_layout": header.kv_cache_layout,
         "body_bytes": header.body_bytes,
     }
     report["checksum_ok"] = checksum_ok
@@ -369,9 +562,27 @@ def inspect_value(key: str, value: bytes) -> dict[str, Any]:
     return report
 
 
+def _mac_state(value: bytes, have_key: bool, error: str | None) -> str:
+    """``none`` (written without an auth_key), ``verified``, ``unverified`` (no auth_key here)
+    or ``invalid`` (missing where required, or wrong)."""
+    if not has_mac(value):
+        return "invalid" if have_key else "none"
+    if not have_key:
+        return "unverified"
+    return "invalid" if error is not None and "MAC" in error else "verified"
+
+
 def _group_of(key: str) -> int | None:
     parts = parse_block_key(key)
     return None if parts is None else parts.group
+
+
+_MAC_TEXT = {
+    "none": "none (written without an auth_key)",
+    "verified": "OK (auth_key)",
+    "unverified": "present, not verified: give the auth_key (--auth-key-file, $HMA_REDIS_AUTH_KEY)",
+    "invalid": "INVALID (missing, or written with another auth_key)",
+}
 
 
 def _print_inspect(report: Mapping[str, Any]) -> None:
@@ -387,23 +598,27 @@ def _print_inspect(report: Mapping[str, Any]) -> None:
             ("num_blocks", header["num_blocks"]),
             ("page_bytes", ",".join(str(p) for p in header["page_bytes"])),
             ("kv_dtype", header["kv_dtype"] or "-"),
+            ("kv_cache_layout", header["kv_cache_layout"] or "-"),
             ("body_bytes", header["body_bytes"]),
         ]
         rows.append(("checksum", "OK" if report["checksum_ok"] else "MISMATCH"))
         rows.append(("key echo", "OK" if report["key_matches"] else "MISMATCH"))
+        rows.append(("mac", _MAC_TEXT[report["mac"]]))
     else:
         rows.append(("header", "undecodable"))
     verdict = "OK: a valid block" if report["valid"] else f"INVALID: {report['error']}"
     rows.append(("verdict", verdict))
     width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
+    _emit(*(f"{name:<{width}}  {value}" for name, value in rows))
 
 
 # ---------------------------------------------------------------------------------- purge
 
 
 def cmd_purge(admin: RedisAdmin, args: argparse.Namespace) -> int:
+    """Delete on every node, with the same guards everywhere: the namespace validated as the
+    tier validates it, only keys under the prefix, confirmation (or ``--yes``), and every node
+    reached before the first key goes."""
     namespace = None if args.all else _checked_namespace(admin, args.namespace)
     pattern = admin.pattern(namespace)
     if args.dry_run:
@@ -415,11 +630,12 @@ def cmd_purge(admin: RedisAdmin, args: argparse.Namespace) -> int:
                 "purge needs --yes when stdin is not a terminal (nothing deleted)", EXIT_USAGE
             )
         matching = admin.purge(namespace, dry_run=True)
-        if matching == 0:
-            _purge_report(args, pattern, 0, dry_run=False)
+        if matching.count == 0:
+            _purge_report(args, pattern, matching, dry_run=False)
             return EXIT_OK
         if not _confirm(
-            f"UNLINK {matching} keys matching {pattern!r} on {admin.cfg.redacted_url}?"
+            f"UNLINK {matching.count} keys matching {pattern!r} on {admin.cfg.redacted_url} "
+            f"({admin.deployment()})?"
         ):
             raise CliError("purge cancelled (nothing deleted)")
     _purge_report(args, pattern, admin.purge(namespace), dry_run=False)
@@ -427,19 +643,27 @@ def cmd_purge(admin: RedisAdmin, args: argparse.Namespace) -> int:
 
 
 def _confirm(question: str) -> bool:
-    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    print(f"{printable(question)} [y/N] ", end="", file=sys.stderr, flush=True)
     answer = sys.stdin.readline()
     return answer.strip().lower() in ("y", "yes")
 
 
-def _purge_report(args: argparse.Namespace, pattern: str, count: int, dry_run: bool) -> None:
+def _purge_report(
+    args: argparse.Namespace, pattern: str, result: PurgeResult, dry_run: bool
+) -> None:
     if args.json:
         key = "matching" if dry_run else "deleted"
-        _print_json({"pattern": pattern, "dry_run": dry_run, key: count})
-    elif dry_run:
-        print(f"{count} keys match {pattern!r} (dry run: nothing deleted)")
+        _print_json(
+            {"pattern": pattern, "dry_run": dry_run, key: result.count, "by_node": result.by_node}
+        )
+        return
+    if dry_run:
+        _emit(f"{result.count} keys match {pattern!r} (dry run: nothing deleted)")
     else:
-        print(f"deleted {count} keys matching {pattern!r}")
+        _emit(f"deleted {result.count} keys matching {pattern!r}")
+    if args.by_node:
+        rows = [[node, count] for node, count in result.by_node.items()]
+        _emit(*_table(["node", "keys"], rows, {1}, "  "))
 
 
 # ---------------------------------------------------------------------------------- doctor
@@ -453,7 +677,12 @@ def cmd_doctor(admin: RedisAdmin, args: argparse.Namespace) -> int:
             {
                 "url": admin.cfg.redacted_url,
                 "checks": [
-                    {"check": c.name, "verdict": c.verdict.value, "detail": c.detail}
+                    {
+                        "check": c.name,
+                        "verdict": c.verdict.value,
+                        "detail": c.detail,
+                        "node": c.node,
+                    }
                     for c in checks
                 ],
                 "failed": failed,
@@ -461,35 +690,63 @@ def cmd_doctor(admin: RedisAdmin, args: argparse.Namespace) -> int:
         )
     else:
         width = max(len(c.name) for c in checks)
-        for c in checks:
-            print(f"{c.verdict.value:<4}  {c.name:<{width}}  {c.detail}")
+        _emit(
+            *(
+                f"{c.verdict.value:<4}  {c.name:<{width}}  "
+                f"{'' if c.node is None else c.node + ': '}{c.detail}"
+                for c in checks
+            )
+        )
     return EXIT_FAIL if failed else EXIT_OK
 
 
 def doctor_checks(admin: RedisAdmin, env: Mapping[str, str]) -> list[Check]:
-    """Every check, in order; the server checks only when PING succeeds."""
+    """Every check, in order: the client's setup, the deployment (sentinels, cluster masters),
+    then every server in turn (its checks only when it answers PING)."""
     cfg = admin.cfg
     checks = [_check_auth(cfg), _check_transport(cfg), _check_hash_seed(env)]
+    if admin.kind == "sentinel":
+        checks.append(_check_sentinels(admin))
     try:
-        times = admin.ping_seconds()
+        nodes = admin.nodes()
     except RedisError as exc:
         detail = _scrub(redis_error_message(exc, cfg), cfg) + " (server checks skipped)"
         return [*checks, Check("connectivity", Verdict.FAIL, detail)]
+    if admin.kind == "cluster":
+        names = ", ".join(node.name for node in nodes)
+        checks.append(Check("masters", Verdict.OK, f"{len(nodes)} in the slot map: {names}"))
+    for node in nodes:
+        label = None if admin.kind == "single" else node.name
+        checks += [dataclasses.replace(c, node=label) for c in _node_checks(admin, node)]
+    return checks
+
+
+def _node_checks(admin: RedisAdmin, node: NodeAdmin) -> list[Check]:
+    """The checks of one server; only connectivity when it does not answer."""
+    try:
+        times = node.ping_seconds()
+    except RedisError as exc:
+        detail = _scrub(redis_error_message(exc, admin.cfg), admin.cfg)
+        return [Check("connectivity", Verdict.FAIL, detail + " (server checks skipped)")]
     median = statistics.median(times)
     verdict = Verdict.WARN if median > SLOW_PING_S else Verdict.OK
-    checks.append(
+    checks = [
         Check("connectivity", verdict, f"PING {median * 1e3:.2f} ms (median of {len(times)})")
-    )
-    server = admin.info("server")
-    memory = admin.info("memory")
+    ]
+    server = node.info("server")
+    memory = node.info("memory")
     checks += [
         _check_version(str(server.get("redis_version", "0"))),
-        _check_script_flags(admin),
-        _check_cluster(admin.info("cluster")),
+        _check_script_flags(node),
+        _check_cluster(admin, node),
+    ]
+    if admin.kind == "sentinel":
+        checks.append(_check_role(admin, node.info("replication")))
+    checks += [
         _check_maxmemory(memory),
-        _check_policy(admin, str(memory.get("maxmemory_policy", "?"))),
-        _check_evictions(admin.info("stats"), admin.info("errorstats")),
-        _check_persistence(admin),
+        _check_policy(admin, node, str(memory.get("maxmemory_policy", "?"))),
+        _check_evictions(node.info("stats"), node.info("errorstats")),
+        _check_persistence(node),
     ]
     return checks
 
@@ -498,32 +755,71 @@ def _check_auth(cfg: RedisTierConfig) -> Check:
     if cfg.password:
         user = cfg.username or "default"
         return Check("auth", Verdict.OK, f"password set (ACL user {user!r})")
-    if _is_local(cfg.url):
+    if _is_local(cfg):
         return Check("auth", Verdict.OK, "no password (local server)")
     return Check("auth", Verdict.WARN, "no password for a non-local server")
 
 
 def _check_transport(cfg: RedisTierConfig) -> Check:
-    scheme = urlsplit(cfg.url).scheme
+    scheme = urlsplit(strip_userinfo(cfg.url)).scheme
     if scheme == "unix":
         return Check("tls", Verdict.OK, "unix socket")
     if not cfg.tls:
-        return Check("tls", Verdict.OK, f"not in use ({scheme}://; use rediss:// for TLS)")
+        secure = scheme.replace("redis", "rediss", 1)
+        return Check("tls", Verdict.OK, f"not in use ({scheme}://; use {secure}:// for TLS)")
     if not cfg.tls_verify:
         return Check("tls", Verdict.WARN, "TLS without certificate verification")
     return Check("tls", Verdict.OK, "TLS, server certificate verified")
 
 
+# Seeds anyone would guess first: with xxhash prefix hashes they let a tenant craft collisions.
+_WELL_KNOWN_SEEDS = frozenset({"0", "1", "42", "1234", "12345"})
+
+
 def _check_hash_seed(env: Mapping[str, str]) -> Check:
+    """The seed is a secret when it matters (xxhash prefix hashes): never printed."""
     seed = env.get("PYTHONHASHSEED")
     if seed is None or seed == "random":
         return Check(
             "PYTHONHASHSEED",
-            Verdict.WARN,
-            "unset here: instances using --prefix-caching-hash-algo xxhash must all set the "
-            "same value (e.g. 0) to share blocks; irrelevant for sha256",
+            Verdict.OK,
+            "unset: right for vLLM's default sha256 prefix hash; with --prefix-caching-hash-algo "
+            "xxhash every instance needs the same secret value",
         )
-    return Check("PYTHONHASHSEED", Verdict.OK, f"{seed} (use the same value on every instance)")
+    if seed in _WELL_KNOWN_SEEDS:
+        return Check(
+            "PYTHONHASHSEED",
+            Verdict.WARN,
+            "set to a well-known value: with xxhash prefix hashes a tenant can craft colliding "
+            "prefixes; use sha256 (vLLM's default) or a secret random seed (docs/security.md)",
+        )
+    return Check(
+        "PYTHONHASHSEED", Verdict.OK, "set (not shown); it must be the same on every instance"
+    )
+
+
+def _check_sentinels(admin: RedisAdmin) -> Check:
+    """Do the URL's sentinels answer, and agree on the master?"""
+    service = admin.cfg.topology.service
+    answers = admin.sentinel_answers()
+    named = {a.master for a in answers if a.master is not None}
+    silent = [f"{a.sentinel} ({a.error})" for a in answers if a.master is None]
+    if not named:
+        return Check(
+            "sentinels", Verdict.FAIL, f"none names a master for {service!r}: {'; '.join(silent)}"
+        )
+    if len(named) > 1:
+        return Check(
+            "sentinels",
+            Verdict.WARN,
+            f"they disagree on the master of {service!r}: {', '.join(sorted(named))} "
+            "(a failover in progress?)",
+        )
+    master = named.pop()
+    detail = f"{len(answers) - len(silent)}/{len(answers)} name {master} master of {service!r}"
+    if silent:
+        return Check("sentinels", Verdict.WARN, f"{detail}; no answer from {'; '.join(silent)}")
+    return Check("sentinels", Verdict.OK, detail)
 
 
 def _check_version(version: str) -> Check:
@@ -540,22 +836,56 @@ def _check_version(version: str) -> Check:
     return Check("version", Verdict.OK, f"Redis {version}")
 
 
-def _check_script_flags(admin: RedisAdmin) -> Check:
+def _check_script_flags(node: NodeAdmin) -> Check:
     try:
-        admin.probe_script_flags()
+        node.probe_script_flags()
     except ResponseError as exc:
         return Check("scripts", Verdict.FAIL, f"EVAL of a '#!lua flags=' script refused: {exc}")
     return Check("scripts", Verdict.OK, "EVAL with '#!lua flags=' works (lookups need it)")
 
 
-def _check_cluster(cluster: Mapping[str, Any]) -> Check:
-    if int(cluster.get("cluster_enabled", 0)):
+def _check_cluster(admin: RedisAdmin, node: NodeAdmin) -> Check:
+    """Cluster mode matches the URL; on a cluster, this master sees every slot served."""
+    enabled = bool(int(node.info("cluster").get("cluster_enabled", 0)))
+    if admin.kind != "cluster":
+        if enabled:
+            return Check(
+                "cluster",
+                Verdict.FAIL,
+                "cluster mode is on: use a redis+cluster://host:port/ URL (a single-node "
+                "client is answered MOVED for most keys)",
+            )
+        return Check("cluster", Verdict.OK, "standalone")
+    if not enabled:
+        return Check("cluster", Verdict.FAIL, "cluster mode is off on a redis+cluster:// node")
+    info = node.cluster_info()
+    state = info.get("cluster_state", "?")
+    assigned = int(info.get("cluster_slots_assigned", 0))
+    failing = int(info.get("cluster_slots_fail", 0))
+    pfail = int(info.get("cluster_slots_pfail", 0))
+    detail = (
+        f"cluster_state:{state}, {assigned}/{CLUSTER_SLOTS} slots assigned, {failing} failed, "
+        f"{pfail} possibly failing, {info.get('cluster_known_nodes', '?')} known nodes"
+    )
+    if state != "ok" or assigned < CLUSTER_SLOTS or failing:
+        return Check("cluster", Verdict.FAIL, detail + ": keys in uncovered slots cannot be used")
+    if pfail:
+        return Check("cluster", Verdict.WARN, detail)
+    return Check("cluster", Verdict.OK, detail)
+
+
+def _check_role(admin: RedisAdmin, replication: Mapping[str, Any]) -> Check:
+    """Sentinel: the server the sentinels name is a master, and has a replica to fail over to."""
+    role = str(replication.get("role", "?"))
+    service = admin.cfg.topology.service
+    if role != "master":
+        return Check("role", Verdict.FAIL, f"named master of {service!r} but its role is {role}")
+    replicas = int(replication.get("connected_slaves", 0))
+    if replicas == 0:
         return Check(
-            "cluster",
-            Verdict.FAIL,
-            "cluster mode is on: hma_redis connects with a single-node client",
+            "role", Verdict.WARN, f"master of {service!r} with no connected replica to fail over to"
         )
-    return Check("cluster", Verdict.OK, "standalone")
+    return Check("role", Verdict.OK, f"master of {service!r}, {replicas} connected replica(s)")
 
 
 def _check_maxmemory(memory: Mapping[str, Any]) -> Check:
@@ -571,13 +901,11 @@ def _check_maxmemory(memory: Mapping[str, Any]) -> Check:
     return Check("maxmemory", Verdict.OK, f"{_size(limit)} ({used / limit:.0%} used)")
 
 
-def _check_policy(admin: RedisAdmin, policy: str) -> Check:
+def _check_policy(admin: RedisAdmin, node: NodeAdmin, policy: str) -> Check:
     if policy in ("allkeys-lru", "allkeys-lfu"):
         return Check("maxmemory-policy", Verdict.OK, policy)
     if policy.startswith("volatile-"):
-        sampled = [
-            e for e in admin.page(admin.pattern(), limit=100).entries if parse_block_key(e.key)
-        ]
+        sampled = [e for e in node.sample(admin.pattern(), 100) if parse_block_key(e.key)]
         if sampled and all(e.ttl_s is not None for e in sampled):
             return Check("maxmemory-policy", Verdict.OK, f"{policy}; the sampled blocks have a TTL")
         return Check(
@@ -606,9 +934,9 @@ def _check_evictions(stats: Mapping[str, Any], errorstats: Mapping[str, Any]) ->
     return Check("evictions", Verdict.OK, f"{evicted} keys evicted since the server started")
 
 
-def _check_persistence(admin: RedisAdmin) -> Check:
-    save = admin.config_get("save")
-    appendonly = admin.config_get("appendonly")
+def _check_persistence(node: NodeAdmin) -> Check:
+    save = node.config_get("save")
+    appendonly = node.config_get("appendonly")
     if save is None or appendonly is None:
         return Check("persistence", Verdict.WARN, "CONFIG GET refused: cannot tell")
     on = []
@@ -625,11 +953,17 @@ def _check_persistence(admin: RedisAdmin) -> Check:
     return Check("persistence", Verdict.OK, "off (right for a cache)")
 
 
-def _is_local(url: str) -> bool:
-    parts = urlsplit(url)
+def _is_local(cfg: RedisTierConfig) -> bool:
+    """Every server (or sentinel) the URL names is on this host."""
+    parts = urlsplit(strip_userinfo(cfg.url))
     if parts.scheme == "unix":
         return True
-    host = parts.hostname or ""
+    topo = cfg.topology
+    hosts = [host for host, _ in topo.hosts] if topo.hosts else [parts.hostname or ""]
+    return all(_is_loopback(host) for host in hosts)
+
+
+def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -642,21 +976,28 @@ def _is_local(url: str) -> bool:
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
-    """Forward to the store benchmark; an explicit global ``--url`` is passed along."""
-    from hma_redis import bench_store
+    """Run the tier benchmark; the connection options (``--url``, ``--password``, TLS, ...)
+    are the CLI's and reach the benchmark as a config, never on a command line. Any failure is
+    one line without the password."""
+    from hma_redis import bench_tier
 
-    forwarded = list(rest)
-    if args.url is not None and "--url" not in forwarded:
-        forwarded += ["--url", args.url]
+    cfg: RedisTierConfig | None = None
+    if args.url is not None:
+        try:
+            cfg = build_config(args, os.environ)
+        except ValueError as exc:
+            return _fail(_config_message(exc), EXIT_USAGE)
     try:
-        bench_store.main(forwarded)
+        return bench_tier.main(rest, cfg=cfg)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or EXIT_OK
-        return _fail(f"bench: {str(exc.code).removeprefix('bench: ')}", EXIT_FAIL)
-    except (RedisError, OSError) as exc:
-        return _fail(f"bench: {type(exc).__name__}: {exc}", EXIT_FAIL)
-    return EXIT_OK
+        message = f"bench: {str(exc.code).removeprefix('bench: ')}"
+        return _fail(_scrub(message, cfg), EXIT_FAIL)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except Exception as exc:
+        return _fail(_scrub(f"bench: {type(exc).__name__}: {exc}", cfg), EXIT_FAIL)
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -682,8 +1023,26 @@ def _checked_namespace(admin: RedisAdmin, namespace: str | None) -> str | None:
     return namespace
 
 
+def printable(text: str) -> str:
+    """``text`` safe to show on a terminal: every character that is not printable (ESC and
+    the other C0 / C1 controls, newline, NUL, DEL, bidirectional overrides, ...) is written as
+    its Python escape (``\\x1b``, ``\\n``, ``\\x00``, ``\\u202e``); the rest is unchanged.
+
+    Keys, header fields and info fields come from whoever can write to Redis: printed raw, an
+    escape sequence would drive the operator's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _emit(*lines: str) -> None:
+    """Print text lines, each through :func:`printable` (the one way text reaches stdout)."""
+    for line in lines:
+        print(printable(line))
+
+
 def _fail(message: str, code: int) -> int:
-    print(f"{PROG}: {' '.join(message.split())}", file=sys.stderr)
+    print(f"{PROG}: {printable(' '.join(message.split()))}", file=sys.stderr)
     return code
 
 
@@ -691,12 +1050,17 @@ def _config_message(exc: ValueError) -> str:
     return str(exc).removeprefix("hma_redis: ")
 
 
-def _scrub(text: str, cfg: RedisTierConfig) -> str:
-    """Belt and braces: no message may carry the password, whatever produced it."""
-    return text.replace(cfg.password, "***") if cfg.password else text
+def _scrub(text: str, cfg: RedisTierConfig | None) -> str:
+    """Belt and braces: no message may carry the password (as given or URL-encoded)."""
+    if cfg is None or not cfg.password:
+        return text
+    for form in {cfg.password, quote(cfg.password, safe="")}:
+        text = text.replace(form, "***")
+    return text
 
 
 def _print_json(data: object) -> None:
+    # json.dumps escapes every control character (and, ensure_ascii, all non-ASCII).
     print(json.dumps(data, indent=2))
 
 
@@ -718,10 +1082,11 @@ def _size(n: int) -> str:
 
 
 def _table(
-    header: Sequence[str], rows: Sequence[Sequence[object]], right: set[int], indent: str = ""
+    header: Sequence[str], rows: Iterable[Sequence[object]], right: set[int], indent: str = ""
 ) -> list[str]:
-    """Aligned columns; ``right`` holds the indices of right-aligned (numeric) columns."""
-    cells = [list(header), *[[str(c) for c in row] for row in rows]]
+    """Aligned columns; ``right`` holds the indices of right-aligned (numeric) columns. Cells
+    are made :func:`printable` before they are measured, so escapes keep the columns aligned."""
+    cells = [list(header), *[[printable(str(c)) for c in row] for row in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = []
     for row in cells:

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -143,10 +144,10 @@ def test_info_shows_each_namespace_with_group_counts_and_bytes(populated, cli, r
     assert f"namespace {populated.ns}" in text.out
     assert f"namespace {OTHER_NS}" in text.out
     assert "/models/tiny-gemma3" in text.out
-    section = text.out.split(f"namespace {populated.ns}\n")[1].split("\nnamespace ")[0]
-    rows = {line.split()[0]: line.split() for line in section.splitlines() if line.strip()}
-    assert rows["g0"][1:4] == ["full", "3", str(g0_bytes)]
-    assert rows["g1"][1:4] == ["sliding_window:512", "1", str(g1_bytes)]
+    rows = _sizes_rows(_section(text.out, populated.ns))
+    assert rows["g0"][1:4] == ["full attention", "3", str(g0_bytes)]
+    assert rows["g1"][1:4] == ["sliding window 512", "1", str(g1_bytes)]
+    assert rows["total"][1:3] == ["4", str(g0_bytes + g1_bytes)]
     assert "lookups" in text.out and "hit_chunks" in text.out
 
     data = cli("--json", "info").json()
@@ -165,6 +166,75 @@ def test_info_shows_each_namespace_with_group_counts_and_bytes(populated, cli, r
     assert mine["stats"] == {"lookups": 7, "hit_chunks": 5}
     assert by_ns[OTHER_NS]["groups"]["0"]["keys"] == 2
     assert by_ns[OTHER_NS]["stats"] == {}
+
+
+def _section(out: str, namespace: str) -> str:
+    """``info``'s text about one namespace."""
+    return out.split(f"namespace {namespace}\n")[1].split("\nnamespace ")[0]
+
+
+def _sizes_rows(section: str) -> dict[str, list[str]]:
+    """The sizes table of one namespace's section: {group: cells}."""
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["group", "attention"])
+    rows = {}
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = cells if cells[0] != "total" else [cells[0], *cells[1:]]
+    return rows
+
+
+def _fields(section: str) -> list[tuple[str, str]]:
+    """The fingerprint lines of one namespace's section, in order: (label, value)."""
+    out = []
+    for line in section.splitlines():
+        if not line.strip():
+            break
+        label, _, value = line.strip().partition("  ")
+        out.append((label, value.strip()))
+    return out
+
+
+def test_info_reads_like_a_report(populated, cli, redis_client):
+    info_key = KeySpace("hma", populated.ns).info_key()
+    redis_client.hset(info_key, mapping={"revision": "0123abcd", "quantization": "fp8"})
+    redis_client.hset(info_key, mapping={"g1.kind": "sliding_window:4096", "new_field": "x"})
+    run = cli("info")
+    assert run.code == 0, run.err
+    fields = _fields(_section(run.out, populated.ns))
+    labels = [label for label, _ in fields]
+    order = ["model", "revision", "kv dtype", "layout", "parallel", "hash", "format", "g0", "g1"]
+    assert [label for label in labels if label in order] == order
+    values = dict(fields)
+    assert values["model"] == "/models/tiny-gemma3"
+    assert values["revision"] == "0123abcd"
+    assert values["quantization"] == "fp8"
+    assert values["kv dtype"] == "bfloat16" and values["layout"] == "NHD"
+    assert values["parallel"] == "tp 1, pp 1, dcp 1, pcp 1, world size 1"
+    assert values["g0"].startswith("full attention, 256 tokens per chunk, 2 layers")
+    assert values["g1"].startswith("sliding window 4096, 256 tokens per chunk")
+    # A field this version does not know is shown, never dropped.
+    assert labels[-2:] == ["other", "new_field"] and values["new_field"] == "x"
+    rows = _sizes_rows(_section(run.out, populated.ns))
+    assert rows["g1"][1] == "sliding window 4096"
+    data = cli("info", "--json").json()
+    mine = next(ns for ns in data["namespaces"] if ns["namespace"] == populated.ns)
+    assert mine["info"]["new_field"] == "x" and mine["info"]["revision"] == "0123abcd"
+    assert set(FINGERPRINT.info_fields()) <= set(mine["info"])
+
+
+def test_info_shows_what_an_old_namespace_recorded(populated, cli, redis_client):
+    """Namespaces written before attention kinds were recorded say kv_group_<N>."""
+    info_key = KeySpace("hma", populated.ns).info_key()
+    redis_client.hset(info_key, mapping={"g0.kind": "kv_group_0", "g1.kind": "kv_group_1"})
+    redis_client.hdel(info_key, "revision")
+    run = cli("info")
+    values = dict(_fields(_section(run.out, populated.ns)))
+    assert values["revision"] == "(not recorded)"
+    assert values["g0"].startswith("kv_group_0 (attention kind not recorded)")
+    assert _sizes_rows(_section(run.out, populated.ns))["g1"][1] == "kv_group_1"
 
 
 def test_info_lists_a_namespace_whose_info_hash_was_evicted(populated, cli, redis_client):
@@ -230,6 +300,7 @@ def test_inspect_verifies_a_good_block(populated, cli):
     assert fields["header.group"] == "1"
     assert fields["first_block"] == "8" and fields["num_blocks"] == "8"
     assert fields["page_bytes"] == "1024,1024" and fields["kv_dtype"] == "bfloat16"
+    assert fields["kv_cache_layout"] == "-" and fields["mac"].startswith("none")
     assert fields["body_bytes"] == str(8 * 2048)
     assert fields["checksum"] == "OK" and fields["key echo"] == "OK"
     assert fields["verdict"].startswith("OK")
@@ -245,7 +316,7 @@ def test_inspect_flags_a_corrupted_block(populated, cli, redis_client):
     redis_client.setrange(key, offset, bytes([byte[0] ^ 0xFF]))
     run = cli("inspect", key)
     assert run.code == 1
-    assert "checksum      MISMATCH" in run.out
+    assert re.search(r"^checksum +MISMATCH$", run.out, re.M)
     assert "INVALID: checksum mismatch" in run.out
     data = cli("--json", "inspect", key).json()
     assert not data["valid"] and not data["checksum_ok"] and data["key_matches"]
@@ -257,7 +328,7 @@ def test_inspect_flags_a_block_copied_under_another_key(populated, cli, redis_cl
     redis_client.set(copy, redis_client.get(source))
     data = cli("--json", "inspect", copy).json()
     assert data["checksum_ok"] and not data["key_matches"] and not data["valid"]
-    assert "key echo      MISMATCH" in cli("inspect", copy).out
+    assert re.search(r"^key echo +MISMATCH$", cli("inspect", copy).out, re.M)
 
 
 def test_inspect_of_a_missing_key_or_a_hash_is_one_line(populated, cli):
@@ -357,12 +428,12 @@ def test_doctor_prints_one_verdict_per_check_and_warns_on_unbounded_memory(
     assert verdicts["connectivity"] == "OK" and verdicts["version"] == "OK"
     assert verdicts["scripts"] == "OK" and verdicts["cluster"] == "OK"
     assert verdicts["maxmemory"] == "WARN"
-    assert verdicts["PYTHONHASHSEED"] == "WARN"
+    assert verdicts["PYTHONHASHSEED"] == "OK"  # vLLM's default sha256 needs no seed
     assert {"auth", "tls", "maxmemory-policy", "evictions", "persistence"} <= set(verdicts)
 
 
 def test_doctor_accepts_a_bounded_lru_cache(cli, server_config, monkeypatch):
-    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    monkeypatch.setenv("PYTHONHASHSEED", "3141592653")
     server_config.config_set("maxmemory", 512 * 1024 * 1024)
     server_config.config_set("maxmemory-policy", "allkeys-lru")
     data = cli("--json", "doctor").json()
@@ -370,7 +441,13 @@ def test_doctor_accepts_a_bounded_lru_cache(cli, server_config, monkeypatch):
     assert verdicts["maxmemory"] == "OK"
     assert verdicts["maxmemory-policy"] == "OK"
     assert verdicts["PYTHONHASHSEED"] == "OK"
+    assert "3141592653" not in json.dumps(data)  # a seed is a secret: never printed
     assert data["failed"] is False
+
+
+def test_doctor_warns_about_a_well_known_hash_seed(cli, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert _verdicts(cli("doctor").out)["PYTHONHASHSEED"] == "WARN"
 
 
 def test_doctor_fails_when_redis_is_unreachable(cli):
@@ -389,7 +466,7 @@ def test_unreachable_redis_is_one_line_with_the_password_redacted(cli):
         run = cli(*command, url=url)
         _assert_one_line_error(run)
         assert run.code == 1
-        assert "cannot reach Redis at redis://admin:***@127.0.0.1:" in run.err
+        assert "cannot reach Redis at redis://***@127.0.0.1:" in run.err
         assert SECRET not in run.err + run.out
 
 
@@ -407,7 +484,7 @@ def test_unreachable_redis_from_the_installed_script():
         env={"HMA_REDIS_URL": f"redis://admin@127.0.0.1:{port}/0", "HMA_REDIS_PASSWORD": SECRET},
     )
     _assert_one_line_error(run)
-    assert f"cannot reach Redis at redis://admin@127.0.0.1:{port}/0" in run.err
+    assert f"cannot reach Redis at redis://***@127.0.0.1:{port}/0" in run.err
     assert SECRET not in run.err + run.out
 
 
@@ -483,3 +560,139 @@ def test_tls_and_password_options_reach_the_server(tmp_path, cli):
         assert "CERTIFICATE_VERIFY_FAILED" in unverified.err and SECRET not in unverified.err
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------- conventions
+
+
+def test_global_options_are_accepted_after_the_command(populated, cli, redis_url):
+    before = cli("--json", "info").json()
+    after = _run_script("info", "--json", "--url", redis_url, "--prefix", "hma")
+    assert after.code == 0, after.err
+    assert after.json()["namespaces"] == before["namespaces"]
+    page = cli("ls", "--json", "--limit", "3", "--namespace", populated.ns, url=None)
+    assert page.code == 1  # without --url: the default URL, where nothing listens
+    page = cli("ls", "--url", redis_url, "--json", "--limit", "3", url=None)
+    assert page.code == 0, page.err
+    assert len(page.json()["keys"]) >= 3
+    doctor = cli("doctor", "--json")
+    assert doctor.code == 0 and doctor.json()["failed"] is False
+    # Given on both sides, the one after the command wins.
+    run = cli("--prefix", "nope", "purge", "--all", "--dry-run", "--prefix", "hma", "--json")
+    assert run.json()["matching"] == 9
+
+
+# ---------------------------------------------------------------------------------- hostile input
+
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\ninjected line\x00\x9b\u202e"
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _assert_inert(text: str) -> None:
+    """No control character and no line beyond the ones the CLI meant to print."""
+    assert not CONTROL.search(text), repr(text)
+    assert "\ninjected line" not in text
+
+
+def test_hostile_strings_from_redis_are_escaped_in_every_output(populated, cli, redis_client):
+    ns = KeySpace("hma", populated.ns)
+    key = ns.block_key(0, b"\xab" * 32)
+    header = codec.BlockHeader(
+        key=f"{key}{HOSTILE}", group=0, first_block=0, num_blocks=1, page_bytes=(64,),
+        kv_dtype=f"bf16{HOSTILE}",
+    )  # fmt: skip
+    redis_client.set(key, codec.encode(header, os.urandom(64)))
+    redis_client.hset(ns.info_key(), mapping={"model": f"m{HOSTILE}", f"x{HOSTILE}": HOSTILE})
+    redis_client.set(f"hma:{populated.ns}:weird{HOSTILE}".encode(), b"v")
+
+    inspect = cli("inspect", key)
+    assert inspect.code == 1  # the key echo does not match
+    _assert_inert(inspect.out)
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\ninjected line\\x00\\x9b\\u202e" in inspect.out
+    lines = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in inspect.out.splitlines())
+    assert lines["kv_dtype"] == "bf16\\x1b]0;owned\\x07\\x1b[2J\\ninjected line\\x00\\x9b\\u202e"
+    assert inspect.out.count("\n") == len(lines)
+
+    for command in (["info"], ["info", "--by-node"], ["ls", "--limit", "100"]):
+        run = cli(*command)
+        assert run.code == 0, run.err
+        _assert_inert(run.out)
+        assert "\\x1b]0;owned" in run.out
+    for command in (["info"], ["inspect", key], ["ls", "--limit", "100"]):
+        raw = cli("--json", *command).out
+        _assert_inert(raw)
+        json.loads(raw)  # and the JSON keeps the strings exactly
+    assert cli("--json", "inspect", key).json()["header"]["kv_dtype"] == f"bf16{HOSTILE}"
+
+    error = cli("inspect", f"hma:nope{HOSTILE}")
+    _assert_one_line_error(error)
+    _assert_inert(error.err)
+
+
+def test_inspect_verifies_the_mac_with_the_tier_auth_key(populated, cli, redis_client, tmp_path):
+    secret = b"an auth key of at least 16 bytes"
+    key = KeySpace("hma", populated.ns).block_key(0, b"\xcd" * 32)
+    header = _header(key, 0, 4)
+    value = codec.encode(header, os.urandom(header.body_bytes), mac_key=codec.MacKey.derive(secret))
+    redis_client.set(key, value)
+    key_file = tmp_path / "auth_key"
+    key_file.write_bytes(secret)
+
+    unverified = cli("--json", "inspect", key).json()
+    assert unverified["mac"] == "unverified" and not unverified["valid"]
+    assert "not verified" in cli("inspect", key).out
+    verified = cli("inspect", key, "--auth-key-file", str(key_file), "--json").json()
+    assert verified["mac"] == "verified" and verified["valid"] and verified["checksum_ok"]
+    other = tmp_path / "other_key"
+    other.write_bytes(b"another key, also 16 bytes or more")
+    wrong = cli("--auth-key-file", str(other), "--json", "inspect", key).json()
+    assert wrong["mac"] == "invalid" and not wrong["valid"]
+    plain = cli("--auth-key-file", str(key_file), "--json", "inspect", populated.blocks[0][0])
+    assert plain.json()["mac"] == "invalid"  # a keyed tier refuses values without a MAC
+
+
+# ---------------------------------------------------------------------------------- README
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every ``hma-redis ...`` command line in the README's code blocks, as argv."""
+    commands = []
+    in_code = False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        match = re.match(r"^(?:\$ |\.venv/bin/)?hma-redis(?P<args>(?: .*)?)$", line.split("  #")[0])
+        if in_code and match:
+            commands.append(shlex.split(match.group("args")))
+    return commands
+
+
+def test_every_command_the_readme_shows_exists_with_the_flags_shown():
+    from hma_redis import bench_tier
+    from hma_redis.cli import build_parser
+
+    commands = _readme_commands()
+    assert {argv[0] for argv in commands} >= {"info", "ls", "inspect", "doctor", "purge", "bench"}
+    for argv in commands:
+        try:
+            args, rest = build_parser().parse_known_args(argv)
+            if args.command == "bench":
+                bench_tier.build_parser().parse_args(rest)
+            else:
+                assert rest == [], f"README: hma-redis {' '.join(argv)}: unknown {rest}"
+        except SystemExit:
+            pytest.fail(f"README shows a command the CLI rejects: hma-redis {' '.join(argv)}")
+
+
+def test_password_file_reaches_the_server(local_redis, cli, tmp_path):
+    redis.Redis(port=local_redis.port).config_set("requirepass", SECRET)
+    secret_file = tmp_path / "password"
+    secret_file.write_text(SECRET + "\n")
+    run = cli("info", "--password-file", str(secret_file), url=local_redis.url)
+    assert run.code == 0, run.err
+    refused = cli("info", url=local_redis.url)
+    _assert_one_line_error(refused)
+    assert "refused the credentials" in refused.err or "NOAUTH" in refused.err
