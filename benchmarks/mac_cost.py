@@ -38,13 +38,13 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from hma_redis import codec
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.adapter.worker import RedisOffloadingWorker
+from hma_redis.core import codec
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
 from hma_redis.local_redis import LocalRedis
-from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.store import RedisBlockStore
-from hma_redis.worker import RedisOffloadingWorker
 
 VALUE = 2 << 20
 PIECE = 16 << 10

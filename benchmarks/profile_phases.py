@@ -26,10 +26,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from hma_redis import bench_tier, codec
+from hma_redis import bench_tier
+from hma_redis.adapter.worker import RedisOffloadingWorker
+from hma_redis.core import codec
+from hma_redis.core.store import RedisBlockStore
 from hma_redis.local_redis import LocalRedis
-from hma_redis.store import RedisBlockStore
-from hma_redis.worker import RedisOffloadingWorker
 
 SPENT: Counter[str] = Counter()
 

@@ -1,7 +1,11 @@
-"""hma_redis: a Redis-backed shared KV-cache tier for vLLM, for hybrid (multi-group) models."""
+"""hma_redis: a Redis-backed shared KV-cache tier for vLLM, for hybrid (multi-group) models.
 
-from hma_redis.config import RedisTierConfig
+``hma_redis.core`` is the engine-agnostic tier (no vLLM import), ``hma_redis.adapter`` plugs it
+into vLLM, ``hma_redis.tools`` holds the CLI, benchmarks and demos (never imported by the
+runtime). vLLM loads ``hma_redis.spec`` and ``hma_redis.connector`` (see docs/architecture.md).
+"""
 
+# Version of the value envelope (docs/payload-format.md); part of every namespace.
 FORMAT_VERSION = 2
 
-__all__ = ["FORMAT_VERSION", "RedisTierConfig"]
+__all__ = ["FORMAT_VERSION"]

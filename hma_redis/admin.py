@@ -28,9 +28,9 @@ from redis.crc import key_slot
 from redis.exceptions import ResponseError
 from redis.sentinel import SentinelConnectionPool
 
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import parse_block_key
-from hma_redis.store import make_client
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import parse_block_key
+from hma_redis.core.store import make_client
 
 # Keys per pipelined batch (SCAN COUNT hint, per-key commands, UNLINK arguments): large enough
 # to amortise round trips, small enough that no single command blocks Redis noticeably.

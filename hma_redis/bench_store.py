@@ -32,11 +32,11 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from hma_redis import codec
-from hma_redis.config import RedisTierConfig, strip_userinfo
-from hma_redis.keys import KeySpace, RedisKey
+from hma_redis.core import codec
+from hma_redis.core.config import RedisTierConfig, strip_userinfo
+from hma_redis.core.keys import KeySpace, RedisKey
+from hma_redis.core.store import PutResult, RedisBlockStore
 from hma_redis.local_redis import redis_or_local
-from hma_redis.store import PutResult, RedisBlockStore
 
 MIB = 1024 * 1024
 GB = 1e9

@@ -67,8 +67,8 @@ from hma_redis.bench_store import (
     run_redis_benchmark,
     server_config,
 )
-from hma_redis.config import RedisTierConfig, endpoint_url
-from hma_redis.keys import KeySpace
+from hma_redis.core.config import RedisTierConfig, endpoint_url
+from hma_redis.core.keys import KeySpace
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -297,8 +297,8 @@ class TierBench:
             CanonicalKVCacheTensor,
         )
 
-        from hma_redis.store import RedisBlockStore
-        from hma_redis.worker import RedisOffloadingWorker
+        from hma_redis.adapter.worker import RedisOffloadingWorker
+        from hma_redis.core.store import RedisBlockStore
 
         self.plan = plan
         cfg = RedisTierConfig(url=target) if isinstance(target, str) else target
@@ -343,7 +343,7 @@ class TierBench:
 
     def value_bytes(self, size: int) -> int:
         """Bytes of one stored value (envelope included) of this size."""
-        from hma_redis import codec
+        from hma_redis.core import codec
 
         key = self.keyspace.block_key(0, bytes(32))
         header = codec.BlockHeader(
@@ -375,7 +375,7 @@ class TierBench:
     def run(self, size: int, samples: Samples) -> None:
         from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-        from hma_redis.manager import RedisLoadStoreSpec
+        from hma_redis.adapter.types import RedisLoadStoreSpec
 
         worker = self.workers[size]
         chunks = self.blocks // self.blocks_per_chunk(size)
@@ -460,7 +460,7 @@ class LookupBench:
     def run(self, samples: Samples) -> None:
         from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
-        from hma_redis.manager import RedisOffloadingManager
+        from hma_redis.adapter.manager import RedisOffloadingManager
 
         store = self.store
         ping_s, _ = _timed(store.ping)

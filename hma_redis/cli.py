@@ -50,10 +50,10 @@ from hma_redis.admin import (
     PurgeResult,
     RedisAdmin,
 )
-from hma_redis.codec import CorruptBlockError, MacKey, decode, decode_header, has_mac
-from hma_redis.config import RedisTierConfig, strip_userinfo
-from hma_redis.counters import FIELDS as COUNTER_FIELDS
-from hma_redis.keys import parse_block_key
+from hma_redis.core.codec import CorruptBlockError, MacKey, decode, decode_header, has_mac
+from hma_redis.core.config import RedisTierConfig, strip_userinfo
+from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
+from hma_redis.core.keys import parse_block_key
 
 PROG = "hma-redis"
 PASSWORD_ENV = "HMA_REDIS_PASSWORD"

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hma_redis.config import redact_url
+from hma_redis.core.config import redact_url
 from hma_redis.local_redis import redis_or_local
 from hma_redis.vllm_config import kv_transfer_config
 

@@ -44,10 +44,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from hma_redis.connector import RedisOffloadingConnector
-from hma_redis.keys import KeySpace
-from hma_redis.manager import RedisLoadStoreSpec, RedisOffloadingManager
-from hma_redis.spec import RedisOffloadingSpec
+from hma_redis.adapter.connector import RedisOffloadingConnector
+from hma_redis.adapter.manager import RedisOffloadingManager
+from hma_redis.adapter.spec import RedisOffloadingSpec
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.core.keys import KeySpace
 
 BLOCK_SIZE = 16
 SAMPLED_TOKEN = 7

@@ -69,9 +69,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from hma_redis.keys import KeySpace
-from hma_redis.manager import RedisLoadStoreSpec, RedisOffloadingManager
-from hma_redis.spec import RedisOffloadingSpec, failure_reporting_connector
+from hma_redis.adapter.manager import RedisOffloadingManager
+from hma_redis.adapter.spec import RedisOffloadingSpec, failure_reporting_connector
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.core.keys import KeySpace
 
 EOS_TOKEN_ID = 1
 HEAD_SIZE = 64

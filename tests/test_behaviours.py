@@ -33,15 +33,16 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
-from hma_redis import codec
-from hma_redis.codec import BlockHeader
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace
+from hma_redis.adapter.manager import RedisOffloadingManager
+from hma_redis.adapter.spec import build_fingerprint
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.adapter.worker import RedisOffloadingWorker
+from hma_redis.core import codec
+from hma_redis.core.codec import BlockHeader
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
 from hma_redis.local_redis import LocalRedis
-from hma_redis.manager import RedisLoadStoreSpec, RedisOffloadingManager
-from hma_redis.spec import build_fingerprint
-from hma_redis.store import RedisBlockStore
-from hma_redis.worker import RedisOffloadingWorker
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

@@ -15,7 +15,7 @@ import redis
 from hma_redis import bench_tier
 from hma_redis.bench_store import PASSWORD_SKIP_NOTE, RedisBenchmarkSkipped
 from hma_redis.cli import main
-from hma_redis.config import RedisTierConfig
+from hma_redis.core.config import RedisTierConfig
 from hma_redis.local_redis import LocalRedis
 
 SECRET = "bench-Pw#/?s3cret"

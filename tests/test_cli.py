@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import redis
 
-from hma_redis import codec
 from hma_redis.cli import main
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import GroupLayout, KeySpace, NamespaceFingerprint, RedisKey
+from hma_redis.core import codec
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import GroupLayout, KeySpace, NamespaceFingerprint, RedisKey
+from hma_redis.core.store import PutResult, RedisBlockStore
 from hma_redis.local_redis import free_port
-from hma_redis.store import PutResult, RedisBlockStore
 
 PAGE_BYTES = (1024, 1024)
 FINGERPRINT = NamespaceFingerprint(

@@ -22,9 +22,9 @@ from redis.crc import key_slot
 from test_cli import FINGERPRINT, Run, _assert_one_line_error, _run_script, _write_blocks
 
 from hma_redis.cli import main
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace
-from hma_redis.store import RedisBlockStore
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
 
 USER, PASSWORD = "ops", "cli-cluster-s3cret"
 OTHER_NS = "other-deployment"

@@ -20,12 +20,12 @@ from redis.crc import key_slot
 from test_worker import DST, KEYS, SRC, make_worker, run_job, spec_of
 from tier import chunk_aligned_prefix, tier_config
 
-from hma_redis.breaker import BreakerState
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.core.breaker import BreakerState
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.local_redis import free_port
-from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.tiny_models import VOCAB_SIZE, build_llama
 
 USER, PASSWORD = "tier", "cluster-s3cret"

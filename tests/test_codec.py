@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from hma_redis import codec
-from hma_redis.codec import BlockHeader, CorruptBlockError, MacKey
+from hma_redis.core import codec
+from hma_redis.core.codec import BlockHeader, CorruptBlockError, MacKey
 
 KEY = "hma:abc:g0:00ff"
 

@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 import pytest
 
-from hma_redis.config import RedisTierConfig, endpoint_url, redact_url
+from hma_redis.core.config import RedisTierConfig, endpoint_url, redact_url
 
 
 def test_url_from_extra_config_wins_over_environment():

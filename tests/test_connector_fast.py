@@ -17,7 +17,7 @@ from connector_harness import BLOCK_SIZE, ConnectorHarness, StepRecord
 from scheduler_harness import write_tiny_model_config
 from vllm.v1.request import RequestStatus
 
-from hma_redis import codec
+from hma_redis.core import codec
 
 NUM_BLOCKS = 5
 PROMPT_LEN = NUM_BLOCKS * BLOCK_SIZE + 3  # five whole chunks and a tail

@@ -130,7 +130,7 @@ def test_kv_transfer_config_is_the_readmes_and_names_real_classes(
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.kv_offload.base import OffloadingSpec
 
-    from hma_redis.config import RedisTierConfig
+    from hma_redis.core.config import RedisTierConfig
 
     config = kv_config(compose["services"]["vllm-a"])
     extra = config["kv_connector_extra_config"]

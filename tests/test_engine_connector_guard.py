@@ -31,11 +31,11 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.spec import CONNECTOR_CONFIG
+from hma_redis.adapter.spec import CONNECTOR_CONFIG
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.tiny_models import VOCAB_SIZE, build_llama
 from hma_redis.vllm_config import kv_transfer_config
-from hma_redis.worker import RedisOffloadingWorker
 
 NUM_BLOCKS = 8
 PAGE_BYTES = 2 * 16 * 64 * 4  # the harness' groups: K and V, 16 tokens, 1 head of 64, float32

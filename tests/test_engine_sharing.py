@@ -13,7 +13,7 @@ import redis
 from engine_runner import EngineRun, make_prompts, run_engine
 from tier import chunk_aligned_prefix, tier_config
 
-from hma_redis.keys import parse_block_key
+from hma_redis.core.keys import parse_block_key
 from hma_redis.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 
 pytestmark = pytest.mark.engine

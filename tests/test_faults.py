@@ -22,9 +22,9 @@ import redis
 from engine_runner import EngineRun, make_prompts, run_engine, run_engines
 from tier import tier_config
 
+from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
 from hma_redis.local_redis import LocalRedis
 from hma_redis.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
-from hma_redis.worker import TEST_LOAD_DELAY_ENV
 
 pytestmark = pytest.mark.engine
 

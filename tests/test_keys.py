@@ -13,7 +13,7 @@ from scheduler_harness import (
     write_tiny_model_config,
 )
 
-from hma_redis.keys import GroupLayout, KeySpace, NamespaceFingerprint, parse_block_key
+from hma_redis.core.keys import GroupLayout, KeySpace, NamespaceFingerprint, parse_block_key
 
 
 def _fp(**changes):
@@ -165,8 +165,8 @@ def test_info_records_each_groups_attention_kind(model_dir: str) -> None:
 def test_an_explicit_namespace_is_split_by_auth_key() -> None:
     """Instances with different shared secrets never meet in a named namespace (each would find
     the other's values corrupt and delete them); without a secret the name is used as given."""
-    from hma_redis.config import RedisTierConfig
-    from hma_redis.spec import explicit_namespace
+    from hma_redis.adapter.spec import explicit_namespace
+    from hma_redis.core.config import RedisTierConfig
 
     def named(env: dict[str, str]) -> str | None:
         return explicit_namespace(

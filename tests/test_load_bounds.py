@@ -10,10 +10,10 @@ import time
 import torch
 from test_worker import DST, KEYS, SRC, make_worker, run_job, spec_of
 
-from hma_redis.config import RedisTierConfig
-from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.store import RedisBlockStore
-from hma_redis.worker import TEST_LOAD_DELAY_ENV, _ByteBudget
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV, _ByteBudget
 
 
 def _store(url: str) -> RedisBlockStore:

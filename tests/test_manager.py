@@ -7,10 +7,10 @@ import time
 import redis
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace
-from hma_redis.manager import RedisOffloadingManager
-from hma_redis.store import RedisBlockStore
+from hma_redis.adapter.manager import RedisOffloadingManager
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

@@ -29,14 +29,14 @@ import pytest
 import redis
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata
 
-from hma_redis.metrics import RedisMetricName, metric_definitions
+from hma_redis.adapter.metrics import RedisMetricName, metric_definitions
+from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
 from hma_redis.openai_example import (
     VllmServer,
     fetch_metrics_text,
     random_prompt,
 )
 from hma_redis.tiny_models import MAX_POSITIONS, build_llama
-from hma_redis.worker import TEST_LOAD_DELAY_ENV
 
 SHUTDOWN_TIMEOUT_S = 10  # vllm serve --shutdown-timeout: drain, then tear down
 EXIT_BOUND_S = SHUTDOWN_TIMEOUT_S + 30  # plus process teardown on a busy 2-core machine
@@ -230,7 +230,7 @@ def test_metric_definitions_follow_vllm_naming() -> None:
         get_connector_metric_definitions,
     )
 
-    from hma_redis.spec import RedisOffloadingSpec
+    from hma_redis.adapter.spec import RedisOffloadingSpec
 
     ours = RedisOffloadingSpec.build_metric_definitions({})
     assert ours == metric_definitions()
@@ -239,9 +239,9 @@ def test_metric_definitions_follow_vllm_naming() -> None:
 
 
 def test_manager_and_worker_metrics_report_deltas() -> None:
-    from hma_redis.counters import PendingCounters
-    from hma_redis.manager import ManagerStats
-    from hma_redis.metrics import ManagerMetrics, WorkerMetrics
+    from hma_redis.adapter.metrics import ManagerMetrics, WorkerMetrics
+    from hma_redis.adapter.types import ManagerStats
+    from hma_redis.core.counters import PendingCounters
 
     stats = ManagerStats()
     metrics = ManagerMetrics()

@@ -23,12 +23,24 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from test_worker import DST, KEYS, SRC, make_worker, run_job, spec_of
 
-from hma_redis.breaker import BreakerState, ErrorKind, RateLimitedLog, Refusal, classify, refusal_of
-from hma_redis.config import RedisTierConfig
+from hma_redis.adapter.metrics import (
+    ManagerMetrics,
+    RedisMetricName,
+    WorkerMetrics,
+    metric_definitions,
+)
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.core.breaker import (
+    BreakerState,
+    ErrorKind,
+    RateLimitedLog,
+    Refusal,
+    classify,
+    refusal_of,
+)
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.store import PutResult, RedisBlockStore
 from hma_redis.local_redis import LocalRedis
-from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.metrics import ManagerMetrics, RedisMetricName, WorkerMetrics, metric_definitions
-from hma_redis.store import PutResult, RedisBlockStore
 
 VALUES = {f"hma:ns:g0:{i:02x}": os.urandom(1000) for i in range(3)}
 INFO_KEY = "hma:ns:info"
@@ -193,7 +205,7 @@ def test_refusals_reach_prometheus_per_kind(acl_server):
     assert worker_side is not None
     assert worker_side.reduce()[RedisMetricName.REFUSED_NOPERM] == 2
 
-    from hma_redis.manager import ManagerStats
+    from hma_redis.adapter.types import ManagerStats
 
     scheduler_side = ManagerMetrics().collect(ManagerStats(), refusals=store.counters.snapshot())
     assert scheduler_side is not None

@@ -34,7 +34,7 @@ from scheduler_harness import SchedulerHarness, StepResult, worker_spec, write_t
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.request import Request, RequestStatus
 
-from hma_redis.spec import CONNECTOR_CONFIG
+from hma_redis.adapter.spec import CONNECTOR_CONFIG
 
 BLOCK = 16
 WINDOW_CHUNKS = 3  # g1's sliding window: 48 tokens = 3 chunks of 16

@@ -47,14 +47,14 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from hma_redis import codec
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace, parse_block_key
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.adapter.worker import RedisOffloadingWorker
+from hma_redis.core import codec
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace, parse_block_key
+from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.local_redis import LocalRedis
-from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.store import PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.tiny_models import VOCAB_SIZE, build_llama
-from hma_redis.worker import RedisOffloadingWorker
 
 SALT_CHILD = Path(__file__).with_name("_salt_child.py")
 # Raw clients that are expected to fail: fail at once (redis-py retries with backoff by default).

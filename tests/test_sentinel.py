@@ -16,10 +16,10 @@ from cluster_servers import LocalSentinel
 from engine_runner import make_prompts, run_engine
 from tier import chunk_aligned_prefix, tier_config
 
-from hma_redis.breaker import BreakerState
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace
-from hma_redis.store import PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.core.breaker import BreakerState
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.tiny_models import VOCAB_SIZE, build_llama
 
 USER, PASSWORD = "tier", "sentinel-s3cret"

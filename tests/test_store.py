@@ -5,11 +5,11 @@ import pytest
 import redis
 from redis_server import command_calls, command_delta
 
-from hma_redis.breaker import BreakerState
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace
+from hma_redis.core.breaker import BreakerState
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.local_redis import LocalRedis
-from hma_redis.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
 
 
 def _store(url, **overrides):

@@ -16,11 +16,12 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from hma_redis.config import RedisTierConfig
-from hma_redis.keys import KeySpace
-from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.store import RedisBlockStore
-from hma_redis.worker import RedisOffloadingWorker, _block_runs
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.adapter.worker import RedisOffloadingWorker
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.transfer import _block_runs
 
 NUM_BLOCKS = 40
 BPC = 4  # blocks per chunk
@@ -166,7 +167,7 @@ def test_corrupt_chunk_fails_the_load_before_any_page_is_written(worker, redis_c
 def test_gil_switch_interval_is_lowered_never_raised():
     import sys
 
-    from hma_redis.spec import lower_gil_switch_interval
+    from hma_redis.adapter.spec import lower_gil_switch_interval
 
     before = sys.getswitchinterval()
     try:

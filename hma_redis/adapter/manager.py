@@ -35,10 +35,11 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
-from hma_redis.breaker import BreakerState
-from hma_redis.keys import KeySpace
-from hma_redis.metrics import ManagerMetrics
-from hma_redis.store import RedisBlockStore
+from hma_redis.adapter.metrics import ManagerMetrics
+from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
+from hma_redis.core.breaker import BreakerState
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -46,19 +47,6 @@ if TYPE_CHECKING:
     )
 
 logger = init_logger(__name__)
-
-
-class RedisLoadStoreSpec(LoadStoreSpec):
-    """What each worker transfers: offload keys in vLLM's order (grouped by KV group).
-
-    Each worker derives its own Redis key (with its rank) from every offload key.
-    """
-
-    def __init__(self, keys: Iterable[OffloadKey]):
-        self.keys: list[bytes] = [bytes(k) for k in keys]
-
-    def __repr__(self) -> str:
-        return f"RedisLoadStoreSpec({len(self.keys)} keys)"
 
 
 @dataclass
@@ -74,18 +62,6 @@ class _StoreMark:
 
     count: int
     since: float
-
-
-@dataclass
-class ManagerStats:
-    lookup_round_trips: int = 0
-    keys_looked_up: int = 0
-    hit_keys: int = 0
-    miss_keys: int = 0
-    store_skipped_present: int = 0
-    failed_loads: int = 0
-    # In-flight store marks dropped after store_pending_timeout_s (vLLM never completed them).
-    stale_store_marks: int = 0
 
 
 class RedisOffloadingManager(OffloadingManager):
@@ -345,7 +321,7 @@ class RedisOffloadingManager(OffloadingManager):
         self._storing.clear()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Prometheus counters since the last call (see :mod:`hma_redis.metrics`)."""
+        """Prometheus counters since the last call (see :mod:`hma_redis.adapter.metrics`)."""
         breaker = self._store.breaker
         return self._metrics.collect(
             self.stats,

@@ -7,7 +7,7 @@ histograms (our worker reports each job's bytes and seconds), and the engine cou
 knows, under vLLM's naming scheme for offloading backends (``vllm:kv_offload_<backend>_*``; the
 exposition adds ``_total`` to counters):
 
-scheduler side (the manager's :class:`~hma_redis.manager.ManagerStats`, via ``get_stats``)
+scheduler side (the manager's :class:`~hma_redis.adapter.types.ManagerStats`, via ``get_stats``)
     ``vllm:kv_offload_redis_lookups``          Redis round trips made for lookups
     ``vllm:kv_offload_redis_chunk_queries``    chunk keys (one per KV group) asked of Redis
     ``vllm:kv_offload_redis_chunk_hits``       ... found in Redis
@@ -17,7 +17,7 @@ scheduler side (the manager's :class:`~hma_redis.manager.ManagerStats`, via ``ge
     ``vllm:kv_offload_redis_errors``           failed Redis calls of the scheduler (timeouts, ...)
     ``vllm:kv_offload_redis_available``        gauge: 1 while the scheduler reaches Redis, else 0
 
-worker side (the worker store's :class:`~hma_redis.counters.PendingCounters`, reported by the
+worker side (the worker store's :class:`~hma_redis.core.counters.PendingCounters`, reported by the
 connector's worker-side ``get_kv_connector_stats``, which vLLM ships to the scheduler with each
 model-runner output and sums over workers)
     ``vllm:kv_offload_redis_stored_chunks``          chunks written to Redis
@@ -26,8 +26,9 @@ model-runner output and sums over workers)
     ``vllm:kv_offload_redis_loaded_chunks``          chunks read from Redis into the KV cache
     ``vllm:kv_offload_redis_load_failed_chunks``     chunks missing, invalid or unreadable at load
 
-both sides (each store's :class:`~hma_redis.counters.PendingCounters`): commands a healthy Redis
-refused, one counter per kind; a refusal never turns the tier off (see hma_redis.breaker)
+both sides (each store's :class:`~hma_redis.core.counters.PendingCounters`): commands a healthy
+Redis refused, one counter per kind; a refusal never turns the tier off (see
+hma_redis.core.breaker)
     ``vllm:kv_offload_redis_refused_noperm``    NOPERM: the ACL user may not run it / touch the key
     ``vllm:kv_offload_redis_refused_oom``       OOM: maxmemory reached under noeviction
     ``vllm:kv_offload_redis_refused_readonly``  READONLY: a replica takes no writes
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -51,10 +51,8 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
-from hma_redis.counters import PendingCounters
-
-if TYPE_CHECKING:
-    from hma_redis.manager import ManagerStats
+from hma_redis.adapter.types import ManagerStats
+from hma_redis.core.counters import PendingCounters
 
 PREFIX = "vllm:kv_offload_redis_"
 
@@ -198,7 +196,7 @@ class ManagerMetrics:
 
         ``errors`` is the scheduler store's cumulative count of failed Redis calls, ``available``
         whether it reaches Redis now, ``refusals`` its counters' totals
-        (:meth:`~hma_redis.counters.PendingCounters.snapshot`; the ``refused_*`` ones count).
+        (:meth:`~hma_redis.core.counters.PendingCounters.snapshot`; the ``refused_*`` ones count).
         """
         totals = {name: getattr(stats, field) for field, (name, _) in MANAGER_COUNTERS.items()}
         totals.update(_named(refusals or {}, REFUSAL_COUNTERS))

@@ -1,51 +1,50 @@
-"""Worker side: moves chunk bytes between the KV cache and Redis, off the engine's critical path.
+"""The transfer engine: moves KV chunks between page tensors (CPU or CUDA) and Redis.
+
+Engine-agnostic (no vLLM): the caller names, for every chunk of a job, its Redis key and the
+block ids of the page tensors it covers (:class:`ChunkTransfer`); the engine runs the job on
+its own threads and reports it through :meth:`TransferEngine.finished`.
 
 A chunk value holds, for every layer of its KV group, the pages of the chunk's blocks
 (``blocks_per_chunk`` blocks, fewer for a sliding-window chunk whose oldest blocks had already
-left the window). Stores gather those pages straight into the value buffer (the one copy), encode
-and put them with SET NX; loads get, validate and scatter into the given block ids.
+left the window). Stores send the pages from a CPU KV cache in place (or gather them from a GPU
+into pooled, pinned buffers), encode and put them with SET NX; loads get, validate and scatter
+into the given block ids. Bytes held in buffers are bounded (:class:`_ByteBudget`); on CUDA
+every transfer is ordered after the work the caller queued before submitting it.
+
+    engine = TransferEngine(store, [[LayerSource.of(t, page_bytes) for t in tensors]],
+                            ValueFormat(kv_dtype="float16"), blocks_per_chunk=16)
+    engine.submit_store(1, [ChunkTransfer(key, group=0, group_pos=0, start=0, block_ids=ids)])
+    engine.wait({1})                 # the job no longer reads the page tensors
+    results = engine.finished()      # [JobResult(job_id=1, ...)] once it is done
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import queue
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
-from vllm.logger import init_logger
-from vllm.v1.kv_offload.base import (
-    CanonicalKVCaches,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingWorker,
-    OffloadKey,
-    TransferResult,
-    get_offload_block_hash,
-    get_offload_group_idx,
-)
 
-from hma_redis import codec
-from hma_redis.codec import BlockHeader, CorruptBlockError, DecodedBlock
-from hma_redis.keys import KeySpace
-from hma_redis.manager import RedisLoadStoreSpec
-from hma_redis.store import OversizedValue, PutResult, RedisBlockStore
+from hma_redis.core import codec
+from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
+from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore
 
-logger = init_logger(__name__)
+logger = logging.getLogger(__name__)
 
 # Loads wrap immutable reply bytes in tensors that are only ever read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 # Fault-injection hook for tests: seconds to sleep before each load's GET, so a test can break
-# Redis between the scheduler's lookup and the worker's read. Never set in production.
+# Redis between the scheduler's lookup and the load's GET. Never set in production.
 TEST_LOAD_DELAY_ENV = "HMA_REDIS_TEST_LOAD_DELAY_S"
 
 # Values per pipelined put: large enough to amortize the round trip, small enough to bound memory.
@@ -85,9 +84,49 @@ class ChunkTransfer:
 
     redis_key: str
     group: int  # KV group id (as in the offload key)
-    group_pos: int  # position of the group in this worker's layer table
+    group_pos: int  # position of the group in the engine's layer groups
     start: int  # first block of the chunk that is transferred (offset inside the chunk)
     block_ids: tuple[int, ...]  # KV-cache block ids, one per transferred block
+
+
+@dataclass(frozen=True)
+class LayoutMismatch:
+    """A job whose keys could not be paired with its blocks (the caller's spec does not add
+    up). Submitted in place of its chunks, it fails like a job that broke: a load reports
+    failure, a store stores nothing; its ``num_chunks`` are counted as failed."""
+
+    num_chunks: int
+
+
+# What a job moves: its chunks, or why there are none.
+JobChunks = Sequence[ChunkTransfer] | LayoutMismatch
+
+
+@dataclass(frozen=True)
+class ValueFormat:
+    """What every value this engine writes says of its bytes, and every value it reads must.
+
+    ``kv_dtype`` and ``kv_cache_layout`` go into each header and are checked on each load
+    (whatever the namespace). With ``auth_key`` every value is MAC'd with it and only values
+    MAC'd with it are read.
+    """
+
+    kv_dtype: str
+    kv_cache_layout: str = ""
+    auth_key: bytes | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished job. ``ok`` is False only for a load that did not copy every chunk (its
+    blocks must be recomputed); a store is best effort, its dropped chunks are counted in the
+    store's counters. ``nbytes``: value bytes stored or loaded."""
+
+    job_id: int
+    is_store: bool
+    ok: bool
+    nbytes: int
+    seconds: float
 
 
 @dataclass
@@ -235,48 +274,44 @@ class _TransferStreams:
             done.synchronize()
 
 
-class RedisOffloadingWorker(OffloadingWorker):
-    """Asynchronous store/load of chunks for one worker rank."""
+class TransferEngine:
+    """Asynchronous store and load of chunks between a set of page tensors and Redis.
+
+    ``groups[pos]`` are the layers of the KV group at position ``pos`` (a chunk's
+    ``group_pos``), each a ``(num_blocks, padded_page)`` int8 view (:meth:`LayerSource.of`), all
+    on one device. ``blocks_per_chunk`` is the most blocks one value holds (it bounds what a
+    load accepts). Loads run on ``io_threads`` threads, stores on half as many; the bytes the
+    jobs hold in buffers stay under ``max_inflight_bytes`` (a larger job runs alone).
+
+    Thread safety: ``submit_*``, :meth:`finished`, :meth:`wait` and :meth:`shutdown` are
+    called from one thread (the caller's step loop); the jobs run on the engine's threads.
+    """
 
     def __init__(
         self,
         store: RedisBlockStore,
-        keyspace: KeySpace,
-        rank: int,
-        kv_caches: CanonicalKVCaches,
-        group_ids: Sequence[int],
+        groups: Sequence[Sequence[LayerSource]],
+        value_format: ValueFormat,
+        *,
         blocks_per_chunk: int,
-        kv_dtype: str,
-        io_threads: int,
-        max_inflight_bytes: int,
-        shutdown_timeout_s: float,
-        auth_key: bytes | None = None,
-        kv_cache_layout: str = "",
+        io_threads: int = 4,
+        max_inflight_bytes: int = 256 * 1024 * 1024,
+        shutdown_timeout_s: float = 10.0,
     ) -> None:
         self._store = store
-        self._keyspace = keyspace
-        self._rank = rank
         self._blocks_per_chunk = blocks_per_chunk
-        self._kv_dtype = kv_dtype
-        # Written into every header and required of every value read, whatever the namespace.
-        self._kv_cache_layout = kv_cache_layout
+        self._format = value_format
         # With a shared secret every value is MAC'd, and only values MAC'd with it are read.
-        self._mac_key = codec.MacKey.derive(auth_key) if auth_key is not None else None
+        key = value_format.auth_key
+        self._mac_key = codec.MacKey.derive(key) if key is not None else None
         self._shutdown_timeout_s = shutdown_timeout_s
-        self._group_pos = {gid: pos for pos, gid in enumerate(group_ids)}
-        self._layers: list[list[LayerSource]] = [
-            [
-                LayerSource.of(kv_caches.tensors[ref.tensor_idx].tensor, ref.page_size_bytes)
-                for ref in refs
-            ]
-            for refs in kv_caches.group_data_refs
-        ]
+        self._layers: list[list[LayerSource]] = [list(group) for group in groups]
         self._pages = [tuple(layer.page_bytes for layer in group) for group in self._layers]
         self._budget = _ByteBudget(max_inflight_bytes)
         pinned = any(layer_device(group) == "cuda" for group in self._layers)
-        tensors = kv_caches.tensors
+        first = next((layer for group in self._layers for layer in group), None)
         self._streams = _TransferStreams(
-            tensors[0].tensor.device if tensors else torch.device("cpu")
+            first.tensor.device if first is not None else torch.device("cpu")
         )
         # A CPU KV cache is sent to Redis from where it is; other devices go through buffers.
         self._in_place = all(layer.host is not None for group in self._layers for layer in group)
@@ -290,87 +325,57 @@ class RedisOffloadingWorker(OffloadingWorker):
             initializer=self._streams.init_thread,
         )
         self._jobs: dict[int, _Job] = {}
-        self._finished: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
-        # Load jobs that failed; moved to _failed_reported when get_finished returns them.
-        self._failed_loads: set[int] = set()
-        self._failed_reported: set[int] = set()
-        self._failed_lock = threading.Lock()
+        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._closed = False
-        # Whether the connector turns failed loads into recomputes (enable_failure_reporting);
-        # until it says so a failed load is reported as failed and vLLM stops the engine.
-        self._failures_reported = False
         self._test_load_delay_s = float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
 
-    # ------------------------------------------------------------------ vLLM API
+    # ------------------------------------------------------------------ API
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
-        """Queue a store; returns at once. The job reads the KV cache in a background thread
-        (``wait`` blocks until it has), then encodes and puts the chunks."""
-        assert isinstance(dst_spec, RedisLoadStoreSpec)
+    def submit_store(self, job_id: int, chunks: JobChunks) -> None:
+        """Queue a store; returns at once. The job reads the page tensors in a background
+        thread (:meth:`wait` blocks until it has), then encodes and puts the chunks. Chunks
+        Redis holds already are skipped (one EXISTS round trip)."""
         job = _Job(job_id, is_store=True, ready=self._streams.mark_submit())
         self._jobs[job_id] = job
         try:
-            job.future = self._stores.submit(self._run_store, job, src_spec, dst_spec)
+            job.future = self._stores.submit(self._run_store, job, chunks)
         except RuntimeError:
             # Interpreter exit: thread pools take no new work, so store in this thread.
-            self._run_store(job, src_spec, dst_spec)
-        return True
+            self._run_store(job, chunks)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Queue a load; returns at once. Completion is reported through ``get_finished``."""
-        assert isinstance(src_spec, RedisLoadStoreSpec)
+    def submit_load(self, job_id: int, chunks: JobChunks) -> None:
+        """Queue a load; returns at once. The chunks' blocks are written only if every chunk
+        is present and valid (else none is, and the result says ``ok=False``)."""
         job = _Job(job_id, is_store=False, ready=self._streams.mark_submit())
         self._jobs[job_id] = job
+        job.future = self._loads.submit(self._run_load, job, chunks)
 
-        job.future = self._loads.submit(self._run_load, job, src_spec, dst_spec)
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        """Finished jobs. Every result says success (vLLM 0.32 asserts it) except a failed load
-        before :meth:`enable_failure_reporting`; a load that failed is listed by
-        :meth:`take_failed_load_jobs` once its result has been returned here."""
-        results: list[TransferResult] = []
+    def finished(self) -> list[JobResult]:
+        """Jobs finished since the last call, each reported once."""
+        results: list[JobResult] = []
         while True:
             try:
-                result = self._finished.get_nowait()
+                results.append(self._finished.get_nowait())
             except queue.Empty:
                 return results
-            with self._failed_lock:
-                if result.job_id in self._failed_loads:
-                    self._failed_loads.discard(result.job_id)
-                    self._failed_reported.add(result.job_id)
-            results.append(result)
 
-    def enable_failure_reporting(self) -> None:
-        """Called by RedisOffloadingConnector, which reads :meth:`take_failed_load_jobs` and
-        has vLLM recompute those requests: from now on a failed load's result says success
-        (vLLM 0.32 asserts it). Without this call it says failure, so a connector that cannot
-        recompute stops loudly instead of serving the destination blocks' stale contents."""
-        self._failures_reported = True
-
-    @property
-    def peak_buffer_bytes(self) -> int:
-        """The most bytes this worker's transfers have held in value buffers at once (bounded
-        by ``max_inflight_bytes``, unless a single job is larger and ran alone)."""
-        return self._buffers.peak_bytes
-
-    def take_failed_load_jobs(self) -> set[int]:
-        """Load jobs whose failure was returned by ``get_finished`` since the last call."""
-        with self._failed_lock:
-            failed, self._failed_reported = self._failed_reported, set()
-        return failed
-
-    def wait(self, job_ids: set[int]) -> None:
-        """Block until the given jobs no longer read their KV-cache blocks."""
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the given jobs no longer read their blocks (stores) or are completely
+        done (loads). Unknown or finished jobs return at once."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is not None:
                 job.released.wait()
 
+    @property
+    def peak_buffer_bytes(self) -> int:
+        """The most bytes this engine's transfers have held in value buffers at once (bounded
+        by ``max_inflight_bytes``, unless a single job is larger and ran alone)."""
+        return self._buffers.peak_bytes
+
     def shutdown(self) -> None:
-        """Finish stores already scheduled (bounded by ``shutdown_timeout_s``), then stop."""
+        """Finish stores already submitted (bounded by ``shutdown_timeout_s``), stop the
+        threads and deliver the store's pending counters. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -385,73 +390,24 @@ class RedisOffloadingWorker(OffloadingWorker):
         self._stores.shutdown(wait=False, cancel_futures=True)
         self._loads.shutdown(wait=False, cancel_futures=True)
         self._store.flush_counters()
-        # The Redis stats hash is best effort (an allkeys-* policy may evict it); this line is not.
-        logger.info(
-            "hma_redis: worker rank %d totals %s",
-            self._rank,
-            json.dumps(dict(self._store.counters.totals), sort_keys=True),
-        )
-
-    # ------------------------------------------------------------------ planning
-
-    def _plan(self, keys: Sequence[bytes], spec: GPULoadStoreSpec) -> list[ChunkTransfer] | None:
-        """Pair each offload key with its blocks. None if the spec does not add up."""
-        by_group: dict[int, list[bytes]] = {}
-        for key in keys:
-            by_group.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(key)
-        bpc = self._blocks_per_chunk
-        block_ids = spec.block_ids.tolist()
-        plan: list[ChunkTransfer] = []
-        offset = 0
-        for pos, (size, first_index) in enumerate(
-            zip(spec.group_sizes, spec.block_indices, strict=True)
-        ):
-            group_blocks = block_ids[offset : offset + size]
-            offset += size
-            group_id = next(g for g, p in self._group_pos.items() if p == pos)
-            group_keys = by_group.pop(group_id, [])
-            start = first_index % bpc
-            taken = 0
-            for key in group_keys:
-                count = min(bpc - start, size - taken)
-                if count <= 0:
-                    return None
-                plan.append(
-                    ChunkTransfer(
-                        redis_key=self._keyspace.block_key(
-                            group_id, get_offload_block_hash(OffloadKey(key)), self._rank
-                        ),
-                        group=group_id,
-                        group_pos=pos,
-                        start=start,
-                        block_ids=tuple(group_blocks[taken : taken + count]),
-                    )
-                )
-                taken += count
-                start = 0
-            if taken != size:
-                return None
-        if by_group:
-            return None
-        return plan
 
     # ------------------------------------------------------------------ stores
 
-    def _run_store(self, job: _Job, src: GPULoadStoreSpec, dst: RedisLoadStoreSpec) -> None:
+    def _run_store(self, job: _Job, chunks: JobChunks) -> None:
         """Store a job's chunks. Every chunk is counted once: stored, skipped (present) or
         failed; chunks of a job that stops early (bad layout, an error) count as failed."""
         started = time.perf_counter()
         stored_bytes = 0
+        num_chunks = _num_chunks(chunks)
         try:
-            plan = self._plan(dst.keys, src)
-            if plan is None:
+            if isinstance(chunks, LayoutMismatch):
                 logger.error("hma_redis: store job %d has an inconsistent block layout", job.job_id)
                 return
             # Another instance may have stored some chunks already: skip them (one round trip).
-            present = self._store.exists([c.redis_key for c in plan])
+            present = self._store.exists([c.redis_key for c in chunks])
             self._store.counters.add(store_skipped_chunks=sum(present))
             job.chunks_counted += sum(present)
-            plan = [c for c, there in zip(plan, present, strict=True) if not there]
+            plan = [c for c, there in zip(chunks, present, strict=True) if not there]
             batch = _PUT_BATCH_IN_PLACE if self._in_place else _PUT_BATCH
             for start in range(0, len(plan), batch):
                 stored_bytes += self._store_batch(job, plan[start : start + batch])
@@ -460,12 +416,11 @@ class RedisOffloadingWorker(OffloadingWorker):
                 "hma_redis: store job %d failed; its chunks are not stored", job.job_id
             )
         finally:
-            self._store.counters.add(store_failed_chunks=len(dst.keys) - job.chunks_counted)
+            self._store.counters.add(store_failed_chunks=num_chunks - job.chunks_counted)
             job.released.set()
             self._jobs.pop(job.job_id, None)
-            self._finished.put(
-                TransferResult(job.job_id, True, stored_bytes, time.perf_counter() - started)
-            )
+            elapsed = time.perf_counter() - started
+            self._finished.put(JobResult(job.job_id, True, True, stored_bytes, elapsed))
 
     def _store_batch(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
         headers = [self._header(c) for c in chunks]
@@ -519,8 +474,8 @@ class RedisOffloadingWorker(OffloadingWorker):
             first_block=chunk.start,
             num_blocks=len(chunk.block_ids),
             page_bytes=self._pages[chunk.group_pos],
-            kv_dtype=self._kv_dtype,
-            kv_cache_layout=self._kv_cache_layout,
+            kv_dtype=self._format.kv_dtype,
+            kv_cache_layout=self._format.kv_cache_layout,
         )
 
     def _pages_in_place(self, chunk: ChunkTransfer) -> list[memoryview]:
@@ -550,16 +505,15 @@ class RedisOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------------ loads
 
-    def _run_load(self, job: _Job, src: RedisLoadStoreSpec, dst: GPULoadStoreSpec) -> None:
+    def _run_load(self, job: _Job, chunks: JobChunks) -> None:
         started = time.perf_counter()
         loaded = 0
         success = False
         try:
-            plan = self._plan(src.keys, dst)
-            if plan is None:
+            if isinstance(chunks, LayoutMismatch):
                 logger.error("hma_redis: load job %d has an inconsistent block layout", job.job_id)
             else:
-                loaded = self._load_chunks(plan, job)
+                loaded = self._load_chunks(chunks, job)
                 success = True
         except CorruptBlockError as exc:
             logger.warning(
@@ -574,16 +528,13 @@ class RedisOffloadingWorker(OffloadingWorker):
             self._jobs.pop(job.job_id, None)
             if not success:
                 self._store.counters.add(
-                    load_failed_jobs=1, load_failed_chunks=len(src.keys) - job.chunks_loaded
+                    load_failed_jobs=1,
+                    load_failed_chunks=_num_chunks(chunks) - job.chunks_loaded,
                 )
-                with self._failed_lock:
-                    self._failed_loads.add(job.job_id)
-            reported = success or self._failures_reported
-            self._finished.put(
-                TransferResult(job.job_id, reported, loaded, time.perf_counter() - started)
-            )
+            elapsed = time.perf_counter() - started
+            self._finished.put(JobResult(job.job_id, False, success, loaded, elapsed))
 
-    def _load_chunks(self, plan: list[ChunkTransfer], job: _Job) -> int:
+    def _load_chunks(self, plan: Sequence[ChunkTransfer], job: _Job) -> int:
         """Fetch and validate every chunk, then copy them into the KV cache.
 
         The byte budget is taken before anything is received, for the most bytes each chunk's
@@ -650,10 +601,10 @@ class RedisOffloadingWorker(OffloadingWorker):
         return codec.value_size(self._header(whole)) + _HEADER_SLACK
 
     def _validate(self, chunk: ChunkTransfer, value: memoryview) -> DecodedBlock:
-        """The value as a block this worker can copy into its KV cache, or CorruptBlockError.
+        """The value as a block this engine can copy into its KV cache, or CorruptBlockError.
 
         Besides the codec's checks (checksum, MAC, key echo, group), the writer's KV dtype,
-        kv_cache_layout and page sizes must be this worker's: the namespace normally keeps
+        kv_cache_layout and page sizes must be this engine's: the namespace normally keeps
         other layouts apart, but an explicit ``namespace`` option skips that, so the header
         is checked whatever the namespace.
         """
@@ -664,15 +615,15 @@ class RedisOffloadingWorker(OffloadingWorker):
             mac_key=self._mac_key,
         )
         header = block.header
-        if header.kv_dtype != self._kv_dtype:
+        if header.kv_dtype != self._format.kv_dtype:
             raise CorruptBlockError(
-                f"{chunk.redis_key} holds {header.kv_dtype!r} KV, this worker uses "
-                f"{self._kv_dtype!r}"
+                f"{chunk.redis_key} holds {header.kv_dtype!r} KV, this engine uses "
+                f"{self._format.kv_dtype!r}"
             )
-        if header.kv_cache_layout != self._kv_cache_layout:
+        if header.kv_cache_layout != self._format.kv_cache_layout:
             raise CorruptBlockError(
-                f"{chunk.redis_key} has kv_cache_layout {header.kv_cache_layout!r}, this worker "
-                f"uses {self._kv_cache_layout!r}"
+                f"{chunk.redis_key} has kv_cache_layout {header.kv_cache_layout!r}, this engine "
+                f"uses {self._format.kv_cache_layout!r}"
             )
         if header.page_bytes != self._pages[chunk.group_pos]:
             raise CorruptBlockError(f"{chunk.redis_key} has another page layout")
@@ -738,3 +689,7 @@ def _spans(layer: LayerSource, runs: Sequence[tuple[int, int, int]]) -> list[tup
         for pos, first, count in runs
         for i in range(count)
     ]
+
+
+def _num_chunks(chunks: JobChunks) -> int:
+    return chunks.num_chunks if isinstance(chunks, LayoutMismatch) else len(chunks)

@@ -1,4 +1,4 @@
-"""RedisBlockStore: the only place that speaks Redis commands.
+"""RedisBlockStore: the block API, the only place that speaks Redis commands for the tier.
 
 Every operation is one pipelined round trip (per node, on a cluster), bounded by the configured
 timeouts, and safe to call from many threads at once. Every call goes through one guard
@@ -11,29 +11,28 @@ existence checks become misses, puts become FAILED, gets become ``None``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import ssl
 import threading
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import Any, TypeVar
 
 import redis
-from redis._parsers.encoders import Encoder
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.connection import PythonRespSerializer
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse, RedisClusterException, RedisError, ResponseError
-from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.cluster import RedisCluster
+from redis.exceptions import InvalidResponse, RedisError, ResponseError
 
-from hma_redis.breaker import CircuitBreaker, ErrorKind, RateLimitedLog, classify, refusal_of
-from hma_redis.config import RedisTierConfig, endpoint_url
-from hma_redis.counters import PendingCounters
+from hma_redis.core.breaker import CircuitBreaker, ErrorKind, RateLimitedLog, classify, refusal_of
+from hma_redis.core.client import RedisClient, make_client
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.counters import PendingCounters
+from hma_redis.core.resp import OversizedValue, RawReplies, no_bulk, send_all
+
+__all__ = [
+    "OversizedValue",
+    "PutResult",
+    "RedisBlockStore",
+    "RedisUnavailableError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +45,8 @@ return out
 """
 # Keep single commands moderate so Redis never blocks long on one of them.
 _EXISTS_BATCH = 4096
-# Bytes read at a time while looking for a reply's first line (bodies go straight to buffers).
-_LINE_READ = 4096
 # GETs in flight on a bulk read (see RedisBlockStore.get_into).
 _GET_WINDOW = 2
-# Buffers per sendmsg call (Linux' IOV_MAX is 1024).
-_IOV_MAX = 1024
-# Bytes received at a time into scratch memory when a value too long to accept is dropped.
-_DISCARD_PIECE = 256 * 1024
 # A refusal of each kind is logged at most once per this many seconds (the rest are counted).
 REFUSAL_LOG_INTERVAL_S = 60.0
 
@@ -66,239 +59,8 @@ class PutResult(Enum):
     FAILED = "failed"  # not written (Redis down, OOM, timeout, ...)
 
 
-@dataclass(frozen=True)
-class OversizedValue:
-    """What :meth:`RedisBlockStore.get_into` returns for a value longer than its bound: the value
-    was not received (its bytes were dropped as they arrived)."""
-
-    nbytes: int  # its length (on a cluster: at least this many bytes)
-
-
 class RedisUnavailableError(ConnectionError):
     """Redis could not be reached at start-up (message carries the redacted URL)."""
-
-
-def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> redis.Redis | RedisCluster:
-    """A redis-py client with bounded timeouts and no hidden retries.
-
-    ``redis://``, ``rediss://`` and ``unix://`` give one ``redis.Redis``; ``redis+cluster://``
-    a ``RedisCluster`` (startup nodes from the URL, slots discovered from them);
-    ``redis+sentinel://`` a ``redis.Redis`` on the master that the sentinels name, found again
-    after a failover. Credentials, timeouts, TLS options and the pool size apply to every
-    connection to a data node, whichever the form.
-
-    With ``zero_copy``, commands are packed by redis-py's pure-Python packer, which sends large
-    values (memoryviews) as their own chunks, so a value is never copied on send; the default
-    hiredis packer copies every argument into one buffer but packs many small arguments (a
-    lookup's keys) much faster. Replies are parsed by hiredis either way.
-    """
-    kwargs: dict[str, Any] = {
-        "username": cfg.username,
-        "password": cfg.password,
-        "socket_timeout": cfg.read_timeout_s,
-        "socket_connect_timeout": cfg.connect_timeout_s,
-        "health_check_interval": 0,
-    }
-    if cfg.tls:
-        kwargs.update(
-            ssl_ca_certs=cfg.tls_ca_file,
-            ssl_certfile=cfg.tls_cert_file,
-            ssl_keyfile=cfg.tls_key_file,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_verify else ssl.CERT_NONE,
-            ssl_check_hostname=cfg.tls_verify,
-        )
-    # Wait (bounded) for a free connection rather than fail when all are busy.
-    pool_kwargs = {
-        "max_connections": cfg.pool_size,
-        "timeout": cfg.connect_timeout_s + cfg.read_timeout_s,
-    }
-    topo = cfg.topology
-    if topo.kind == "cluster":
-        return _cluster_client(cfg, kwargs, pool_kwargs, zero_copy)
-    if zero_copy:
-        kwargs["command_packer"] = _zero_copy_packer()
-    if topo.kind == "sentinel":
-        return _sentinel_client(cfg, kwargs, pool_kwargs)
-    pool = redis.BlockingConnectionPool.from_url(
-        endpoint_url(cfg.url), db=cfg.db, retry=Retry(NoBackoff(), 0), **pool_kwargs, **kwargs
-    )
-    return redis.Redis(connection_pool=pool)
-
-
-def _zero_copy_packer() -> PythonRespSerializer:
-    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-
-
-def _cluster_client(
-    cfg: RedisTierConfig, kwargs: dict[str, Any], pool_kwargs: dict[str, Any], zero_copy: bool
-) -> RedisCluster:
-    """A :class:`_BoundedCluster` over the URL's startup nodes, with blocking per-node pools."""
-    topo = cfg.topology
-    (first_host, first_port), *others = topo.hosts
-    if zero_copy:
-        base = redis.SSLConnection if topo.tls else redis.Connection
-        kwargs["connection_class"] = _zero_copy_connection(base)
-    elif topo.tls:
-        kwargs["connection_class"] = redis.SSLConnection
-    # Only a client built from a URL creates its node pools with ``connection_pool_class``;
-    # the URL carries just the first startup node (everything else is a keyword).
-    host = f"[{first_host}]" if ":" in first_host else first_host
-    return _BoundedCluster(
-        url=f"redis://{host}:{first_port}",
-        startup_nodes=[ClusterNode(h, p) for h, p in others],
-        # One attempt per command: a failed node opens the breaker. MOVED / ASK / TRYAGAIN
-        # replies are still followed (they are answers, not failures).
-        retry=Retry(NoBackoff(), 0),
-        connection_pool_class=redis.BlockingConnectionPool,
-        **pool_kwargs,
-        **kwargs,
-    )
-
-
-class _BoundedCluster(RedisCluster):
-    """``RedisCluster`` whose failures are bounded in time and always ``RedisError``.
-
-    * redis-py's cluster pipeline re-sends, one at a time, every command of a batch whose node
-      failed, each with its own timeout and topology refresh: one stalled node made a 50-key
-      lookup take 50 read timeouts. Here, once one re-send fails on a connection error or a
-      timeout, the rest of the batch fails at once (MOVED / ASK re-sends are unaffected).
-    * "no node reachable" is ``RedisClusterException``, which is not a ``RedisError``: it
-      becomes ``redis.ConnectionError``, so the store's breaker handles it like any outage.
-    * Built while no node answers, the client does not fail: the topology is discovered on
-      first use (the store's breaker paces the attempts), as a plain client connects lazily.
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        self._init_kwargs = kwargs
-        self._init_lock = threading.RLock()  # redis-py's __init__ calls back into us
-        self._initializing = False
-        self._ready = False
-        with contextlib.suppress(redis.ConnectionError):
-            self._ensure_ready()
-
-    def _ensure_ready(self) -> None:
-        if self._ready:
-            return
-        with self._init_lock:
-            if self._ready or self._initializing:
-                return
-            kwargs = dict(self._init_kwargs)
-            kwargs["startup_nodes"] = list(kwargs["startup_nodes"])  # redis-py appends to it
-            self._initializing = True
-            try:
-                super().__init__(**kwargs)
-            except RedisClusterException as exc:
-                raise redis.ConnectionError(f"no Redis Cluster node answered: {exc}") from None
-            finally:
-                self._initializing = False
-            self._ready = True
-
-    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        self._ensure_ready()
-        try:
-            return super().execute_command(*args, **kwargs)
-        except RedisClusterException as exc:
-            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
-
-    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
-        self._ensure_ready()
-        pipe = super().pipeline(transaction, shard_hint)
-        pipe.__class__ = _BoundedClusterPipeline
-        assert isinstance(pipe, _BoundedClusterPipeline)
-        pipe.fail_fast_resends()
-        return pipe
-
-    def close(self) -> None:
-        if self._ready:
-            super().close()
-
-
-class _BoundedClusterPipeline(ClusterPipeline):
-    """The pipeline of :class:`_BoundedCluster` (see there)."""
-
-    def fail_fast_resends(self) -> None:
-        resend = self.parent_execute_command
-        failed: list[RedisError] = []
-
-        def resend_unless_failed(*args: Any, **options: Any) -> Any:
-            if failed:
-                raise failed[0]
-            try:
-                return resend(*args, **options)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                failed.append(exc)
-                raise
-
-        self.parent_execute_command = resend_unless_failed
-
-    def execute(self, raise_on_error: bool = True) -> list[Any]:
-        try:
-            return super().execute(raise_on_error)
-        except RedisClusterException as exc:
-            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
-
-
-def _sentinel_client(
-    cfg: RedisTierConfig, kwargs: dict[str, Any], pool_kwargs: dict[str, Any]
-) -> redis.Redis:
-    """The master of ``service`` as the sentinels name it; re-asked after every failover."""
-    topo = cfg.topology
-    assert topo.service is not None
-    sentinel_kwargs: dict[str, Any] = {
-        "socket_timeout": cfg.read_timeout_s,
-        "socket_connect_timeout": cfg.connect_timeout_s,
-        "retry": Retry(NoBackoff(), 0),
-        "health_check_interval": 0,
-    }
-    if cfg.tls:
-        sentinel_kwargs.update(
-            ssl=True, **{k: v for k, v in kwargs.items() if k.startswith("ssl_")}
-        )
-    sentinel = Sentinel(list(topo.hosts), sentinel_kwargs=sentinel_kwargs)
-    return sentinel.master_for(
-        topo.service,
-        connection_pool_class=_BlockingSentinelPool,
-        recheck_s=cfg.retry_interval_s,
-        db=cfg.db,
-        retry=Retry(NoBackoff(), 0),
-        ssl=cfg.tls,
-        **pool_kwargs,
-        **kwargs,
-    )
-
-
-class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
-    """The master's pool: waits (bounded) for a free connection, like the other pools, and
-    asks the sentinels for the master's address at most once per ``recheck_s``.
-
-    redis-py asks only when it opens a connection (or when a write meets READONLY), so after a
-    ``SENTINEL FAILOVER`` pooled connections kept writing to the old master, which still
-    accepts writes until the sentinels demote it (we measured > 10 s): writes that its resync
-    then throws away. Re-asking closes idle connections to an old master and retires busy ones
-    when they come back, so the tier follows a failover within ``recheck_s`` of it.
-    """
-
-    def __init__(self, *args: Any, recheck_s: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._recheck_s = recheck_s
-        self._next_check = time.monotonic() + recheck_s
-
-    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        now = time.monotonic()
-        if now >= self._next_check:
-            self._next_check = now + self._recheck_s  # one caller per interval asks
-            with contextlib.suppress(RedisError):  # sentinels away: the master may be fine
-                self.get_master_address()
-        return super().get_connection(*args, **kwargs)
-
-
-def _zero_copy_connection(base: type[redis.Connection]) -> type[redis.Connection]:
-    class ZeroCopyConnection(base):  # type: ignore[valid-type,misc]
-        def __init__(self, **kwargs: Any) -> None:
-            kwargs.setdefault("command_packer", _zero_copy_packer())
-            super().__init__(**kwargs)
-
-    return ZeroCopyConnection
 
 
 class RedisBlockStore:
@@ -310,7 +72,7 @@ class RedisBlockStore:
     def __init__(
         self,
         cfg: RedisTierConfig,
-        client: redis.Redis | RedisCluster | None = None,
+        client: RedisClient | None = None,
         stats_key: str | None = None,
         refusal_log_interval_s: float = REFUSAL_LOG_INTERVAL_S,
     ):
@@ -433,7 +195,7 @@ class RedisBlockStore:
         if ttl:
             tail += b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
 
-        def body(conn: Any, replies: _RawReplies) -> list[PutResult]:
+        def body(conn: Any, replies: RawReplies) -> list[PutResult]:
             for idx, key in enumerate(keys):
                 value = parts(idx)
                 raw_key = key.encode()
@@ -443,8 +205,8 @@ class RedisBlockStore:
                     raw_key,
                     sum(part.nbytes for part in value),
                 )
-                _send_all(conn._sock, [memoryview(head), *value, memoryview(tail)])
-            return [self._put_result(replies.read(_no_bulk)) for _ in keys]
+                send_all(conn._sock, [memoryview(head), *value, memoryview(tail)])
+            return [self._put_result(replies.read(no_bulk)) for _ in keys]
 
         return self._streamed("SET", body, [PutResult.FAILED] * len(keys))
 
@@ -499,7 +261,7 @@ class RedisBlockStore:
         if self._is_cluster:
             return self._get_into_cluster(keys, alloc, on_value, max_bytes)
 
-        def body(conn: Any, replies: _RawReplies) -> list[memoryview | OversizedValue | None]:
+        def body(conn: Any, replies: RawReplies) -> list[memoryview | OversizedValue | None]:
             first = [("GET", key) for key in keys[:_GET_WINDOW]]
             conn.send_packed_command(conn.pack_commands(first), check_health=False)
             out: list[memoryview | OversizedValue | None] = []
@@ -637,7 +399,7 @@ class RedisBlockStore:
         """Run ``call`` (one Redis round trip) under the breaker; every Redis call goes here.
 
         While the breaker is open ``default`` at once, except for one probe per interval. An
-        outage (see :func:`~hma_redis.breaker.classify`) opens the breaker and yields
+        outage (see :func:`~hma_redis.core.breaker.classify`) opens the breaker and yields
         ``default``. A refusal raised by the whole call (NOPERM, OOM, READONLY, another error
         reply) yields ``default`` too but proves the server answers: it is counted and logged
         (rate-limited) and the breaker stays (or becomes) closed. Exceptions that are not
@@ -690,23 +452,23 @@ class RedisBlockStore:
         with self._stats_lock:
             self.round_trips += 1
 
-    def _streamed(self, command: str, body: Callable[[Any, _RawReplies], _T], default: _T) -> _T:
-        """Run ``body`` on one connection of the bulk pool, replies read by :class:`_RawReplies`,
+    def _streamed(self, command: str, body: Callable[[Any, RawReplies], _T], default: _T) -> _T:
+        """Run ``body`` on one connection of the bulk pool, replies read by :class:`RawReplies`,
         under :meth:`_guard` (an outage opens the breaker and yields ``default``)."""
         return self._guard(command, lambda: self._on_bulk_connection(body), default)
 
-    def _on_bulk_connection(self, body: Callable[[Any, _RawReplies], _T]) -> _T:
+    def _on_bulk_connection(self, body: Callable[[Any, RawReplies], _T]) -> _T:
         """Pending counter deltas go first on the same connection (same round trip). Any
         exception resets the connection (it may stop inside a reply) and propagates."""
         self._count_round_trip()
         assert isinstance(self._bulk, redis.Redis)
         pool = self._bulk.connection_pool
         pending = self.counters.take() if self.stats_key is not None else {}
-        replies: _RawReplies | None = None
+        replies: RawReplies | None = None
         conn = None
         try:
             conn = pool.get_connection()
-            replies = _RawReplies(
+            replies = RawReplies(
                 conn, skip=len(pending), on_skipped=lambda r: self._check_counter_replies([r])
             )
             if pending:
@@ -730,7 +492,7 @@ class RedisBlockStore:
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
         default: _T,
-        client: redis.Redis | RedisCluster | None = None,
+        client: RedisClient | None = None,
     ) -> list[_T]:
         """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``,
         under :meth:`_guard` (an outage yields ``default`` for every key)."""
@@ -742,7 +504,7 @@ class RedisBlockStore:
 
     def _execute(
         self,
-        client: redis.Redis | RedisCluster,
+        client: RedisClient,
         keys: Sequence[str],
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
@@ -757,7 +519,7 @@ class RedisBlockStore:
 
     def _execute_with(
         self,
-        client: redis.Redis | RedisCluster,
+        client: RedisClient,
         keys: Sequence[str],
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
@@ -776,134 +538,5 @@ class RedisBlockStore:
         return out
 
 
-def _send_all(sock: Any, parts: Sequence[memoryview]) -> None:
-    """Send ``parts`` back to back: ``sendmsg`` (scatter-gather, no joining) where the socket
-    has it, TLS piece by piece."""
-    if sock is None:
-        raise RedisConnectionError("connection closed")
-    if isinstance(sock, ssl.SSLSocket):
-        for part in parts:
-            sock.sendall(part)
-        return
-    pending = [part for part in parts if part.nbytes]  # sendmsg of only empty parts sends 0
-    first = 0
-    while first < len(pending):
-        sent = sock.sendmsg(pending[first : first + _IOV_MAX])
-        while sent:
-            size = pending[first].nbytes
-            if sent < size:
-                pending[first] = pending[first][sent:]
-                break
-            sent -= size
-            first += 1
-
-
-def _no_bulk(nbytes: int) -> memoryview:
-    raise InvalidResponse(f"unexpected {nbytes}-byte bulk reply")
-
-
-class _RawReplies:
-    """Replies to GET, SET and HINCRBY (RESP2 or RESP3) read from a redis-py connection's
-    socket, bypassing its parser.
-
-    A bulk string is received by ``recv_into`` straight into the caller's buffer; reply lines
-    are read in small pieces, so little of a body passes through Python ``bytes``. The first
-    ``skip`` replies (counter increments sent ahead) are read and handed to ``on_skipped``.
-    """
-
-    def __init__(
-        self, conn: Any, skip: int = 0, on_skipped: Callable[[Any], None] | None = None
-    ) -> None:
-        self._conn = conn
-        self._buf = b""
-        self.skip = skip
-        self._on_skipped = on_skipped
-
-    def _recv(self) -> bytes:
-        sock = self._conn._sock
-        if sock is None:
-            raise RedisConnectionError("connection closed")
-        chunk: bytes = sock.recv(_LINE_READ)
-        if not chunk:
-            raise RedisConnectionError("Connection closed by server")
-        return chunk
-
-    def read(
-        self, alloc: Callable[[int], memoryview], max_bytes: int | None = None
-    ) -> memoryview | bytes | ResponseError | OversizedValue | None:
-        """The next reply: a bulk string (in ``alloc``'d memory), a line, an error or None.
-        A bulk string longer than ``max_bytes`` is received in bounded pieces and dropped
-        (:class:`OversizedValue`): ``alloc`` is never asked for it."""
-        while self.skip:
-            skipped = self._read(_no_bulk, None)
-            self.skip -= 1
-            if self._on_skipped is not None:
-                self._on_skipped(skipped)
-        return self._read(alloc, max_bytes)
-
-    def _read(
-        self, alloc: Callable[[int], memoryview], max_bytes: int | None
-    ) -> memoryview | bytes | ResponseError | OversizedValue | None:
-        while (end := self._buf.find(b"\r\n")) < 0:
-            self._buf += self._recv()
-        line, self._buf = self._buf[:end], self._buf[end + 2 :]
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            return ResponseError(rest.decode(errors="replace"))
-        if kind in (b"+", b":"):
-            return rest
-        if kind == b"_":  # RESP3 null (redis-py 8 negotiates RESP3 where the server has it)
-            return None
-        if kind != b"$":
-            raise InvalidResponse(f"unexpected reply {line[:40]!r}")
-        try:
-            nbytes = int(rest)
-        except ValueError:
-            raise InvalidResponse(f"bad bulk length {line[:40]!r}") from None
-        if nbytes < 0:
-            return None
-        out: memoryview | OversizedValue
-        if max_bytes is not None and nbytes > max_bytes:
-            out = OversizedValue(nbytes)
-            self._drop(nbytes)
-        else:
-            out = alloc(nbytes)
-            self._receive(nbytes, out)
-        while len(self._buf) < 2:
-            self._buf += self._recv()
-        if self._buf[:2] != b"\r\n":
-            raise InvalidResponse("bulk string not terminated by CRLF")
-        self._buf = self._buf[2:]
-        return out
-
-    def _receive(self, nbytes: int, into: memoryview) -> None:
-        """The next ``nbytes`` of the stream, into ``into``."""
-        have = min(nbytes, len(self._buf))
-        into[:have] = memoryview(self._buf)[:have]
-        self._buf = self._buf[have:]
-        while have < nbytes:
-            have += self._recv_into(into[have:], nbytes - have)
-
-    def _drop(self, nbytes: int) -> None:
-        """Skip the next ``nbytes`` of the stream, received into a scratch buffer of at most
-        ``_DISCARD_PIECE`` bytes: a value too long to accept is never held whole."""
-        have = min(nbytes, len(self._buf))
-        self._buf = self._buf[have:]
-        scratch = memoryview(bytearray(min(_DISCARD_PIECE, nbytes - have)))
-        while have < nbytes:
-            have += self._recv_into(scratch, min(nbytes - have, scratch.nbytes))
-
-    def _recv_into(self, target: memoryview, nbytes: int) -> int:
-        got: int = self._conn._sock.recv_into(target, nbytes)
-        if not got:
-            raise RedisConnectionError("Connection closed by server")
-        return got
-
-
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def chunked(items: Sequence[_T], size: int) -> Iterable[Sequence[_T]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]

@@ -1,0 +1,6 @@
+"""The vLLM adapter: puts :mod:`hma_redis.core` behind vLLM's offloading API.
+
+spec (the OffloadingSpec vLLM builds) -> manager (scheduler side) / worker (each GPU worker,
+onto the transfer engine) -> connector (failed loads recomputed, flushing shutdown); metrics
+through vLLM's Prometheus hooks; types shared by them; compat holds the vLLM-version glue.
+"""

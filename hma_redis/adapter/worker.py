@@ -1,0 +1,221 @@
+"""Worker side: vLLM's offloading worker, mapped onto the transfer engine.
+
+vLLM hands each job as a :class:`GPULoadStoreSpec` (block ids grouped by KV group) and our
+:class:`~hma_redis.adapter.types.RedisLoadStoreSpec` (offload keys in the same order). This module
+pairs every offload key with its blocks and this rank's Redis key (:func:`plan_chunks`) and
+hands the chunks to :class:`~hma_redis.core.transfer.TransferEngine`, which moves the bytes;
+results go back as vLLM's :class:`TransferResult`, with failed loads reported the way the
+connector can recompute them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    OffloadKey,
+    TransferResult,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+
+from hma_redis.adapter.types import RedisLoadStoreSpec
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.transfer import (
+    ChunkTransfer,
+    JobChunks,
+    LayerSource,
+    LayoutMismatch,
+    TransferEngine,
+    ValueFormat,
+)
+
+logger = init_logger(__name__)
+
+
+class RedisOffloadingWorker(OffloadingWorker):
+    """Asynchronous store/load of chunks for one worker rank."""
+
+    def __init__(
+        self,
+        store: RedisBlockStore,
+        keyspace: KeySpace,
+        rank: int,
+        kv_caches: CanonicalKVCaches,
+        group_ids: Sequence[int],
+        blocks_per_chunk: int,
+        kv_dtype: str,
+        io_threads: int,
+        max_inflight_bytes: int,
+        shutdown_timeout_s: float,
+        auth_key: bytes | None = None,
+        kv_cache_layout: str = "",
+    ) -> None:
+        self._store = store
+        self._keyspace = keyspace
+        self._rank = rank
+        self._group_ids = list(group_ids)
+        self._blocks_per_chunk = blocks_per_chunk
+        self._engine = TransferEngine(
+            store,
+            layer_groups(kv_caches),
+            ValueFormat(kv_dtype, kv_cache_layout, auth_key),
+            blocks_per_chunk=blocks_per_chunk,
+            io_threads=io_threads,
+            max_inflight_bytes=max_inflight_bytes,
+            shutdown_timeout_s=shutdown_timeout_s,
+        )
+        # Load jobs whose failure get_finished has returned, until take_failed_load_jobs.
+        # Both run on the worker's step thread (the connector's get_transfer_results).
+        self._failed_reported: set[int] = set()
+        # Whether the connector turns failed loads into recomputes (enable_failure_reporting);
+        # until it says so a failed load is reported as failed and vLLM stops the engine.
+        self._failures_reported = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ vLLM API
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        """Queue a store; returns at once. The job reads the KV cache in a background thread
+        (``wait`` blocks until it has), then encodes and puts the chunks."""
+        assert isinstance(dst_spec, RedisLoadStoreSpec)
+        self._engine.submit_store(job_id, self._plan(dst_spec.keys, src_spec))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        """Queue a load; returns at once. Completion is reported through ``get_finished``."""
+        assert isinstance(src_spec, RedisLoadStoreSpec)
+        self._engine.submit_load(job_id, self._plan(src_spec.keys, dst_spec))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        """Finished jobs. Every result says success (vLLM 0.32 asserts it) except a failed load
+        before :meth:`enable_failure_reporting`; a load that failed is listed by
+        :meth:`take_failed_load_jobs` once its result has been returned here."""
+        results: list[TransferResult] = []
+        for done in self._engine.finished():
+            if not done.ok:
+                self._failed_reported.add(done.job_id)
+            success = done.ok or self._failures_reported
+            results.append(TransferResult(done.job_id, success, done.nbytes, done.seconds))
+        return results
+
+    def enable_failure_reporting(self) -> None:
+        """Called by RedisOffloadingConnector, which reads :meth:`take_failed_load_jobs` and
+        has vLLM recompute those requests: from now on a failed load's result says success
+        (vLLM 0.32 asserts it). Without this call it says failure, so a connector that cannot
+        recompute stops loudly instead of serving the destination blocks' stale contents."""
+        self._failures_reported = True
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        """The most bytes this worker's transfers have held in value buffers at once."""
+        return self._engine.peak_buffer_bytes
+
+    def take_failed_load_jobs(self) -> set[int]:
+        """Load jobs whose failure was returned by ``get_finished`` since the last call."""
+        failed, self._failed_reported = self._failed_reported, set()
+        return failed
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs no longer read their KV-cache blocks."""
+        self._engine.wait(job_ids)
+
+    def shutdown(self) -> None:
+        """Finish stores already scheduled (bounded by ``shutdown_timeout_s``), then stop."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.shutdown()
+        # The Redis stats hash is best effort (an allkeys-* policy may evict it); this line is not.
+        logger.info(
+            "hma_redis: worker rank %d totals %s",
+            self._rank,
+            json.dumps(dict(self._store.counters.totals), sort_keys=True),
+        )
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self, keys: Sequence[bytes], spec: GPULoadStoreSpec) -> JobChunks:
+        return plan_chunks(
+            keys,
+            spec,
+            group_ids=self._group_ids,
+            blocks_per_chunk=self._blocks_per_chunk,
+            redis_key=lambda group, block_hash: self._keyspace.block_key(
+                group, block_hash, self._rank
+            ),
+        )
+
+
+def layer_groups(kv_caches: CanonicalKVCaches) -> list[list[LayerSource]]:
+    """vLLM's canonical KV views as the engine's layer groups (one list per KV group)."""
+    return [
+        [
+            LayerSource.of(kv_caches.tensors[ref.tensor_idx].tensor, ref.page_size_bytes)
+            for ref in refs
+        ]
+        for refs in kv_caches.group_data_refs
+    ]
+
+
+def plan_chunks(
+    keys: Sequence[bytes],
+    spec: GPULoadStoreSpec,
+    *,
+    group_ids: Sequence[int],
+    blocks_per_chunk: int,
+    redis_key: Callable[[int, bytes], str],
+) -> JobChunks:
+    """Pair each offload key with its blocks: one :class:`ChunkTransfer` per key, in order.
+
+    ``spec`` lists, per KV group (in ``group_ids`` order), the job's block ids and the index of
+    the group's first block; each group's keys cover those blocks chunk by chunk, the first
+    chunk from ``block_indices[g] % blocks_per_chunk`` on. :class:`LayoutMismatch` when the
+    keys and blocks do not add up (vLLM's spec and ours disagree: the job must fail, not guess).
+    """
+    mismatch = LayoutMismatch(len(keys))
+    if len(spec.group_sizes) != len(spec.block_indices) or len(spec.group_sizes) > len(group_ids):
+        return mismatch
+    by_group: dict[int, list[bytes]] = {}
+    for key in keys:
+        by_group.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(key)
+    block_ids = spec.block_ids.tolist()
+    plan: list[ChunkTransfer] = []
+    offset = 0
+    for pos, (size, first_index) in enumerate(
+        zip(spec.group_sizes, spec.block_indices, strict=True)
+    ):
+        group_blocks = block_ids[offset : offset + size]
+        offset += size
+        group_id = group_ids[pos]
+        start = first_index % blocks_per_chunk
+        taken = 0
+        for key in by_group.pop(group_id, []):
+            count = min(blocks_per_chunk - start, size - taken)
+            if count <= 0:
+                return mismatch
+            block_hash = get_offload_block_hash(OffloadKey(key))
+            plan.append(
+                ChunkTransfer(
+                    redis_key=redis_key(group_id, block_hash),
+                    group=group_id,
+                    group_pos=pos,
+                    start=start,
+                    block_ids=tuple(group_blocks[taken : taken + count]),
+                )
+            )
+            taken += count
+            start = 0
+        if taken != size:
+            return mismatch
+    return mismatch if by_group else plan

@@ -1,0 +1,252 @@
+"""Building redis-py clients for the tier: one function for every deployment.
+
+:func:`make_client` gives a client with bounded timeouts and no hidden retries for a standalone
+server (``redis://``, ``rediss://``, ``unix://``), a Redis Cluster (``redis+cluster://``) or the
+master that Sentinels name (``redis+sentinel://``). The few places where redis-py's own behaviour
+had to change (a cluster pipeline's re-sends, a sentinel pool that follows a failover, a packer
+that never copies values) are subclasses here, so nothing else reaches into redis-py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+import threading
+import time
+from typing import Any
+
+import redis
+from redis._parsers.encoders import Encoder
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.connection import PythonRespSerializer
+from redis.exceptions import RedisClusterException, RedisError
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+from hma_redis.core.config import RedisTierConfig, endpoint_url
+
+RedisClient = redis.Redis | RedisCluster
+
+
+def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> RedisClient:
+    """A redis-py client with bounded timeouts and no hidden retries.
+
+    ``redis://``, ``rediss://`` and ``unix://`` give one ``redis.Redis``; ``redis+cluster://``
+    a ``RedisCluster`` (startup nodes from the URL, slots discovered from them);
+    ``redis+sentinel://`` a ``redis.Redis`` on the master that the sentinels name, found again
+    after a failover. Credentials, timeouts, TLS options and the pool size apply to every
+    connection to a data node, whichever the form.
+
+    With ``zero_copy``, commands are packed by redis-py's pure-Python packer, which sends large
+    values (memoryviews) as their own chunks, so a value is never copied on send; the default
+    hiredis packer copies every argument into one buffer but packs many small arguments (a
+    lookup's keys) much faster. Replies are parsed by hiredis either way.
+    """
+    kwargs: dict[str, Any] = {
+        "username": cfg.username,
+        "password": cfg.password,
+        "socket_timeout": cfg.read_timeout_s,
+        "socket_connect_timeout": cfg.connect_timeout_s,
+        "health_check_interval": 0,
+    }
+    if cfg.tls:
+        kwargs.update(
+            ssl_ca_certs=cfg.tls_ca_file,
+            ssl_certfile=cfg.tls_cert_file,
+            ssl_keyfile=cfg.tls_key_file,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_verify else ssl.CERT_NONE,
+            ssl_check_hostname=cfg.tls_verify,
+        )
+    # Wait (bounded) for a free connection rather than fail when all are busy.
+    pool_kwargs = {
+        "max_connections": cfg.pool_size,
+        "timeout": cfg.connect_timeout_s + cfg.read_timeout_s,
+    }
+    topo = cfg.topology
+    if topo.kind == "cluster":
+        return _cluster_client(cfg, kwargs, pool_kwargs, zero_copy)
+    if zero_copy:
+        kwargs["command_packer"] = _zero_copy_packer()
+    if topo.kind == "sentinel":
+        return _sentinel_client(cfg, kwargs, pool_kwargs)
+    pool = redis.BlockingConnectionPool.from_url(
+        endpoint_url(cfg.url), db=cfg.db, retry=Retry(NoBackoff(), 0), **pool_kwargs, **kwargs
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def _zero_copy_packer() -> PythonRespSerializer:
+    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+
+
+def _cluster_client(
+    cfg: RedisTierConfig, kwargs: dict[str, Any], pool_kwargs: dict[str, Any], zero_copy: bool
+) -> RedisCluster:
+    """A :class:`_BoundedCluster` over the URL's startup nodes, with blocking per-node pools."""
+    topo = cfg.topology
+    (first_host, first_port), *others = topo.hosts
+    if zero_copy:
+        base = redis.SSLConnection if topo.tls else redis.Connection
+        kwargs["connection_class"] = _zero_copy_connection(base)
+    elif topo.tls:
+        kwargs["connection_class"] = redis.SSLConnection
+    # Only a client built from a URL creates its node pools with ``connection_pool_class``;
+    # the URL carries just the first startup node (everything else is a keyword).
+    host = f"[{first_host}]" if ":" in first_host else first_host
+    return _BoundedCluster(
+        url=f"redis://{host}:{first_port}",
+        startup_nodes=[ClusterNode(h, p) for h, p in others],
+        # One attempt per command: a failed node opens the breaker. MOVED / ASK / TRYAGAIN
+        # replies are still followed (they are answers, not failures).
+        retry=Retry(NoBackoff(), 0),
+        connection_pool_class=redis.BlockingConnectionPool,
+        **pool_kwargs,
+        **kwargs,
+    )
+
+
+class _BoundedCluster(RedisCluster):
+    """``RedisCluster`` whose failures are bounded in time and always ``RedisError``.
+
+    * redis-py's cluster pipeline re-sends, one at a time, every command of a batch whose node
+      failed, each with its own timeout and topology refresh: one stalled node made a 50-key
+      lookup take 50 read timeouts. Here, once one re-send fails on a connection error or a
+      timeout, the rest of the batch fails at once (MOVED / ASK re-sends are unaffected).
+    * "no node reachable" is ``RedisClusterException``, which is not a ``RedisError``: it
+      becomes ``redis.ConnectionError``, so the store's breaker handles it like any outage.
+    * Built while no node answers, the client does not fail: the topology is discovered on
+      first use (the store's breaker paces the attempts), as a plain client connects lazily.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._init_kwargs = kwargs
+        self._init_lock = threading.RLock()  # redis-py's __init__ calls back into us
+        self._initializing = False
+        self._ready = False
+        with contextlib.suppress(redis.ConnectionError):
+            self._ensure_ready()
+
+    def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        with self._init_lock:
+            if self._ready or self._initializing:
+                return
+            kwargs = dict(self._init_kwargs)
+            kwargs["startup_nodes"] = list(kwargs["startup_nodes"])  # redis-py appends to it
+            self._initializing = True
+            try:
+                super().__init__(**kwargs)
+            except RedisClusterException as exc:
+                raise redis.ConnectionError(f"no Redis Cluster node answered: {exc}") from None
+            finally:
+                self._initializing = False
+            self._ready = True
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        self._ensure_ready()
+        try:
+            return super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        self._ensure_ready()
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe.__class__ = _BoundedClusterPipeline
+        assert isinstance(pipe, _BoundedClusterPipeline)
+        pipe.fail_fast_resends()
+        return pipe
+
+    def close(self) -> None:
+        if self._ready:
+            super().close()
+
+
+class _BoundedClusterPipeline(ClusterPipeline):
+    """The pipeline of :class:`_BoundedCluster` (see there)."""
+
+    def fail_fast_resends(self) -> None:
+        resend = self.parent_execute_command
+        failed: list[RedisError] = []
+
+        def resend_unless_failed(*args: Any, **options: Any) -> Any:
+            if failed:
+                raise failed[0]
+            try:
+                return resend(*args, **options)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                failed.append(exc)
+                raise
+
+        self.parent_execute_command = resend_unless_failed
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        try:
+            return super().execute(raise_on_error)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
+
+
+def _sentinel_client(
+    cfg: RedisTierConfig, kwargs: dict[str, Any], pool_kwargs: dict[str, Any]
+) -> redis.Redis:
+    """The master of ``service`` as the sentinels name it; re-asked after every failover."""
+    topo = cfg.topology
+    assert topo.service is not None
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": cfg.read_timeout_s,
+        "socket_connect_timeout": cfg.connect_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+    }
+    if cfg.tls:
+        sentinel_kwargs.update(
+            ssl=True, **{k: v for k, v in kwargs.items() if k.startswith("ssl_")}
+        )
+    sentinel = Sentinel(list(topo.hosts), sentinel_kwargs=sentinel_kwargs)
+    return sentinel.master_for(
+        topo.service,
+        connection_pool_class=_BlockingSentinelPool,
+        recheck_s=cfg.retry_interval_s,
+        db=cfg.db,
+        retry=Retry(NoBackoff(), 0),
+        ssl=cfg.tls,
+        **pool_kwargs,
+        **kwargs,
+    )
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """The master's pool: waits (bounded) for a free connection, like the other pools, and
+    asks the sentinels for the master's address at most once per ``recheck_s``.
+
+    redis-py asks only when it opens a connection (or when a write meets READONLY), so after a
+    ``SENTINEL FAILOVER`` pooled connections kept writing to the old master, which still
+    accepts writes until the sentinels demote it (we measured > 10 s): writes that its resync
+    then throws away. Re-asking closes idle connections to an old master and retires busy ones
+    when they come back, so the tier follows a failover within ``recheck_s`` of it.
+    """
+
+    def __init__(self, *args: Any, recheck_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._recheck_s = recheck_s
+        self._next_check = time.monotonic() + recheck_s
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self._recheck_s  # one caller per interval asks
+            with contextlib.suppress(RedisError):  # sentinels away: the master may be fine
+                self.get_master_address()
+        return super().get_connection(*args, **kwargs)
+
+
+def _zero_copy_connection(base: type[redis.Connection]) -> type[redis.Connection]:
+    class ZeroCopyConnection(base):  # type: ignore[valid-type,misc]
+        def __init__(self, **kwargs: Any) -> None:
+            kwargs.setdefault("command_packer", _zero_copy_packer())
+            super().__init__(**kwargs)
+
+    return ZeroCopyConnection
