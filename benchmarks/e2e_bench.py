@@ -21,7 +21,6 @@ tokens equal the cold run's (greedy). A few minutes on 2 cores; nothing here run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -29,7 +28,9 @@ import tempfile
 import time
 from typing import Any
 
-RESULT = "@@HMA_E2E@@ "
+from hma_redis.tools.demo import engine
+from hma_redis.tools.demo.local_redis import LocalRedis
+
 DECODE_PROMPT_TOKENS = 64
 DECODE_TOKENS = 96
 
@@ -58,57 +59,31 @@ def build_model(path: str) -> str:
     return path
 
 
-def child(job: dict[str, Any]) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    cfg = job["kv_transfer_config"]
-    llm = LLM(
-        model=job["model"],
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=job["max_model_len"],
-        seed=0,
-        enable_prefix_caching=True,
-        disable_log_stats=False,
-        kv_transfer_config=KVTransferConfig(**cfg) if cfg else None,
-    )
-    out: dict[str, Any] = {"prefill": [], "decode": []}
-    decode = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
-    for prompt in job["decode_prompts"]:
-        started = time.perf_counter()
-        (res,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], decode, use_tqdm=False)
-        wall = time.perf_counter() - started
-        ttft = getattr(res.metrics, "first_token_latency", None) if res.metrics else None
-        n = len(res.outputs[0].token_ids)
-        out["decode"].append({"tok_s": (n - 1) / max(1e-9, wall - (ttft or 0.0)), "n": n})
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for _ in range(job["repeats"]):
-        llm.reset_prefix_cache()
-        started = time.perf_counter()
-        prompt = TokensPrompt(prompt_token_ids=job["prompt"])
-        (res,) = llm.generate([prompt], greedy, use_tqdm=False)
-        wall = time.perf_counter() - started
-        ttft = getattr(res.metrics, "first_token_latency", None) if res.metrics else None
-        out["prefill"].append(
-            {
-                "ttft_s": ttft or wall,
-                "cached": res.num_cached_tokens or 0,
-                "tokens": list(res.outputs[0].token_ids),
-            }
-        )
-    print(RESULT + json.dumps(out), flush=True)
-    del llm
-
-
-def run_engine(job: dict[str, Any]) -> dict[str, Any]:
-    from hma_redis.demo import run_engine_process
-
-    result, log = run_engine_process([__file__, "--child", json.dumps(job)], RESULT)
-    result["log_tail"] = [ln for ln in log.splitlines() if "hma_redis: worker rank" in ln][-1:]
-    return dict(result)
+def run_engine(run: dict[str, Any]) -> dict[str, Any]:
+    """One engine process (:mod:`hma_redis.tools.demo.engine`): the decode prompts, then the
+    prompt ``repeats`` times (the engine's prefix cache is emptied before each)."""
+    decode, repeats = run["decode_prompts"], run["repeats"]
+    job = {
+        "model": run["model"],
+        "prompts": [*decode, *[run["prompt"]] * repeats],
+        "max_tokens": [DECODE_TOKENS] * len(decode) + [4] * repeats,
+        "max_model_len": run["max_model_len"],
+        "dtype": "float32",
+        "kv_transfer_config": run["kv_transfer_config"],
+    }
+    result, log = engine.run_engine(job)
+    done = result["results"]
+    return {
+        "decode": [
+            {"tok_s": (len(r["token_ids"]) - 1) / max(1e-9, r["wall_s"] - r["ttft_s"])}
+            for r in done[: len(decode)]
+        ],
+        "prefill": [
+            {"ttft_s": r["ttft_s"], "cached": r["num_cached_tokens"], "tokens": r["token_ids"]}
+            for r in done[len(decode) :]
+        ],
+        "log_tail": [ln for ln in log.splitlines() if "hma_redis: worker rank" in ln][-1:],
+    }
 
 
 def main() -> None:
@@ -121,15 +96,7 @@ def main() -> None:
         default=0,
         help="instead: N rounds of two decode-only engines, tier off then on (engine order bias)",
     )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        child(json.loads(args.child))
-        return
-
-    from hma_redis.demo import kv_transfer_config
-    from hma_redis.local_redis import LocalRedis
-
     rng = random.Random(0)
     prompt = [rng.randrange(4, 32000) for _ in range(args.prompt_tokens)]
     decode_prompts = [[rng.randrange(4, 32000) for _ in range(DECODE_PROMPT_TOKENS)] for _ in "abc"]
@@ -145,7 +112,7 @@ def main() -> None:
                 "max_model_len": args.prompt_tokens + 512,
                 "repeats": args.repeats,
             }
-            tier = kv_transfer_config(server.url)
+            tier = engine.kv_transfer_config(server.url)
             if args.decode_rounds:
                 decode_ab(base, tier, args.decode_rounds)
                 return

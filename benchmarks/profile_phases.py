@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/profile_phases.py [--jobs 6]
 
-Runs the tier benchmark's worker (``hma_redis.bench_tier.TierBench``: 8 layers of
+Runs the tier benchmark's worker (``hma_redis.tools.bench.tier.TierBench``: 8 layers of
 ``(num_blocks, 16 KiB)`` int8 on the CPU, 32 MiB jobs) against a private ``redis-server`` and
 wraps the worker's and store's own functions with timers, so each line is the time spent inside
 that function, per job (averaged over ``--jobs`` jobs after one warm-up job per size):
@@ -20,17 +20,19 @@ Wall time of the whole job is the ``total`` line. Profiling adds a little overhe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from hma_redis import bench_tier
-from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core import codec
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.local_redis import LocalRedis
+from hma_redis.core.transfer import TransferEngine
+from hma_redis.tools.bench import tier as bench_tier
+from hma_redis.tools.bench.common import MIB, Samples
+from hma_redis.tools.demo.local_redis import LocalRedis
 
 SPENT: Counter[str] = Counter()
 
@@ -53,25 +55,25 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=6, help="jobs per size and direction")
     args = parser.parse_args()
     for owner, name, label in (
-        (RedisOffloadingWorker, "_run_store", "store total"),
+        (TransferEngine, "_run_store", "store total"),
         (RedisBlockStore, "exists", "store exists"),
         (RedisBlockStore, "put_parts_if_absent", "store put_parts_if_absent"),
         (codec, "encode_parts", "store   encode_parts (CRC32C)"),
-        (RedisOffloadingWorker, "_pages_in_place", "store   _pages_in_place"),
-        (RedisOffloadingWorker, "_run_load", "load total"),
+        (TransferEngine, "_pages_in_place", "store   _pages_in_place"),
+        (TransferEngine, "_run_load", "load total"),
         (RedisBlockStore, "get_into", "load get_into"),
-        (RedisOffloadingWorker, "_validate", "load   _validate (CRC32C)"),
-        (RedisOffloadingWorker, "_scatter", "load _scatter"),
+        (TransferEngine, "_validate", "load   _validate (CRC32C)"),
+        (TransferEngine, "_scatter", "load _scatter"),
     ):
         _timed(owner, name, label)
-    plan = bench_tier.Plan(reps=1, job_bytes=32 * bench_tier.MIB, rb_bytes=0, lookup_samples=1)
+    plan = dataclasses.replace(bench_tier.QUICK, reps=1, rb_bytes=0, job_bytes=32 * MIB)
     server = LocalRedis().start()
     try:
         tier = bench_tier.TierBench(server.url, plan, "profile")
         for size in plan.sizes:
-            tier.run(size, bench_tier.Samples())  # warm-up
+            tier.run(size, Samples())  # warm-up
             SPENT.clear()
-            samples = bench_tier.Samples()
+            samples = Samples()
             for _ in range(args.jobs):
                 tier.run(size, samples)
             medians = {

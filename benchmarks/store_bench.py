@@ -1,6 +1,6 @@
-"""RedisBlockStore vs redis-benchmark on the same server; see hma_redis/bench_store.py."""
+"""RedisBlockStore vs redis-benchmark on the same server; see hma_redis/tools/bench/store.py."""
 
-from hma_redis.bench_store import store_main
+from hma_redis.tools.bench.store import main
 
 if __name__ == "__main__":
-    store_main()
+    raise SystemExit(main())

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
-exec .venv/bin/python -m hma_redis.demo "$@"
+exec .venv/bin/python -m hma_redis.tools.demo.demo "$@"

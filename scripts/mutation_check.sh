@@ -3,9 +3,9 @@
 # and runs the tests that cover the changed function; a mutant no test notices "survived".
 # Prints the score per module and every surviving mutant (`--diffs`: with its diff).
 #
-#   bash scripts/mutation_check.sh                        # codec store manager worker connector
-#   bash scripts/mutation_check.sh --modules codec        # one module (a quick trial)
-#   bash scripts/mutation_check.sh --tests "tests/test_codec.py tests/test_worker.py"
+#   bash scripts/mutation_check.sh                        # the data path (see MODULES below)
+#   bash scripts/mutation_check.sh --modules core/codec   # one module (a quick trial)
+#   bash scripts/mutation_check.sh --tests "tests/core/test_codec.py tests/core/test_transfer.py"
 #
 # Runs in a copy of the work tree (default /tmp/hma-mutation, kept for `mutmut show NAME` there);
 # the checkout is never touched. Engine tests are left out (-m "not engine"). Needs the venv of
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 
-MODULES="codec store manager worker connector"
+MODULES="core/codec core/store core/transfer adapter/manager adapter/worker adapter/connector"
 TESTS="tests"
 WORK=/tmp/hma-mutation
 DIFFS=0
@@ -88,12 +88,12 @@ for line in open("mutmut-results.txt"):
         survivors.append((name, status))
 
 print(f"mutation score per module (mutmut, {elapsed} s):")
-print(f"{'module':<12}{'mutants':>9}{'killed':>9}{'timeout':>9}{'survived':>10}{'untested':>10}{'score':>8}")
+print(f"{'module':<20}{'mutants':>9}{'killed':>9}{'timeout':>9}{'survived':>10}{'untested':>10}{'score':>8}")
 for module, counts in sorted(by_module.items()):
     total = sum(counts.values())
     caught = counts["killed"] + counts["timeout"] + counts["caught by type check"] + counts["segfault"]
     print(
-        f"{module:<12}{total:>9}{counts['killed']:>9}{counts['timeout']:>9}"
+        f"{module:<20}{total:>9}{counts['killed']:>9}{counts['timeout']:>9}"
         f"{counts['survived']:>10}{counts['no tests']:>10}{100 * caught / total:>7.1f}%"
     )
 print(f"\n{len(survivors)} mutant(s) not killed:")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two `vllm serve` OpenAI servers share a Redis: the same long prompt is sent to server A, then
 # to server B, and each one's time to first token is printed (B's is lower: it loads A's KV).
-# Arguments go to hma_redis.openai_example, e.g.
+# Arguments go to hma_redis.tools.demo.openai_example, e.g.
 #   bash scripts/openai_example.sh --redis-url redis://127.0.0.1:6379/0
 #   bash scripts/openai_example.sh --model Qwen/Qwen3-0.6B --serve-arg=--gpu-memory-utilization=0.4
 # Without --redis-url a private redis-server is started; without --model a tiny random Llama is
@@ -10,4 +10,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
-exec .venv/bin/python -m hma_redis.openai_example "$@"
+exec .venv/bin/python -m hma_redis.tools.demo.openai_example "$@"

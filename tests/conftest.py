@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-sys.path.insert(0, str(Path(__file__).parent))
+from tests.support.redis_server import LocalRedis, SessionRedis
 
-from redis_server import LocalRedis, SessionRedis
+ENGINE_TESTS = Path(__file__).parent / "engine"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """tests/engine/ holds exactly the tests that start a vLLM engine (marker ``engine``), so
+    ``-m "not engine"`` and the directory name say the same thing."""
+    misplaced = [
+        item.nodeid
+        for item in items
+        if (ENGINE_TESTS in item.path.parents) != (item.get_closest_marker("engine") is not None)
+    ]
+    if misplaced:
+        raise pytest.UsageError(
+            "engine tests (marker 'engine') belong in tests/engine/, and only they: "
+            + ", ".join(misplaced)
+        )
 
 
 @pytest.fixture(scope="session")

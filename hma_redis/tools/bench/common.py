@@ -1,0 +1,241 @@
+"""What the tier benchmark (:mod:`~hma_redis.tools.bench.tier`) and the store benchmark
+(:mod:`~hma_redis.tools.bench.store`) share: the plan, the samples, ``redis-benchmark`` (run
+against the same server, never given a URL or a password) and the server to measure.
+
+Every figure of either benchmark is a median over repetitions that interleave all
+measurements, so load from other processes hits each column alike. GB/s means 10^9 bytes per
+second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from hma_redis.core.config import RedisTierConfig, strip_userinfo
+from hma_redis.tools.demo.local_redis import redis_or_local
+
+KIB = 1024
+MIB = 1024 * KIB
+GB = 1e9
+
+_T = TypeVar("_T")
+_P = TypeVar("_P", bound="Plan")
+
+# redis-benchmark (7.x) takes a password only as ``-a`` or inside ``-u URL``, on its command
+# line, which every user of the host can read (``ps``, /proc/<pid>/cmdline); unlike redis-cli it
+# ignores REDISCLI_AUTH. So it is never given one: against a server that needs a password its
+# column is skipped, with this note.
+PASSWORD_SKIP_NOTE = (
+    "redis-benchmark skipped: it takes a password only on its command line, where other users "
+    "of this host can read it; measure a Redis without a password for its column"
+)
+
+
+class BenchError(SystemExit):
+    """What was measured is wrong (not merely slow), or the benchmark cannot run."""
+
+
+class RedisBenchmarkSkipped(Exception):
+    """redis-benchmark cannot measure this server safely; the message says why."""
+
+
+def check(ok: bool, message: str) -> None:
+    """Stop the benchmark (:class:`BenchError`, one line) unless ``ok``."""
+    if not ok:
+        raise BenchError(f"bench: {message}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure."""
+
+    reps: int  # interleaved repetitions; every figure is a median over these
+    depth: int  # values per pipelined call, and redis-benchmark's -P
+    rb_bytes: int  # bytes one redis-benchmark run moves per command; 0 skips redis-benchmark
+    sizes: tuple[int, ...]  # value sizes measured
+
+    def rb_requests(self, size: int) -> int:
+        """redis-benchmark's ``-n`` for values of ``size`` bytes (at least 4 x ``depth``)."""
+        return max(4 * self.depth, self.rb_bytes // size)
+
+
+@dataclass
+class Samples:
+    """Seconds per sample by measurement name, and the most round trips one sample took."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+    round_trips: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float, round_trips: int | None = None) -> None:
+        self.values.setdefault(name, []).append(seconds)
+        if round_trips is not None:
+            self.round_trips[name] = max(self.round_trips.get(name, 0), round_trips)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.values[name])
+
+    def has(self, name: str) -> bool:
+        return name in self.values
+
+
+def add_plan_options(parser: argparse.ArgumentParser, quick_s: int, reps: int) -> None:
+    """``--url``, ``--quick`` (about ``quick_s`` seconds), ``--smoke`` and ``--reps`` (default
+    ``reps``): the options both benchmarks take."""
+    parser.add_argument("--url", help="Redis to measure (default: start a local redis-server)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick", action="store_true", help=f"fewer, smaller repetitions (~{quick_s} s)"
+    )
+    mode.add_argument(
+        "--smoke", action="store_true", help="a few seconds: check correctness, not speed"
+    )
+    parser.add_argument("--reps", type=int, help=f"interleaved repetitions (default {reps})")
+
+
+def chosen_plan(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, full: _P, quick: _P, smoke: _P
+) -> _P:
+    """The plan :func:`add_plan_options`' options ask for (``--reps`` must be at least 1)."""
+    plan = smoke if args.smoke else quick if args.quick else full
+    if args.reps is None:
+        return plan
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
+    return dataclasses.replace(plan, reps=args.reps)
+
+
+def timed(fn: Callable[[], _T]) -> tuple[float, _T]:
+    """``fn()``'s wall time in seconds, and its result."""
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+# ---------------------------------------------------------------------------------- servers
+
+
+def require_single_server(cfg: RedisTierConfig) -> None:
+    """``SystemExit`` (one line) for a deployment the benchmarks do not measure."""
+    if cfg.topology.kind != "single":
+        raise BenchError(
+            "bench: measures one Redis server: give its redis://, rediss:// or unix:// URL "
+            "(for a cluster, one master's address)"
+        )
+
+
+@contextmanager
+def server_config(cfg: RedisTierConfig | None) -> Iterator[tuple[RedisTierConfig, str]]:
+    """``cfg`` and its redacted URL; without one, a throwaway local ``redis-server``
+    (persistence off), stopped when the block ends."""
+    if cfg is not None:
+        yield cfg, cfg.redacted_url
+        return
+    with redis_or_local(None) as local:
+        yield RedisTierConfig(url=local), f"local redis-server at {local} (persistence off)"
+
+
+# ---------------------------------------------------------------------------------- redis-benchmark
+
+
+def redis_benchmark_target(cfg: RedisTierConfig) -> list[str]:
+    """Where ``redis-benchmark`` connects, as its options: ``-h``/``-p`` or ``-s``, ``--dbnum``,
+    TLS files. Never a URL and never credentials, so nothing secret reaches its command line.
+
+    Raises :class:`RedisBenchmarkSkipped` when the server needs a password, and ``SystemExit``
+    (one line) for a deployment redis-benchmark does not measure (Cluster, Sentinel).
+    """
+    require_single_server(cfg)
+    if cfg.password:
+        raise RedisBenchmarkSkipped(PASSWORD_SKIP_NOTE)
+    parts = urlsplit(strip_userinfo(cfg.url))
+    if parts.scheme == "unix":
+        target = ["-s", parts.path]
+    else:
+        target = ["-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379)]
+    if cfg.db:
+        target += ["--dbnum", str(cfg.db)]
+    if cfg.tls:
+        target.append("--tls")
+        files = (("--cacert", cfg.tls_ca_file), ("--cert", cfg.tls_cert_file))
+        target += [arg for flag, path in files if path for arg in (flag, path)]
+        if cfg.tls_key_file:
+            target += ["--key", cfg.tls_key_file]
+        if not cfg.tls_verify:
+            target.append("--insecure")
+    return target
+
+
+def redis_benchmark_args(cfg: RedisTierConfig, plan: Plan, size: int) -> list[str]:
+    """``redis-benchmark -P depth -c 1 -n N -d size -t get,set --csv`` against ``cfg``'s
+    server (see :func:`redis_benchmark_target`: no URL, no password)."""
+    target = redis_benchmark_target(cfg)
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        raise BenchError(
+            "bench: redis-benchmark not found on PATH (Debian: apt-get install redis-tools)"
+        )
+    return [
+        binary, *target,
+        "-P", str(plan.depth), "-c", "1",
+        "-n", str(plan.rb_requests(size)), "-d", str(size),
+        "-t", "get,set", "--csv",
+    ]  # fmt: skip
+
+
+def redis_benchmark_plan(
+    cfg: RedisTierConfig, plan: Plan
+) -> tuple[dict[int, list[str]], tuple[str, ...]]:
+    """The redis-benchmark command per value size, and notes for the report: no commands
+    (and a note saying why) when redis-benchmark must not measure this server, none at all
+    when the plan skips it."""
+    if not plan.rb_bytes:
+        return {}, ()
+    try:
+        return {size: redis_benchmark_args(cfg, plan, size) for size in plan.sizes}, ()
+    except RedisBenchmarkSkipped as exc:
+        return {}, (str(exc),)
+
+
+def run_redis_benchmark(args: Sequence[str], timeout_s: float = 300.0) -> dict[str, float]:
+    """Run it once; seconds per request for ``SET`` and ``GET`` (from ``--csv`` rps).
+
+    Any failure (exit status, time-out, unparseable output) is ``SystemExit`` with one line.
+    """
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise BenchError(
+            f"bench: redis-benchmark did not finish within {timeout_s:.0f} s"
+        ) from None
+    except OSError as exc:
+        raise BenchError(f"bench: cannot run redis-benchmark: {exc}") from None
+    out = proc.stdout
+    if proc.returncode != 0:
+        said = proc.stderr.strip().splitlines() or out.strip().splitlines() or ["no output"]
+        raise BenchError(f"bench: redis-benchmark exited with status {proc.returncode}: {said[-1]}")
+    rows = {row["test"]: float(row["rps"]) for row in csv.DictReader(out.splitlines())}
+    if "SET" not in rows or "GET" not in rows:
+        raise BenchError(f"bench: unexpected redis-benchmark output: {' '.join(out.split())[:200]}")
+    return {name: 1.0 / rps for name, rps in rows.items()}
+
+
+def shown_command(args: Sequence[str]) -> str:
+    """A redis-benchmark command line as the report prints it (binary without its path)."""
+    return " ".join([os.path.basename(args[0]), *args[1:]])
+
+
+def report_lines(rb_args: dict[int, list[str]], notes: Sequence[str]) -> list[str]:
+    """The report's lines naming each redis-benchmark command run, then the notes."""
+    return [f"  {shown_command(args)}" for args in rb_args.values()] + [f"  {n}" for n in notes]

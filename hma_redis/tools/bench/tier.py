@@ -1,0 +1,769 @@
+"""The tier's data path against ``redis-benchmark``, plain redis-py and (optionally) LMCache's
+Redis connectors, in one run.
+
+    hma-redis bench [--quick | --smoke] [--url URL] [--reps N] [--plot PNG] [--json FILE]
+                    [--lmcache-python PYTHON]
+    python benchmarks/tier_bench.py ...              (the same)
+
+Without ``--url`` it starts its own ``redis-server`` on a free loopback port (persistence off) and
+stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, interleaved:
+
+- ``redis-benchmark -P 4 -c 1 -d SIZE -t get,set``: what this Redis does for one C client;
+- plain redis-py (hiredis parser and packer, as ``redis.Redis.from_url`` builds it): ``SET`` and
+  ``GET`` pipelined 4 deep over a job's worth of values, every value read back compared;
+- with ``--lmcache-python``: LMCache's ``redis://`` and native ``resp://`` connectors
+  (``benchmarks/lmcache_peer.py`` run by that interpreter: a separate venv with LMCache; never
+  in CI), ``batched_put`` and ``batched_get`` of a job's worth of values, every byte checked;
+- the real worker (:class:`~hma_redis.adapter.worker.RedisOffloadingWorker`) on CPU KV-cache
+  tensors (8 layers of ``(num_blocks, 16 KiB)`` int8, ``blocks_per_chunk`` 4 / 16 / 64 for the
+  three sizes): one ``submit_store`` job (EXISTS check -> CRC32C over the pages at scattered
+  block ids, in place -> SET NX sent from the KV cache by ``sendmsg``) and one ``submit_load``
+  job (GET received into pooled buffers -> ``codec.decode`` with CRC32C -> copy into other block
+  ids), timed
+  from submit until ``get_finished`` reports the job; the loaded blocks are compared with the
+  stored ones byte for byte.
+
+Then lookups for a 32k-token prompt over 3 KV groups (256 chunks of 128 tokens each, half of them
+present): one ``PING``, one :meth:`~hma_redis.core.store.RedisBlockStore.exists` of the 768
+keys, and one scheduler step of :class:`~hma_redis.adapter.manager.RedisOffloadingManager` (768
+``lookup`` calls, ``on_schedule_end``, 768 ``lookup`` calls that now answer), each with its
+count of Redis round trips.
+
+Every figure is a median over repetitions that interleave all measurements, so load from other
+processes hits each column alike. GB/s = 10^9 payload bytes per second (the KV bytes for the
+worker, the value bytes for the others). ``--smoke`` runs every measured path once on small jobs
+and checks what it measures is correct (bytes round-trip equal, lookups answer right, one round
+trip per step), with ``redis-benchmark`` run on a few requests per size only.
+
+The connection (``--url``; with ``hma-redis bench`` also ``--password``, ``--username`` and the
+TLS options, as for the other commands) reaches every client as a config, never on a command
+line: ``redis-benchmark`` gets ``-h``/``-p`` (or ``-s``) and no credentials, and against a
+server that needs a password its column is skipped (it reads a password only from its command
+line, where other users can see it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+from hma_redis.core.config import RedisTierConfig, endpoint_url
+from hma_redis.core.keys import KeySpace
+from hma_redis.tools.bench.common import (
+    GB,
+    KIB,
+    MIB,
+    BenchError,
+    Plan,
+    Samples,
+    add_plan_options,
+    check,
+    chosen_plan,
+    redis_benchmark_plan,
+    report_lines,
+    require_single_server,
+    run_redis_benchmark,
+    server_config,
+    timed,
+)
+
+SIZES = (512 * KIB, 2 * MIB, 8 * MIB)
+LAYERS = 8
+PAGE_BYTES = 16 * KIB
+KV_DTYPE = "bench-int8"
+# Lookups: a 32k-token prompt in chunks of 128 tokens, over 3 KV groups.
+PROMPT_TOKENS = 32768
+CHUNK_TOKENS = 128
+GROUPS = 3
+CLIENTS = ("redis-benchmark", "redis-py", "lmcache-redis", "lmcache-resp", "hma_redis")
+OPS = ("load", "store")
+# benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
+LMCACHE_PEER = Path(__file__).resolve().parents[3] / "benchmarks" / "lmcache_peer.py"
+LMCACHE_CONNECTORS = ("redis", "resp")
+
+
+@dataclass(frozen=True)
+class TierPlan(Plan):
+    """How much to measure; ``depth`` is the redis-py pipeline's depth too."""
+
+    job_bytes: int  # KV payload per worker job and per redis-py batch (a multiple of 8 MiB)
+    lookup_samples: int  # PING / exists / manager-step samples per repetition
+
+
+FULL = TierPlan(
+    reps=7, depth=4, rb_bytes=128 * MIB, sizes=SIZES, job_bytes=32 * MIB, lookup_samples=10
+)
+QUICK = TierPlan(
+    reps=3, depth=4, rb_bytes=64 * MIB, sizes=SIZES, job_bytes=16 * MIB, lookup_samples=5
+)
+# rb_bytes so small that redis-benchmark runs its minimum (4 x depth requests) per size.
+SMOKE = TierPlan(reps=1, depth=4, rb_bytes=1, sizes=SIZES, job_bytes=8 * MIB, lookup_samples=2)
+
+
+# ---------------------------------------------------------------------------------- (b)
+
+
+class RedisPyBench:
+    """Plain redis-py as users would write it: SET / GET of raw values, pipelined ``depth``."""
+
+    def __init__(self, cfg: RedisTierConfig, plan: TierPlan, prefix: str) -> None:
+        self.client = redis_py_client(cfg)
+        self.plan = plan
+        self.prefix = prefix
+        rng = random.Random(1)
+        self.values = {size: [rng.randbytes(size) for _ in range(plan.depth)] for size in SIZES}
+        self._serial = 0
+
+    def run(self, size: int, samples: Samples) -> None:
+        count = self.plan.job_bytes // size
+        depth = self.plan.depth
+        values = self.values[size]
+        self._serial += 1
+        keys = [f"{self.prefix}:py:{self._serial}:{i}" for i in range(count)]
+
+        def put() -> None:
+            for start in range(0, count, depth):
+                pipe = self.client.pipeline(transaction=False)
+                for i in range(start, min(count, start + depth)):
+                    pipe.set(keys[i], values[i % depth])
+                check(all(pipe.execute()), "redis-py SET failed")
+
+        def get() -> list[bytes]:
+            out: list[bytes] = []
+            for start in range(0, count, depth):
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys[start : start + depth]:
+                    pipe.get(key)
+                out.extend(pipe.execute())
+            return out
+
+        put_s, _ = timed(put)
+        get_s, got = timed(get)
+        check(
+            all(v == values[i % depth] for i, v in enumerate(got)),
+            f"redis-py GET returned other bytes than SET wrote ({size} B values)",
+        )
+        self.client.unlink(*keys)
+        samples.add(f"redis-py store {size}", put_s, -(-count // depth))
+        samples.add(f"redis-py load {size}", get_s, -(-count // depth))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def redis_py_client(cfg: RedisTierConfig) -> redis.Redis:
+    """Plain redis-py as a user would build it for ``cfg`` (``Redis.from_url``: hiredis parser
+    and packer), with the config's credentials, database and TLS files."""
+    kwargs: dict[str, Any] = {
+        "username": cfg.username,
+        "password": cfg.password,
+        "db": cfg.db,
+        "socket_timeout": 60,
+    }
+    if cfg.tls:
+        kwargs.update(
+            ssl_ca_certs=cfg.tls_ca_file,
+            ssl_certfile=cfg.tls_cert_file,
+            ssl_keyfile=cfg.tls_key_file,
+            ssl_cert_reqs="required" if cfg.tls_verify else "none",
+            ssl_check_hostname=cfg.tls_verify,
+        )
+    return redis.Redis.from_url(endpoint_url(cfg.url), **kwargs)
+
+
+# ---------------------------------------------------------------------------------- (c)
+
+
+class LMCachePeer:
+    """LMCache's ``redis://`` and ``resp://`` (native, 2 threads) connectors, the peers users
+    would pick instead: ``benchmarks/lmcache_peer.py`` run by ``python``, the interpreter of a
+    separate venv with LMCache installed (optional; never in CI). Each sample is one put and
+    one get of a job's worth of fresh values, after one untimed warm-up, every byte checked."""
+
+    def __init__(self, python: str, cfg: RedisTierConfig, plan: TierPlan) -> None:
+        if cfg.password:
+            raise SystemExit(
+                "bench: --lmcache-python needs a Redis without a password: LMCache's peer takes "
+                "the URL (and its password) on its command line, where other users can read it"
+            )
+        if not LMCACHE_PEER.is_file():
+            raise SystemExit(f"bench: {LMCACHE_PEER} not found (run from a source checkout)")
+        if not os.access(python, os.X_OK):
+            raise SystemExit(f"bench: --lmcache-python {python} is not an executable")
+        self.python = python
+        self.url = cfg.url
+        self.plan = plan
+        self.version = "?"
+
+    def run(self, size: int, samples: Samples) -> None:
+        for connector in LMCACHE_CONNECTORS:
+            args = [
+                self.python, str(LMCACHE_PEER), "--url", self.url, "--connector", connector,
+                "--size", str(size), "--count", str(self.plan.job_bytes // size),
+                "--reps", "1", "--threads", "2",
+            ]  # fmt: skip
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode or not lines:
+                why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise BenchError(f"bench: LMCache {connector}:// peer failed: {why}")
+            result = json.loads(lines[-1])
+            self.version = result["lmcache_version"]
+            samples.add(f"lmcache-{connector} store {size}", result["put_s"][0])
+            samples.add(f"lmcache-{connector} load {size}", result["get_s"][0])
+
+
+# ---------------------------------------------------------------------------------- (d)
+
+
+class TierBench:
+    """The real worker on CPU int8 KV-cache tensors; one worker per ``blocks_per_chunk``.
+
+    Each job moves ``job_bytes`` of KV: its blocks are read from random ids in the first half of
+    the cache and loaded back into random ids of the second half, then compared.
+    """
+
+    def __init__(self, target: str | RedisTierConfig, plan: TierPlan, namespace: str) -> None:
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+        )
+
+        from hma_redis.adapter.worker import RedisOffloadingWorker
+        from hma_redis.core.store import RedisBlockStore
+
+        self.plan = plan
+        cfg = RedisTierConfig(url=target) if isinstance(target, str) else target
+        self.cfg = dataclasses.replace(cfg, read_timeout_s=60.0)
+        self.store = RedisBlockStore(self.cfg)
+        self.keyspace = KeySpace(self.cfg.key_prefix, namespace)
+        self.blocks = plan.job_bytes // (LAYERS * PAGE_BYTES)
+        num_blocks = 2 * self.blocks
+        gen = torch.Generator().manual_seed(0)
+        self.tensors = [
+            torch.randint(-128, 128, (num_blocks, PAGE_BYTES), dtype=torch.int8, generator=gen)
+            for _ in range(LAYERS)
+        ]
+        self.arrays = [t.numpy() for t in self.tensors]
+        caches = CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(t, PAGE_BYTES) for t in self.tensors],
+            group_data_refs=[[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(LAYERS)]],
+        )
+        self.workers = {
+            size: RedisOffloadingWorker(
+                store=self.store,
+                keyspace=self.keyspace,
+                rank=0,
+                kv_caches=caches,
+                group_ids=[0],
+                blocks_per_chunk=self.blocks_per_chunk(size),
+                kv_dtype=KV_DTYPE,
+                io_threads=self.cfg.io_threads,
+                max_inflight_bytes=self.cfg.max_inflight_bytes,
+                shutdown_timeout_s=1.0,
+                auth_key=self.cfg.auth_key,
+            )
+            for size in plan.sizes
+        }
+        self.rng = random.Random(2)
+        self._serial = 0
+        self._job_id = 0
+
+    @staticmethod
+    def blocks_per_chunk(size: int) -> int:
+        return size // (LAYERS * PAGE_BYTES)
+
+    def value_bytes(self, size: int) -> int:
+        """Bytes of one stored value (envelope included) of this size."""
+        from hma_redis.core import codec
+
+        key = self.keyspace.block_key(0, bytes(32))
+        header = codec.BlockHeader(
+            key=key,
+            group=0,
+            first_block=0,
+            num_blocks=self.blocks_per_chunk(size),
+            page_bytes=(PAGE_BYTES,) * LAYERS,
+            kv_dtype=KV_DTYPE,
+        )
+        return codec.value_size(header)
+
+    def _offload_keys(self, count: int) -> list[bytes]:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        keys: list[bytes] = []
+        for _ in range(count):
+            self._serial += 1
+            keys.append(make_offload_key(self._serial.to_bytes(32, "big"), 0))
+        return keys
+
+    def _wait(self, worker: Any, job_id: int) -> Any:
+        while True:
+            for result in worker.get_finished():
+                if result.job_id == job_id:
+                    return result
+            time.sleep(0.0002)
+
+    def run(self, size: int, samples: Samples) -> None:
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+        from hma_redis.adapter.types import RedisLoadStoreSpec
+
+        worker = self.workers[size]
+        chunks = self.blocks // self.blocks_per_chunk(size)
+        keys = self._offload_keys(chunks)
+        src_ids = self.rng.sample(range(self.blocks), self.blocks)
+        dst_ids = self.rng.sample(range(self.blocks, 2 * self.blocks), self.blocks)
+        for array in self.arrays:
+            array[dst_ids] = 0
+        expected = chunks * self.value_bytes(size)
+
+        self._job_id += 1
+        trips = self.store.round_trips
+        t0 = time.perf_counter()
+        worker.submit_store(
+            self._job_id,
+            GPULoadStoreSpec(src_ids, [self.blocks], [0]),
+            RedisLoadStoreSpec(keys),  # type: ignore[arg-type]
+        )
+        result = self._wait(worker, self._job_id)
+        store_s = time.perf_counter() - t0
+        store_trips = self.store.round_trips - trips
+        check(
+            result.transfer_size == expected,
+            f"store job stored {result.transfer_size} of {expected} bytes ({size} B values)",
+        )
+
+        self._job_id += 1
+        trips = self.store.round_trips
+        t0 = time.perf_counter()
+        worker.submit_load(
+            self._job_id,
+            RedisLoadStoreSpec(keys),  # type: ignore[arg-type]
+            GPULoadStoreSpec(dst_ids, [self.blocks], [0]),
+        )
+        result = self._wait(worker, self._job_id)
+        load_s = time.perf_counter() - t0
+        load_trips = self.store.round_trips - trips
+        check(
+            self._job_id not in worker.take_failed_load_jobs(),
+            f"load job failed ({size} B values)",
+        )
+        check(result.transfer_size == expected, f"load job moved {result.transfer_size} bytes")
+        for layer, array in enumerate(self.arrays):
+            check(
+                np.array_equal(array[src_ids], array[dst_ids]),
+                f"loaded blocks differ from stored ones (layer {layer}, {size} B values)",
+            )
+        self.store.delete([self.keyspace.block_key(0, k[:-4]) for k in keys])
+        samples.add(f"hma_redis store {size}", store_s, store_trips)
+        samples.add(f"hma_redis load {size}", load_s, load_trips)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.shutdown()
+        self.store.close()
+
+
+# ---------------------------------------------------------------------------------- (e)
+
+
+class LookupBench:
+    """PING, ``exists`` and one manager step for a 32k-token prompt over 3 groups."""
+
+    def __init__(self, store: Any, keyspace: KeySpace) -> None:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        self.store = store
+        self.keyspace = keyspace
+        chunks = PROMPT_TOKENS // CHUNK_TOKENS
+        rng = random.Random(3)
+        hashes = [rng.randbytes(32) for _ in range(chunks)]
+        self.offload_keys = [make_offload_key(h, g) for g in range(GROUPS) for h in hashes]
+        self.redis_keys = [keyspace.block_key(g, h) for g in range(GROUPS) for h in hashes]
+        # The first half of the prompt's chunks were stored before, in every group.
+        self.expected = [i % chunks < chunks // 2 for i in range(len(self.redis_keys))]
+        present = [
+            (k, b"x") for k, there in zip(self.redis_keys, self.expected, strict=True) if there
+        ]
+        stored = store.put_if_absent(present)
+        check(len(stored) == len(present), "could not store the lookup keys")
+
+    def run(self, samples: Samples) -> None:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+        from hma_redis.adapter.manager import RedisOffloadingManager
+
+        store = self.store
+        ping_s, _ = timed(store.ping)
+        samples.add("ping", ping_s, 1)
+
+        trips = store.round_trips
+        exists_s, flags = timed(lambda: store.exists(self.redis_keys))
+        check(flags == self.expected, "exists() answered wrong")
+        check(store.round_trips - trips == 1, "exists() took more than one round trip")
+        samples.add("exists", exists_s, store.round_trips - trips)
+
+        manager = RedisOffloadingManager(store, self.keyspace)
+        ctx = ReqContext(req_id="bench")
+        end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+        trips = store.round_trips
+        t0 = time.perf_counter()
+        first = [manager.lookup(k, ctx) for k in self.offload_keys]
+        manager.on_schedule_end(end)
+        while manager.has_pending_work():
+            manager.on_schedule_end(end)
+        second = [manager.lookup(k, ctx) for k in self.offload_keys]
+        step_s = time.perf_counter() - t0
+        manager.shutdown()
+        check(all(r is LookupResult.RETRY for r in first), "unknown keys were not answered RETRY")
+        want = [LookupResult.HIT if e else LookupResult.MISS for e in self.expected]
+        check(second == want, "the manager answered wrong after its batch")
+        check(store.round_trips - trips == 1, "a scheduler step took more than one round trip")
+        samples.add("manager", step_s, store.round_trips - trips)
+
+    def close(self) -> None:
+        self.store.delete(
+            [k for k, there in zip(self.redis_keys, self.expected, strict=True) if there]
+        )
+
+
+# ---------------------------------------------------------------------------------- run
+
+
+@dataclass(frozen=True)
+class Report:
+    plan: TierPlan
+    samples: Samples
+    value_bytes: dict[int, int]
+    rb_args: dict[int, list[str]]
+    redis_version: str
+    where: str
+    load_before: float
+    load_after: float = 0.0
+    seconds: float = 0.0
+    lmcache_version: str | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def clients(self) -> list[str]:
+        """The clients measured in this run, in table order."""
+        return [
+            c for c in CLIENTS if any(self.samples.has(f"{c} load {s}") for s in self.plan.sizes)
+        ]
+
+    def gbps(self, client: str, op: str, size: int) -> float | None:
+        """GB/s of one client and operation, or None when not measured."""
+        name = f"{client} {op} {size}"
+        if not self.samples.has(name):
+            return None
+        if client == "redis-benchmark":
+            return size / self.samples.median(name) / GB
+        return self.plan.job_bytes / self.samples.median(name) / GB
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "redis_version": self.redis_version,
+            "lmcache_version": self.lmcache_version,
+            "load_average": [self.load_before, self.load_after],
+            "plan": dataclasses.asdict(self.plan),
+            "gbps": {
+                f"{client} {op} {size}": self.gbps(client, op, size)
+                for client in self.clients
+                for op in OPS
+                for size in self.plan.sizes
+            },
+            "median_s": {name: self.samples.median(name) for name in self.samples.values},
+            "round_trips": self.samples.round_trips,
+        }
+
+
+def measure(
+    cfg: RedisTierConfig, plan: TierPlan, where: str, lmcache_python: str | None = None
+) -> Report:
+    """Every measurement, interleaved, against the Redis ``cfg`` names."""
+    namespace = f"bench-{os.getpid()}"
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    require_single_server(cfg)
+    rb_args, notes = redis_benchmark_plan(cfg, plan)
+    peer = LMCachePeer(lmcache_python, cfg, plan) if lmcache_python else None
+    tier = TierBench(cfg, plan, namespace)
+    plain = RedisPyBench(cfg, plan, f"{tier.cfg.key_prefix}:{namespace}")
+    lookups = LookupBench(tier.store, tier.keyspace)
+    try:
+        tier.store.ping()
+        version = str(tier.store.client.info("server")["redis_version"])
+        warmup = Samples()
+        for size in plan.sizes:  # first touch of every buffer and connection
+            tier.run(size, warmup)
+            plain.run(size, warmup)
+        lookups.run(warmup)
+        samples = Samples()
+        for rep in range(plan.reps):
+            for size in plan.sizes:
+                # Alternate who goes first so neither always runs right after redis-benchmark.
+                runners = [
+                    lambda s=size: tier.run(s, samples),
+                    lambda s=size: plain.run(s, samples),
+                ]
+                if peer is not None:
+                    runners.insert(1, lambda s=size: peer.run(s, samples))
+                if rep % 2:
+                    runners.reverse()
+                if rb_args:
+                    for name, per_request in run_redis_benchmark(rb_args[size]).items():
+                        op = "store" if name == "SET" else "load"
+                        samples.add(f"redis-benchmark {op} {size}", per_request, 1)
+                for runner in runners:
+                    runner()
+            for _ in range(plan.lookup_samples):
+                lookups.run(samples)
+        return Report(
+            plan=plan,
+            samples=samples,
+            value_bytes={size: tier.value_bytes(size) for size in plan.sizes},
+            rb_args=rb_args,
+            redis_version=version,
+            where=where,
+            load_before=load_before,
+            load_after=os.getloadavg()[0],
+            seconds=time.perf_counter() - started,
+            lmcache_version=peer.version if peer is not None else None,
+            notes=notes,
+        )
+    finally:
+        lookups.close()
+        plain.close()
+        tier.close()
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def size_label(size: int) -> str:
+    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a / b:.2f}"
+
+
+def format_report(report: Report) -> str:
+    plan, samples = report.plan, report.samples
+    lines = [
+        f"hma_redis tier benchmark: Redis {report.redis_version}, {report.where}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)",
+        f"{plan.reps} interleaved repetitions, medians; load average {report.load_before:.2f} at "
+        f"start, {report.load_after:.2f} at end; run took {report.seconds:.0f} s",
+        f"KV cache: {LAYERS} layers x (num_blocks, {PAGE_BYTES // KIB} KiB) int8 on CPU; one value "
+        f"= blocks_per_chunk x {LAYERS} x {PAGE_BYTES // KIB} KiB + a ~"
+        f"{report.value_bytes[plan.sizes[0]] - plan.sizes[0]} B header",
+        f"each hma_redis job and each redis-py batch moves {plan.job_bytes // MIB} MiB; redis-py "
+        f"and redis-benchmark pipeline {plan.depth} deep; GB/s = 10^9 payload bytes per second",
+    ]
+    lines += report_lines(report.rb_args, report.notes)
+    if report.lmcache_version is not None:
+        lines.append(
+            f"  LMCache {report.lmcache_version}: benchmarks/lmcache_peer.py, batched_put, then "
+            "batched_get (resp://, 2 threads) or a get per key (redis://)"
+        )
+    lmcache = report.lmcache_version is not None
+    short = {
+        "redis-benchmark": "redis-bench",
+        "lmcache-redis": "lmc-redis",
+        "lmcache-resp": "lmc-resp",
+    }
+    columns = [short.get(c, c) for c in report.clients] + [
+        "ms/job",
+        "RT/job",
+        "hma/r-py",
+        "hma/r-bench",
+    ]
+    columns += ["hma/lmc-resp"] if lmcache else []
+    row = "{:<8}{:<7}{:>5}" + "{:>13}" * len(columns)
+    lines += ["", row.format("value", "op", "bpc", *columns)]
+    for size in plan.sizes:
+        for op in OPS:
+            gbps = {c: report.gbps(c, op, size) for c in report.clients}
+            hma = gbps["hma_redis"]
+            name = f"hma_redis {op} {size}"
+            cells = [_fmt(gbps[c]) for c in report.clients] + [
+                f"{samples.median(name) * 1e3:.1f}",
+                samples.round_trips[name],
+                _ratio(hma, gbps["redis-py"]),
+                _ratio(hma, gbps.get("redis-benchmark")),
+            ]
+            if lmcache:
+                cells.append(_ratio(hma, gbps["lmcache-resp"]))
+            lines.append(row.format(size_label(size), op, TierBench.blocks_per_chunk(size), *cells))
+    chunks = PROMPT_TOKENS // CHUNK_TOKENS
+    keys = chunks * GROUPS
+    lines += [
+        "",
+        f"lookups: {PROMPT_TOKENS}-token prompt, {GROUPS} groups x {chunks} chunks of "
+        f"{CHUNK_TOKENS} tokens = {keys} keys, half present        median µs  round trips",
+    ]
+    for name, label in (
+        ("ping", "PING"),
+        ("exists", f"RedisBlockStore.exists({keys} keys)"),
+        ("manager", f"manager step: {keys} lookup() + on_schedule_end + {keys} lookup()"),
+    ):
+        lines.append(
+            f"  {label:<75}{samples.median(name) * 1e6:>10.0f}{samples.round_trips[name]:>13}"
+        )
+    lines += [
+        "",
+        "load = GET -> codec.decode (CRC32C) -> copy into the KV cache at the job's block ids; "
+        "store = EXISTS check",
+        "-> CRC32C over the pages in place -> SET NX sent from the KV cache; timed from submit_* "
+        "until get_finished reports the job.",
+    ]
+    return "\n".join(lines)
+
+
+def draw_plot(report: Report, path: str) -> bool:
+    """GB/s by value size, one line per client, load and store panels (PNG, drawn with PIL)."""
+    try:
+        from PIL import Image, ImageDraw, ImageFont
+    except ImportError:
+        print("(no plot: Pillow is not installed)")
+        return False
+    width, height, pad, top_pad = 1200, 560, 70, 110
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    try:
+        font: Any = ImageFont.load_default(size=16)
+        small: Any = ImageFont.load_default(size=13)
+    except TypeError:  # Pillow < 10.1: one bitmap font
+        font = small = ImageFont.load_default()
+    colors = {
+        "redis-benchmark": (120, 120, 120),
+        "redis-py": (31, 119, 180),
+        "lmcache-redis": (148, 103, 189),
+        "lmcache-resp": (44, 160, 44),
+        "hma_redis": (214, 39, 40),
+    }
+    sizes = report.plan.sizes
+    clients = report.clients
+    values = [
+        v for c in clients for op in OPS for s in sizes if (v := report.gbps(c, op, s)) is not None
+    ]
+    top = max(0.5, float(np.ceil(max(values, default=0.5) / 0.5) * 0.5))
+    panel_w = (width - 3 * pad) // 2
+    for idx, op in enumerate(OPS):
+        left = pad + idx * (panel_w + pad)
+        box = (left, top_pad, left + panel_w, height - pad)
+        draw.rectangle(box, outline="black")
+        title = f"{op} (GB/s)"
+        draw.text((left + panel_w // 2, top_pad - 20), title, fill="black", font=font, anchor="mm")
+        step = 0.25 if top <= 1.5 else 0.5
+        ticks = round(top / step)
+        for t in range(ticks + 1):
+            y = box[3] - (box[3] - box[1]) * t / ticks
+            draw.line((box[0], y, box[2], y), fill=(225, 225, 225))
+            draw.text((box[0] - 8, y), f"{t * step:.2f}", fill="black", font=small, anchor="rm")
+
+        def x_of(i: int, box: tuple[int, int, int, int] = box) -> float:
+            return box[0] + (box[2] - box[0]) * (i + 0.5) / len(sizes)
+
+        for i, size in enumerate(sizes):
+            label = size_label(size)
+            draw.text((x_of(i), box[3] + 16), label, fill="black", font=small, anchor="mm")
+        at = (left + panel_w // 2, box[3] + 38)
+        draw.text(at, "value size", fill="black", font=small, anchor="mm")
+        for client in clients:
+            points = [
+                (x_of(i), box[3] - (box[3] - box[1]) * v / top)
+                for i, s in enumerate(sizes)
+                if (v := report.gbps(client, op, s)) is not None
+            ]
+            if len(points) > 1:
+                draw.line(points, fill=colors[client], width=3)
+            for x, y in points:
+                draw.ellipse((x - 5, y - 5, x + 5, y + 5), fill=colors[client])
+    for n, client in enumerate(clients):  # one legend row above both panels
+        x = width // 2 - 95 * len(clients) + 190 * n
+        draw.line((x, 30, x + 28, 30), fill=colors[client], width=3)
+        draw.text((x + 36, 30), client, fill="black", font=small, anchor="lm")
+    draw.text(
+        (width // 2, height - 14),
+        f"one run, {report.plan.reps} interleaved repetitions (medians), Redis "
+        f"{report.redis_version}, {os.cpu_count()} CPUs, loopback",
+        fill=(90, 90, 90),
+        font=small,
+        anchor="mm",
+    )
+    image.save(path)
+    return True
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's own options (``hma-redis bench`` adds the CLI's connection options)."""
+    parser = argparse.ArgumentParser(
+        prog="hma-redis bench",
+        description="hma_redis' worker and lookups vs redis-benchmark and redis-py, in one run.",
+        epilog="hma-redis bench also takes the CLI's connection options (--password, "
+        "--username, --db, --tls-ca-file, ...; see hma-redis --help); they reach the "
+        "benchmark's clients, never a command line (redis-benchmark is skipped for a server "
+        "that needs a password).",
+    )
+    add_plan_options(parser, quick_s=40, reps=FULL.reps)
+    parser.add_argument("--plot", metavar="PNG", help="draw GB/s by value size into this file")
+    parser.add_argument("--json", metavar="FILE", help="write the medians as JSON")
+    parser.add_argument(
+        "--lmcache-python",
+        metavar="PYTHON",
+        help="also measure LMCache's redis:// and resp:// connectors with this interpreter "
+        "(a separate venv with lmcache==0.5.6; see docs/performance.md)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) -> int:
+    """Run the benchmark and print its table; 0, or ``SystemExit`` if what it measured is wrong.
+
+    ``cfg`` (from ``hma-redis bench``'s connection options) is the Redis to measure; without it,
+    ``--url``, else a throwaway local ``redis-server``.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if cfg is None and args.url is not None:
+        cfg = RedisTierConfig(url=args.url)
+    plan = chosen_plan(parser, args, FULL, QUICK, SMOKE)
+    with server_config(cfg) as (target, where):
+        report = measure(target, plan, where, args.lmcache_python)
+    print(format_report(report))
+    if args.smoke:
+        print("\nsmoke: every measured path round-tripped its bytes and answered right")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report.to_json(), fh, indent=2)
+    if args.plot and draw_plot(report, args.plot):
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

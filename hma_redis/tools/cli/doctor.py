@@ -1,0 +1,316 @@
+"""``hma-redis doctor``: is this Redis set up well for a KV-cache tier?
+
+:func:`doctor_checks` judges the client's setup, the deployment (sentinels, cluster masters) and
+every server in turn; each verdict is a :class:`Check`. Every Redis command goes through
+:class:`~hma_redis.tools.cli.admin.RedisAdmin`; printing is :mod:`hma_redis.tools.cli.main`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.exceptions import RedisError, ResponseError
+
+from hma_redis.core.config import RedisTierConfig, strip_userinfo
+from hma_redis.core.keys import parse_block_key
+from hma_redis.tools.cli.admin import CLUSTER_SLOTS, NodeAdmin, RedisAdmin
+from hma_redis.tools.cli.text import redis_error_message, scrub, size
+
+MIN_REDIS_VERSION = (7, 0)
+# A median PING above this makes the once-per-step lookup round trip show in scheduling time.
+SLOW_PING_S = 0.005
+
+
+class Verdict(Enum):
+    OK = "OK"
+    WARN = "WARN"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of ``doctor``; ``node`` names the server it is about (cluster, sentinel)."""
+
+    name: str
+    verdict: Verdict
+    detail: str
+    node: str | None = None
+
+
+def doctor_checks(admin: RedisAdmin, env: Mapping[str, str]) -> list[Check]:
+    """Every check, in order: the client's setup, the deployment (sentinels, cluster masters),
+    then every server in turn (its checks only when it answers PING)."""
+    cfg = admin.cfg
+    checks = [_check_auth(cfg), _check_transport(cfg), _check_hash_seed(env)]
+    if admin.kind == "sentinel":
+        checks.append(_check_sentinels(admin))
+    try:
+        nodes = admin.nodes()
+    except RedisError as exc:
+        detail = scrub(redis_error_message(exc, cfg), cfg) + " (server checks skipped)"
+        return [*checks, Check("connectivity", Verdict.FAIL, detail)]
+    if admin.kind == "cluster":
+        names = ", ".join(node.name for node in nodes)
+        checks.append(Check("masters", Verdict.OK, f"{len(nodes)} in the slot map: {names}"))
+    for node in nodes:
+        label = None if admin.kind == "single" else node.name
+        checks += [dataclasses.replace(c, node=label) for c in _node_checks(admin, node)]
+    return checks
+
+
+def _node_checks(admin: RedisAdmin, node: NodeAdmin) -> list[Check]:
+    """The checks of one server; only connectivity when it does not answer."""
+    try:
+        times = node.ping_seconds()
+    except RedisError as exc:
+        detail = scrub(redis_error_message(exc, admin.cfg), admin.cfg)
+        return [Check("connectivity", Verdict.FAIL, detail + " (server checks skipped)")]
+    median = statistics.median(times)
+    verdict = Verdict.WARN if median > SLOW_PING_S else Verdict.OK
+    checks = [
+        Check("connectivity", verdict, f"PING {median * 1e3:.2f} ms (median of {len(times)})")
+    ]
+    server = node.info("server")
+    memory = node.info("memory")
+    checks += [
+        _check_version(str(server.get("redis_version", "0"))),
+        _check_script_flags(node),
+        _check_cluster(admin, node),
+    ]
+    if admin.kind == "sentinel":
+        checks.append(_check_role(admin, node.info("replication")))
+    checks += [
+        _check_maxmemory(memory),
+        _check_policy(admin, node, str(memory.get("maxmemory_policy", "?"))),
+        _check_evictions(node.info("stats"), node.info("errorstats")),
+        _check_persistence(node),
+    ]
+    return checks
+
+
+def _check_auth(cfg: RedisTierConfig) -> Check:
+    if cfg.password:
+        user = cfg.username or "default"
+        return Check("auth", Verdict.OK, f"password set (ACL user {user!r})")
+    if _is_local(cfg):
+        return Check("auth", Verdict.OK, "no password (local server)")
+    return Check("auth", Verdict.WARN, "no password for a non-local server")
+
+
+def _check_transport(cfg: RedisTierConfig) -> Check:
+    scheme = urlsplit(strip_userinfo(cfg.url)).scheme
+    if scheme == "unix":
+        return Check("tls", Verdict.OK, "unix socket")
+    if not cfg.tls:
+        secure = scheme.replace("redis", "rediss", 1)
+        return Check("tls", Verdict.OK, f"not in use ({scheme}://; use {secure}:// for TLS)")
+    if not cfg.tls_verify:
+        return Check("tls", Verdict.WARN, "TLS without certificate verification")
+    return Check("tls", Verdict.OK, "TLS, server certificate verified")
+
+
+# Seeds anyone would guess first: with xxhash prefix hashes they let a tenant craft collisions.
+_WELL_KNOWN_SEEDS = frozenset({"0", "1", "42", "1234", "12345"})
+
+
+def _check_hash_seed(env: Mapping[str, str]) -> Check:
+    """The seed is a secret when it matters (xxhash prefix hashes): never printed."""
+    seed = env.get("PYTHONHASHSEED")
+    if seed is None or seed == "random":
+        return Check(
+            "PYTHONHASHSEED",
+            Verdict.OK,
+            "unset: right for vLLM's default sha256 prefix hash; with --prefix-caching-hash-algo "
+            "xxhash every instance needs the same secret value",
+        )
+    if seed in _WELL_KNOWN_SEEDS:
+        return Check(
+            "PYTHONHASHSEED",
+            Verdict.WARN,
+            "set to a well-known value: with xxhash prefix hashes a tenant can craft colliding "
+            "prefixes; use sha256 (vLLM's default) or a secret random seed (docs/security.md)",
+        )
+    return Check(
+        "PYTHONHASHSEED", Verdict.OK, "set (not shown); it must be the same on every instance"
+    )
+
+
+def _check_sentinels(admin: RedisAdmin) -> Check:
+    """Do the URL's sentinels answer, and agree on the master?"""
+    service = admin.cfg.topology.service
+    answers = admin.sentinel_answers()
+    named = {a.master for a in answers if a.master is not None}
+    silent = [f"{a.sentinel} ({a.error})" for a in answers if a.master is None]
+    if not named:
+        return Check(
+            "sentinels", Verdict.FAIL, f"none names a master for {service!r}: {'; '.join(silent)}"
+        )
+    if len(named) > 1:
+        return Check(
+            "sentinels",
+            Verdict.WARN,
+            f"they disagree on the master of {service!r}: {', '.join(sorted(named))} "
+            "(a failover in progress?)",
+        )
+    master = named.pop()
+    detail = f"{len(answers) - len(silent)}/{len(answers)} name {master} master of {service!r}"
+    if silent:
+        return Check("sentinels", Verdict.WARN, f"{detail}; no answer from {'; '.join(silent)}")
+    return Check("sentinels", Verdict.OK, detail)
+
+
+def _check_version(version: str) -> Check:
+    try:
+        parsed = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return Check("version", Verdict.WARN, f"cannot parse redis_version {version!r}")
+    if parsed < MIN_REDIS_VERSION:
+        return Check(
+            "version",
+            Verdict.FAIL,
+            f"Redis {version}: hma_redis needs >= 7.0 (lookups use '#!lua flags=' scripts)",
+        )
+    return Check("version", Verdict.OK, f"Redis {version}")
+
+
+def _check_script_flags(node: NodeAdmin) -> Check:
+    try:
+        node.probe_script_flags()
+    except ResponseError as exc:
+        return Check("scripts", Verdict.FAIL, f"EVAL of a '#!lua flags=' script refused: {exc}")
+    return Check("scripts", Verdict.OK, "EVAL with '#!lua flags=' works (lookups need it)")
+
+
+def _check_cluster(admin: RedisAdmin, node: NodeAdmin) -> Check:
+    """Cluster mode matches the URL; on a cluster, this master sees every slot served."""
+    enabled = bool(int(node.info("cluster").get("cluster_enabled", 0)))
+    if admin.kind != "cluster":
+        if enabled:
+            return Check(
+                "cluster",
+                Verdict.FAIL,
+                "cluster mode is on: use a redis+cluster://host:port/ URL (a single-node "
+                "client is answered MOVED for most keys)",
+            )
+        return Check("cluster", Verdict.OK, "standalone")
+    if not enabled:
+        return Check("cluster", Verdict.FAIL, "cluster mode is off on a redis+cluster:// node")
+    info = node.cluster_info()
+    state = info.get("cluster_state", "?")
+    assigned = int(info.get("cluster_slots_assigned", 0))
+    failing = int(info.get("cluster_slots_fail", 0))
+    pfail = int(info.get("cluster_slots_pfail", 0))
+    detail = (
+        f"cluster_state:{state}, {assigned}/{CLUSTER_SLOTS} slots assigned, {failing} failed, "
+        f"{pfail} possibly failing, {info.get('cluster_known_nodes', '?')} known nodes"
+    )
+    if state != "ok" or assigned < CLUSTER_SLOTS or failing:
+        return Check("cluster", Verdict.FAIL, detail + ": keys in uncovered slots cannot be used")
+    if pfail:
+        return Check("cluster", Verdict.WARN, detail)
+    return Check("cluster", Verdict.OK, detail)
+
+
+def _check_role(admin: RedisAdmin, replication: Mapping[str, Any]) -> Check:
+    """Sentinel: the server the sentinels name is a master, and has a replica to fail over to."""
+    role = str(replication.get("role", "?"))
+    service = admin.cfg.topology.service
+    if role != "master":
+        return Check("role", Verdict.FAIL, f"named master of {service!r} but its role is {role}")
+    replicas = int(replication.get("connected_slaves", 0))
+    if replicas == 0:
+        return Check(
+            "role", Verdict.WARN, f"master of {service!r} with no connected replica to fail over to"
+        )
+    return Check("role", Verdict.OK, f"master of {service!r}, {replicas} connected replica(s)")
+
+
+def _check_maxmemory(memory: Mapping[str, Any]) -> Check:
+    limit = int(memory.get("maxmemory", 0))
+    used = int(memory.get("used_memory", 0))
+    if limit == 0:
+        return Check(
+            "maxmemory",
+            Verdict.WARN,
+            f"0 (unbounded; {size(used)} used): the cache grows until the host runs out "
+            "of memory; set maxmemory to ~1.25 x the KV bytes to keep",
+        )
+    return Check("maxmemory", Verdict.OK, f"{size(limit)} ({used / limit:.0%} used)")
+
+
+def _check_policy(admin: RedisAdmin, node: NodeAdmin, policy: str) -> Check:
+    if policy in ("allkeys-lru", "allkeys-lfu"):
+        return Check("maxmemory-policy", Verdict.OK, policy)
+    if policy.startswith("volatile-"):
+        sampled = [e for e in node.sample(admin.pattern(), 100) if parse_block_key(e.key)]
+        if sampled and all(e.ttl_s is not None for e in sampled):
+            return Check("maxmemory-policy", Verdict.OK, f"{policy}; the sampled blocks have a TTL")
+        return Check(
+            "maxmemory-policy",
+            Verdict.WARN,
+            f"{policy} only evicts keys with a TTL: set ttl_s, or use allkeys-lru",
+        )
+    return Check(
+        "maxmemory-policy",
+        Verdict.WARN,
+        f"{policy}: use allkeys-lru or allkeys-lfu for a cache tier"
+        + (" (a full Redis refuses new blocks)" if policy == "noeviction" else ""),
+    )
+
+
+def _check_evictions(stats: Mapping[str, Any], errorstats: Mapping[str, Any]) -> Check:
+    evicted = int(stats.get("evicted_keys", 0))
+    oom = errorstats.get("errorstat_OOM", {})
+    refused = int(oom.get("count", 0)) if isinstance(oom, Mapping) else 0
+    if refused:
+        return Check(
+            "evictions",
+            Verdict.WARN,
+            f"{refused} writes refused for lack of memory (OOM); {evicted} keys evicted",
+        )
+    return Check("evictions", Verdict.OK, f"{evicted} keys evicted since the server started")
+
+
+def _check_persistence(node: NodeAdmin) -> Check:
+    save = node.config_get("save")
+    appendonly = node.config_get("appendonly")
+    if save is None or appendonly is None:
+        return Check("persistence", Verdict.WARN, "CONFIG GET refused: cannot tell")
+    on = []
+    if save.strip():
+        on.append(f"RDB snapshots (save {save!r})")
+    if appendonly == "yes":
+        on.append("AOF (appendonly yes)")
+    if on:
+        return Check(
+            "persistence",
+            Verdict.WARN,
+            " and ".join(on) + ": persisting a cache tier costs disk I/O and fork time",
+        )
+    return Check("persistence", Verdict.OK, "off (right for a cache)")
+
+
+def _is_local(cfg: RedisTierConfig) -> bool:
+    """Every server (or sentinel) the URL names is on this host."""
+    parts = urlsplit(strip_userinfo(cfg.url))
+    if parts.scheme == "unix":
+        return True
+    topo = cfg.topology
+    hosts = [host for host, _ in topo.hosts] if topo.hosts else [parts.hostname or ""]
+    return all(_is_loopback(host) for host in hosts)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,754 @@
+"""``hma-redis``: look at and clean up what hma_redis keeps in Redis.
+
+    hma-redis info [--by-node]          namespaces: fingerprint, sizes per group, counters
+    hma-redis ls [--namespace NS]       keys with size and TTL, one SCAN page at a time
+    hma-redis inspect KEY               a block's header, checksum and key echo
+    hma-redis purge --namespace NS      UNLINK a namespace (or --all) after confirmation
+    hma-redis doctor                    is this Redis set up well for a KV-cache tier?
+    hma-redis bench [--quick|--smoke]   the tier benchmark (hma_redis.tools.bench.tier)
+
+The connection is configured as the tier's (``--url`` else ``HMA_REDIS_URL`` else ``REDIS_URL``,
+validated by :class:`~hma_redis.core.config.RedisTierConfig`): one server, a Redis Cluster (every
+master is scanned, sizes are summed; ``--by-node`` shows each master's share) or Sentinel (the
+master the sentinels name). The options may come before or after the command. Every Redis
+command goes through :class:`~hma_redis.tools.cli.admin.RedisAdmin` and ``doctor`` judges in
+:mod:`~hma_redis.tools.cli.doctor`; this module parses arguments and formats. Everything printed
+as text passes :func:`~hma_redis.tools.cli.text.printable` (what Redis holds may contain
+terminal escape sequences); errors are one line on stderr, with any password redacted, and a
+non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from hma_redis.core.codec import CorruptBlockError, MacKey, decode, decode_header, has_mac
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
+from hma_redis.core.keys import parse_block_key
+from hma_redis.tools.cli.admin import (
+    GroupUsage,
+    KeyEntry,
+    NamespaceUsage,
+    PurgeResult,
+    RedisAdmin,
+)
+from hma_redis.tools.cli.doctor import Verdict, doctor_checks
+from hma_redis.tools.cli.text import printable, redis_error_message, scrub, size, table
+
+PROG = "hma-redis"
+PASSWORD_ENV = "HMA_REDIS_PASSWORD"
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+_EPILOG = """\
+connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0;
+  redis+cluster://host:port[,host:port]/ reaches every master of a Redis Cluster,
+  redis+sentinel://host:port[,host:port]/<service> the master the sentinels name;
+  prefer $HMA_REDIS_PASSWORD to --password (command lines are visible to other users).
+options may be given before or after the command (hma-redis info --json).
+exit codes: 0 success; 1 Redis error, a doctor FAIL or an invalid block; 2 usage or
+  configuration error."""
+
+
+class CliError(Exception):
+    """A failure reported as one line on stderr, with its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAIL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------------------------- entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args, rest = parser.parse_known_args(argv)
+        if rest and args.command != "bench":
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as exc:  # argparse has printed usage and the error already
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command == "bench":
+        return _bench(args, rest)
+    try:
+        cfg = build_config(args, os.environ)
+    except ValueError as exc:
+        return _fail(_config_message(exc), EXIT_USAGE)
+    admin: RedisAdmin | None = None
+    try:
+        admin = RedisAdmin(cfg)
+        handler: Callable[[RedisAdmin, argparse.Namespace], int] = args.handler
+        return handler(admin, args)
+    except CliError as exc:
+        return _fail(scrub(str(exc), cfg), exc.code)
+    except ValueError as exc:  # an option re-validated by RedisTierConfig (e.g. --namespace)
+        return _fail(_config_message(exc), EXIT_USAGE)
+    except (RedisError, OSError) as exc:
+        return _fail(scrub(redis_error_message(exc, cfg), cfg), EXIT_FAIL)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    finally:
+        if admin is not None:
+            admin.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; the global options are accepted after the command too."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect and maintain the hma_redis KV-cache tier in Redis.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_global_options(parser, after_command=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        _add_global_options(cmd, after_command=True)
+        return cmd
+
+    info = command("info", "namespaces: fingerprint, keys and bytes per group, counters")
+    info.add_argument("--by-node", action="store_true", help="each node's share (Redis Cluster)")
+    info.set_defaults(handler=cmd_info)
+
+    ls = command("ls", "keys with size and TTL, one SCAN page at a time")
+    ls.add_argument("--namespace", help="only this namespace")
+    ls.add_argument("--group", type=_non_negative, help="only this KV group (g<N>)")
+    ls.add_argument(
+        "--limit", type=_positive, default=50, help="stop after at least N keys (default 50)"
+    )
+    ls.add_argument("--cursor", type=_non_negative, default=0, help="continue a previous page")
+    ls.set_defaults(handler=cmd_ls)
+
+    inspect = command("inspect", "decode a block's header and verify it")
+    inspect.add_argument("key", metavar="KEY")
+    inspect.set_defaults(handler=cmd_inspect)
+
+    purge = command("purge", "UNLINK a namespace's keys, or all under the prefix")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", help="the namespace to delete")
+    which.add_argument("--all", action="store_true", help="every key under the prefix")
+    purge.add_argument("--dry-run", action="store_true", help="only count the keys")
+    purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    purge.add_argument("--by-node", action="store_true", help="the count of each node")
+    purge.set_defaults(handler=cmd_purge)
+
+    command("doctor", "check every server's setup for a cache tier").set_defaults(
+        handler=cmd_doctor
+    )
+    # bench's own options (``--json FILE``, --help, ...) are the tier benchmark's; only the
+    # connection options are the CLI's.
+    bench = sub.add_parser(
+        "bench",
+        add_help=False,
+        allow_abbrev=False,
+        help="tier benchmark vs redis-py and redis-benchmark (see hma-redis bench --help)",
+    )
+    _add_connection_options(bench, after_command=True)
+    return parser
+
+
+def _add_global_options(parser: argparse.ArgumentParser, after_command: bool) -> None:
+    _add_connection_options(parser, after_command)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS if after_command else False,
+        help="machine-readable output",
+    )
+
+
+def _add_connection_options(parser: argparse.ArgumentParser, after_command: bool) -> None:
+    """The connection options; after the command they default to SUPPRESS, so that they do not
+    overwrite what was given before it."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if after_command else value
+
+    conn = parser.add_argument_group("connection (as the tier's kv_connector_extra_config)")
+    conn.add_argument(
+        "--url",
+        default=default(None),
+        help="redis://, rediss:// (TLS), unix://, redis+cluster:// or redis+sentinel:// URL",
+    )
+    conn.add_argument("--prefix", default=default("hma"), help="key_prefix (default: hma)")
+    conn.add_argument("--username", default=default(None), help="ACL user name")
+    conn.add_argument(
+        "--password", default=default(None), help=f"password (default: ${PASSWORD_ENV})"
+    )
+    conn.add_argument("--password-file", default=default(None), help="a file holding the password")
+    conn.add_argument(
+        "--db", type=int, default=default(None), help="database number (overrides the URL's)"
+    )
+    conn.add_argument("--tls-ca-file", default=default(None), help="CA bundle for rediss://")
+    conn.add_argument(
+        "--tls-cert-file", default=default(None), help="client certificate for rediss://"
+    )
+    conn.add_argument("--tls-key-file", default=default(None), help="client key for rediss://")
+    conn.add_argument(
+        "--no-tls-verify",
+        action="store_true",
+        default=default(False),
+        help="do not verify the server certificate",
+    )
+    conn.add_argument(
+        "--auth-key-file",
+        default=default(None),
+        help="the tier's auth_key, to verify MACs (default: $HMA_REDIS_AUTH_KEY)",
+    )
+    conn.add_argument(
+        "--connect-timeout", type=float, default=default(None), help="seconds (default 1)"
+    )
+    conn.add_argument(
+        "--read-timeout", type=float, default=default(None), help="seconds per command (default 2)"
+    )
+
+
+def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> RedisTierConfig:
+    """The tier's config from the global options, through the tier's own validation."""
+    extra: dict[str, Any] = {"key_prefix": args.prefix}
+    if args.url is not None:
+        extra["redis_url"] = args.url
+    password = args.password
+    if password is None and args.password_file is None:
+        password = env.get(PASSWORD_ENV)
+    options = {
+        "username": args.username,
+        "password": password or None,
+        "password_file": args.password_file,
+        "db": args.db,
+        "tls_ca_file": args.tls_ca_file,
+        "tls_cert_file": args.tls_cert_file,
+        "tls_key_file": args.tls_key_file,
+        "auth_key_file": args.auth_key_file,
+        "connect_timeout_s": args.connect_timeout,
+        "read_timeout_s": args.read_timeout,
+    }
+    extra.update({name: value for name, value in options.items() if value is not None})
+    if args.no_tls_verify:
+        extra["tls_verify"] = False
+    # The CLI's options are never logged, so no warning about credentials in them.
+    return RedisTierConfig.from_extra_config(extra, env=env, warn_credentials=False)
+
+
+# ---------------------------------------------------------------------------------- info
+
+
+def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
+    usage = admin.usage()
+    deployment = admin.deployment()
+    if args.json:
+        _print_json(
+            {
+                "url": admin.cfg.redacted_url,
+                "deployment": deployment,
+                "nodes": usage.nodes,
+                "prefix": admin.prefix,
+                "namespaces": [_namespace_json(ns) for ns in usage.namespaces.values()],
+                "unrecognized_keys": usage.unrecognized_keys,
+            }
+        )
+        return EXIT_OK
+    count = len(usage.namespaces)
+    _emit(
+        f"{admin.cfg.redacted_url} ({deployment}), prefix {admin.prefix!r}: "
+        f"{count} namespace{'' if count == 1 else 's'}"
+    )
+    if usage.unrecognized_keys:
+        _emit(f"({usage.unrecognized_keys} other keys under '{admin.prefix}:' are not hma_redis's)")
+    for ns in usage.namespaces.values():
+        _emit("", *namespace_report(ns, usage.nodes if args.by_node else None))
+    return EXIT_OK
+
+
+# Fingerprint fields in report order: (label, info-hash field, shown when absent). The model's
+# identity first, then the KV bytes' layout, then how keys are made. The parallel layout
+# (None) is one line of several fields; groups follow, one line each, then "other": every field
+# this version does not know (none is ever dropped).
+_PARALLEL = ("tp_size", "pp_size", "dcp_size", "pcp_size", "world_size")
+_FINGERPRINT_ORDER: tuple[tuple[str, str | None, bool], ...] = (
+    ("model", "model", True),
+    ("revision", "revision", True),
+    ("quantization", "quantization", False),
+    ("model dtype", "model_dtype", False),
+    ("model config", "model_config", False),
+    ("kv dtype", "kv_dtype", True),
+    ("layout", "kv_cache_layout", True),
+    ("parallel", None, True),
+    ("hash", "hash_algo", True),
+    ("auth key", "auth_key_id", False),
+    ("format", "format_version", True),
+)
+_GROUP_FIELD = re.compile(r"^g(\d+)\.(kind|tokens_per_chunk|layers|page_bytes)$")
+_KNOWN_FIELDS = frozenset(
+    {name for _, name, _ in _FINGERPRINT_ORDER if name} | set(_PARALLEL) | {"num_groups"}
+)
+_EMPTY_TEXT = {"auth_key_id": "none (values carry no MAC)"}
+_LAYERS_SHOWN = 4
+
+
+def namespace_report(ns: NamespaceUsage, nodes: Sequence[str] | None = None) -> list[str]:
+    """``info``'s text for one namespace: the fingerprint in a fixed order (model, revision,
+    dtype, layout, parallel layout, hash, format, one line per group, then any field this
+    version does not know), the sizes table, each node's share (``nodes`` given) and the
+    counters."""
+    lines = [f"namespace {ns.namespace}"]
+    lines += (
+        _fingerprint_lines(ns.info)
+        if ns.info
+        else ["  (no info hash: fingerprint unknown, e.g. evicted)"]
+    )
+    lines.append("")
+    lines += _sizes_table(ns)
+    if ns.other_keys:
+        lines.append(f"  ({ns.other_keys} other keys in this namespace)")
+    if nodes is not None:
+        lines.append("")
+        lines += _nodes_table(ns.by_node, nodes)
+    if ns.stats:
+        stats = _ordered_counters(ns.stats)
+        width = max(len(k) for k in stats)
+        lines += ["", "  counters", *(f"    {k:<{width}}  {v}" for k, v in stats.items())]
+    return lines
+
+
+def _fingerprint_lines(info: Mapping[str, str]) -> list[str]:
+    rows: list[tuple[str, str]] = []
+    for label, name, always in _FINGERPRINT_ORDER:
+        if name is not None and name not in info and not always:
+            continue
+        value = _parallel_layout(info) if name is None else info.get(name, "")
+        empty = "(not recorded)" if always else _EMPTY_TEXT.get(name or "", "-")
+        rows.append((label, value or empty))
+    for group in _group_indices(info):
+        rows.append((f"g{group}", _group_line(info, group)))
+    width = max(len(label) for label, _ in rows)
+    lines = [f"  {label:<{width}}  {value}" for label, value in rows]
+    other = {k: v for k, v in info.items() if k not in _KNOWN_FIELDS and not _GROUP_FIELD.match(k)}
+    if other:
+        key_width = max(len(k) for k in other)
+        lines.append("  other")
+        lines += [f"    {k:<{key_width}}  {other[k] or '-'}" for k in sorted(other)]
+    return lines
+
+
+def _parallel_layout(info: Mapping[str, str]) -> str:
+    sizes = [
+        f"{name.removesuffix('_size')} {info[name]}" for name in _PARALLEL[:-1] if name in info
+    ]
+    if "world_size" in info:
+        sizes.append(f"world size {info['world_size']}")
+    return ", ".join(sizes)
+
+
+def _group_indices(info: Mapping[str, str]) -> list[int]:
+    """Groups the info hash describes: ``num_groups`` of them and any ``g<N>.`` field."""
+    seen = {int(m.group(1)) for k in info if (m := _GROUP_FIELD.match(k))}
+    declared = info.get("num_groups", "")
+    if declared.isdigit():
+        seen |= set(range(int(declared)))
+    return sorted(seen)
+
+
+def _group_line(info: Mapping[str, str], group: int) -> str:
+    """One group of the fingerprint: attention kind, chunk size, layers, page sizes."""
+    kind = info.get(f"g{group}.kind")
+    parts = [attention_kind(kind) if kind else "attention kind not recorded"]
+    if kind is not None and _is_unrecorded_kind(kind):
+        parts[0] += " (attention kind not recorded)"
+    tokens = info.get(f"g{group}.tokens_per_chunk")
+    if tokens:
+        parts.append(f"{tokens} tokens per chunk")
+    layers = [name for name in info.get(f"g{group}.layers", "").split(",") if name]
+    if layers:
+        shown = layers if len(layers) <= _LAYERS_SHOWN else [layers[0], "...", layers[-1]]
+        parts.append(f"{len(layers)} layer{'' if len(layers) == 1 else 's'} ({', '.join(shown)})")
+    pages = [p for p in info.get(f"g{group}.page_bytes", "").split(",") if p]
+    if len(pages) > 1 and len(set(pages)) == 1:
+        parts.append(f"page bytes {len(pages)} x {pages[0]}")
+    elif pages:
+        parts.append(f"page bytes {','.join(pages)}")
+    return ", ".join(parts)
+
+
+def attention_kind(kind: str) -> str:
+    """A group's ``g<N>.kind`` for people: ``full_attention`` -> ``full attention``,
+    ``sliding_window:512`` -> ``sliding window 512``; anything else as recorded."""
+    if kind in ("full", "full_attention"):
+        return "full attention"
+    name, _, arg = kind.partition(":")
+    if name == "sliding_window" and arg:
+        return f"sliding window {arg}"
+    return kind
+
+
+def _is_unrecorded_kind(kind: str) -> bool:
+    """Namespaces written before kinds were recorded say ``kv_group_<N>``."""
+    return re.fullmatch(r"kv_group_\d+", kind) is not None
+
+
+def _sizes_table(ns: NamespaceUsage) -> list[str]:
+    rows: list[list[object]] = []
+    for group, usage in sorted(ns.groups.items()):
+        kind = ns.info.get(f"g{group}.kind")
+        rows.append([f"g{group}", attention_kind(kind) if kind else "?", *_size_cells(usage)])
+    rows.append(["total", "", *_size_cells(ns.total)])
+    header = ["group", "attention", "keys", "value bytes", "size", "memory"]
+    return table(header, rows, right={2, 3, 4, 5}, indent="  ")
+
+
+def _nodes_table(by_node: Mapping[str, GroupUsage], nodes: Sequence[str]) -> list[str]:
+    rows = [[node, *_size_cells(by_node.get(node, GroupUsage()))] for node in nodes]
+    return table(["node", "keys", "value bytes", "size", "memory"], rows, {1, 2, 3, 4}, "  ")
+
+
+def _size_cells(usage: GroupUsage) -> list[object]:
+    return [usage.keys, usage.value_bytes, size(usage.value_bytes), size(usage.memory_bytes)]
+
+
+def _namespace_json(ns: NamespaceUsage) -> dict[str, Any]:
+    return {
+        "namespace": ns.namespace,
+        "info": ns.info,
+        "groups": {str(g): dataclasses.asdict(u) for g, u in sorted(ns.groups.items())},
+        "total": dataclasses.asdict(ns.total),
+        "by_node": {node: dataclasses.asdict(u) for node, u in sorted(ns.by_node.items())},
+        "other_keys": ns.other_keys,
+        "stats": {k: _int_or_text(v) for k, v in _ordered_counters(ns.stats).items()},
+    }
+
+
+def _ordered_counters(stats: Mapping[str, str]) -> dict[str, str]:
+    """Known counters in their documented order, then any others by name."""
+    known = [k for k in COUNTER_FIELDS if k in stats]
+    extra = sorted(k for k in stats if k not in COUNTER_FIELDS)
+    return {k: stats[k] for k in known + extra}
+
+
+# ---------------------------------------------------------------------------------- ls
+
+
+def cmd_ls(admin: RedisAdmin, args: argparse.Namespace) -> int:
+    namespace = _checked_namespace(admin, args.namespace)
+    pattern = admin.pattern(namespace, args.group)
+    page = admin.page(pattern, cursor=args.cursor, limit=args.limit)
+    if args.json:
+        _print_json(
+            {
+                "pattern": pattern,
+                "keys": [dataclasses.asdict(e) for e in page.entries],
+                "cursor": page.cursor,
+            }
+        )
+        return EXIT_OK
+    with_node = admin.kind == "cluster"
+    rows = [_key_row(e, with_node) for e in sorted(page.entries, key=lambda e: e.key)]
+    header = ["type", "value bytes", "memory", "ttl", *(["node"] if with_node else []), "key"]
+    if rows:
+        _emit(*table(header, rows, {1, 2, 3}))
+    else:
+        _emit(f"no keys matching {pattern!r} in this page")
+    if page.cursor:
+        _emit(f"next cursor: {page.cursor} (continue with: ls --cursor {page.cursor})")
+    else:
+        _emit("end of scan (cursor 0)")
+    return EXIT_OK
+
+
+def _key_row(entry: KeyEntry, with_node: bool) -> list[object]:
+    return [
+        entry.type,
+        "-" if entry.value_bytes is None else entry.value_bytes,
+        "?" if entry.memory_bytes is None else entry.memory_bytes,
+        "-" if entry.ttl_s is None else f"{entry.ttl_s}s",
+        *([entry.node] if with_node else []),
+        entry.key,
+    ]
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+
+def cmd_inspect(admin: RedisAdmin, args: argparse.Namespace) -> int:
+    key: str = args.key
+    kind = admin.key_type(key)
+    if kind == "none":
+        raise CliError(f"no such key: {key}")
+    if kind != "string":
+        raise CliError(f"{key} is a {kind}, not a block (blocks are strings)")
+    value = admin.get(key)
+    if value is None:
+        raise CliError(f"no such key: {key} (deleted or expired just now)")
+    report = inspect_value(key, value, admin.cfg.auth_key)
+    report["ttl_s"] = admin.ttl(key)
+    if args.json:
+        _print_json(report)
+    else:
+        _print_inspect(report)
+    return EXIT_OK if report["valid"] else EXIT_FAIL
+
+
+def inspect_value(key: str, value: bytes, auth_key: bytes | None = None) -> dict[str, Any]:
+    """What ``inspect`` reports about one stored value (no Redis involved): the decoded header,
+    checksum, key echo and MAC (verified with ``auth_key``, the tier's shared secret), and
+    whether the tier would use the value."""
+    report: dict[str, Any] = {"key": key, "value_bytes": len(value)}
+    mac_key = MacKey.derive(auth_key) if auth_key is not None else None
+    try:
+        decode(value, expected_key=key, expected_group=_group_of(key), mac_key=mac_key)
+        report["error"] = None
+    except CorruptBlockError as exc:
+        report["error"] = str(exc)
+    report["mac"] = _mac_state(value, mac_key is not None, report["error"])
+    try:
+        header, checksum_ok = decode_header(value)
+    except CorruptBlockError:
+        report.update(header=None, checksum_ok=False, key_matches=False, valid=False)
+        return report
+    report["header"] = {
+        "key": header.key,
+        "group": header.group,
+        "first_block": header.first_block,
+        "num_blocks": header.num_blocks,
+        "page_bytes": list(header.page_bytes),
+        "kv_dtype": header.kv_dtype,
+        "kv_cache_layout": header.kv_cache_layout,
+        "body_bytes": header.body_bytes,
+    }
+    report["checksum_ok"] = checksum_ok
+    report["key_matches"] = header.key == key
+    report["valid"] = report["error"] is None
+    return report
+
+
+def _mac_state(value: bytes, have_key: bool, error: str | None) -> str:
+    """``none`` (written without an auth_key), ``verified``, ``unverified`` (no auth_key here)
+    or ``invalid`` (missing where required, or wrong)."""
+    if not has_mac(value):
+        return "invalid" if have_key else "none"
+    if not have_key:
+        return "unverified"
+    return "invalid" if error is not None and "MAC" in error else "verified"
+
+
+def _group_of(key: str) -> int | None:
+    parts = parse_block_key(key)
+    return None if parts is None else parts.group
+
+
+_MAC_TEXT = {
+    "none": "none (written without an auth_key)",
+    "verified": "OK (auth_key)",
+    "unverified": "present, not verified: give the auth_key (--auth-key-file, $HMA_REDIS_AUTH_KEY)",
+    "invalid": "INVALID (missing, or written with another auth_key)",
+}
+
+
+def _print_inspect(report: Mapping[str, Any]) -> None:
+    rows: list[tuple[str, object]] = [("key", report["key"])]
+    ttl = report["ttl_s"]
+    rows.append(("value", f"{report['value_bytes']} bytes, ttl {'-' if ttl is None else ttl}"))
+    header = report["header"]
+    if header is not None:
+        rows += [
+            ("header.key", header["key"]),
+            ("header.group", header["group"]),
+            ("first_block", header["first_block"]),
+            ("num_blocks", header["num_blocks"]),
+            ("page_bytes", ",".join(str(p) for p in header["page_bytes"])),
+            ("kv_dtype", header["kv_dtype"] or "-"),
+            ("kv_cache_layout", header["kv_cache_layout"] or "-"),
+            ("body_bytes", header["body_bytes"]),
+        ]
+        rows.append(("checksum", "OK" if report["checksum_ok"] else "MISMATCH"))
+        rows.append(("key echo", "OK" if report["key_matches"] else "MISMATCH"))
+        rows.append(("mac", _MAC_TEXT[report["mac"]]))
+    else:
+        rows.append(("header", "undecodable"))
+    verdict = "OK: a valid block" if report["valid"] else f"INVALID: {report['error']}"
+    rows.append(("verdict", verdict))
+    width = max(len(name) for name, _ in rows)
+    _emit(*(f"{name:<{width}}  {value}" for name, value in rows))
+
+
+# ---------------------------------------------------------------------------------- purge
+
+
+def cmd_purge(admin: RedisAdmin, args: argparse.Namespace) -> int:
+    """Delete on every node, with the same guards everywhere: the namespace validated as the
+    tier validates it, only keys under the prefix, confirmation (or ``--yes``), and every node
+    reached before the first key goes."""
+    namespace = None if args.all else _checked_namespace(admin, args.namespace)
+    pattern = admin.pattern(namespace)
+    if args.dry_run:
+        _purge_report(args, pattern, admin.purge(namespace, dry_run=True), dry_run=True)
+        return EXIT_OK
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CliError(
+                "purge needs --yes when stdin is not a terminal (nothing deleted)", EXIT_USAGE
+            )
+        matching = admin.purge(namespace, dry_run=True)
+        if matching.count == 0:
+            _purge_report(args, pattern, matching, dry_run=False)
+            return EXIT_OK
+        if not _confirm(
+            f"UNLINK {matching.count} keys matching {pattern!r} on {admin.cfg.redacted_url} "
+            f"({admin.deployment()})?"
+        ):
+            raise CliError("purge cancelled (nothing deleted)")
+    _purge_report(args, pattern, admin.purge(namespace), dry_run=False)
+    return EXIT_OK
+
+
+def _confirm(question: str) -> bool:
+    print(f"{printable(question)} [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = sys.stdin.readline()
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _purge_report(
+    args: argparse.Namespace, pattern: str, result: PurgeResult, dry_run: bool
+) -> None:
+    if args.json:
+        key = "matching" if dry_run else "deleted"
+        _print_json(
+            {"pattern": pattern, "dry_run": dry_run, key: result.count, "by_node": result.by_node}
+        )
+        return
+    if dry_run:
+        _emit(f"{result.count} keys match {pattern!r} (dry run: nothing deleted)")
+    else:
+        _emit(f"deleted {result.count} keys matching {pattern!r}")
+    if args.by_node:
+        rows = [[node, count] for node, count in result.by_node.items()]
+        _emit(*table(["node", "keys"], rows, {1}, "  "))
+
+
+# ---------------------------------------------------------------------------------- doctor
+
+
+def cmd_doctor(admin: RedisAdmin, args: argparse.Namespace) -> int:
+    checks = doctor_checks(admin, os.environ)
+    failed = any(c.verdict is Verdict.FAIL for c in checks)
+    if args.json:
+        _print_json(
+            {
+                "url": admin.cfg.redacted_url,
+                "checks": [
+                    {
+                        "check": c.name,
+                        "verdict": c.verdict.value,
+                        "detail": c.detail,
+                        "node": c.node,
+                    }
+                    for c in checks
+                ],
+                "failed": failed,
+            }
+        )
+    else:
+        width = max(len(c.name) for c in checks)
+        _emit(
+            *(
+                f"{c.verdict.value:<4}  {c.name:<{width}}  "
+                f"{'' if c.node is None else c.node + ': '}{c.detail}"
+                for c in checks
+            )
+        )
+    return EXIT_FAIL if failed else EXIT_OK
+
+
+# ---------------------------------------------------------------------------------- bench
+
+
+def _bench(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run the tier benchmark; the connection options (``--url``, ``--password``, TLS, ...)
+    are the CLI's and reach the benchmark as a config, never on a command line. Any failure is
+    one line without the password."""
+    from hma_redis.tools.bench import tier
+
+    cfg: RedisTierConfig | None = None
+    if args.url is not None:
+        try:
+            cfg = build_config(args, os.environ)
+        except ValueError as exc:
+            return _fail(_config_message(exc), EXIT_USAGE)
+    try:
+        return tier.main(rest, cfg=cfg)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or EXIT_OK
+        message = f"bench: {str(exc.code).removeprefix('bench: ')}"
+        return _fail(scrub(message, cfg), EXIT_FAIL)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except Exception as exc:
+        return _fail(scrub(f"bench: {type(exc).__name__}: {exc}", cfg), EXIT_FAIL)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _checked_namespace(admin: RedisAdmin, namespace: str | None) -> str | None:
+    """``namespace`` validated as the tier validates its ``namespace`` option."""
+    if namespace is not None:
+        dataclasses.replace(admin.cfg, namespace=namespace)
+    return namespace
+
+
+def _emit(*lines: str) -> None:
+    """Print text lines, each through :func:`printable` (the one way text reaches stdout)."""
+    for line in lines:
+        print(printable(line))
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"{PROG}: {printable(' '.join(message.split()))}", file=sys.stderr)
+    return code
+
+
+def _config_message(exc: ValueError) -> str:
+    return str(exc).removeprefix("hma_redis: ")
+
+
+def _print_json(data: object) -> None:
+    # json.dumps escapes every control character (and, ensure_ascii, all non-ASCII).
+    print(json.dumps(data, indent=2))
+
+
+def _int_or_text(value: str) -> int | str:
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

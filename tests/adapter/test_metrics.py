@@ -1,0 +1,95 @@
+"""hma_redis' Prometheus metrics through vLLM's offloading-connector hooks: names under vLLM's
+scheme, deltas per report, refusals per kind (the metrics of a real ``vllm serve``:
+tests/engine/test_metrics_serve.py)."""
+
+from __future__ import annotations
+
+import redis
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    get_connector_metric_definitions,
+)
+
+from hma_redis.adapter.metrics import (
+    ManagerMetrics,
+    RedisMetricName,
+    WorkerMetrics,
+    metric_definitions,
+)
+from hma_redis.adapter.spec import RedisOffloadingSpec
+from hma_redis.adapter.types import ManagerStats
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.counters import PendingCounters
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.tools.demo.local_redis import LocalRedis
+
+R = RedisMetricName
+
+
+def test_metric_definitions_follow_vllm_naming() -> None:
+    """Names under vLLM's ``vllm:kv_offload_`` scheme, none clashing with vLLM's own."""
+    ours = RedisOffloadingSpec.build_metric_definitions({})
+    assert ours == metric_definitions()
+    assert all(name.startswith("vllm:kv_offload_redis_") for name in ours)
+    assert not set(ours) & set(get_connector_metric_definitions())
+
+
+def test_manager_and_worker_metrics_report_deltas() -> None:
+    stats = ManagerStats()
+    metrics = ManagerMetrics()
+    first = metrics.collect(stats)
+    assert first is not None and first.reduce() == {R.AVAILABLE: 1}
+    assert metrics.collect(stats) is None  # nothing changed
+    stats.hit_keys, stats.miss_keys, stats.failed_loads = 3, 2, 1
+    delta = metrics.collect(stats, errors=2, available=False)
+    assert delta is not None
+    assert delta.reduce() == {
+        R.CHUNK_HITS: 3,
+        R.CHUNK_MISSES: 2,
+        R.LOAD_FAILURES: 1,
+        R.ERRORS: 2,
+        R.AVAILABLE: 0,
+    }
+    stats.hit_keys = 5
+    again = metrics.collect(stats, errors=2, available=False)
+    assert again is not None and again.reduce() == {R.CHUNK_HITS: 2}
+
+    counters = PendingCounters()
+    worker = WorkerMetrics(counters)
+    assert worker.collect() is None
+    counters.add(stored_chunks=4, stored_bytes=400, store_failed_chunks=1)
+    counters.take()  # delivered to Redis: the metric deltas do not depend on it
+    out = worker.collect()
+    assert out is not None
+    assert out.reduce() == {R.STORED_CHUNKS: 4, R.STORE_FAILED_CHUNKS: 1}
+    assert worker.collect() is None
+    # Two workers' stats sum (vLLM aggregates them before the scheduler sees them).
+    counters.add(stored_chunks=2)
+    other_counters = PendingCounters()
+    other_counters.add(stored_chunks=1, loaded_chunks=3)
+    merged = worker.collect()
+    other = WorkerMetrics(other_counters).collect()
+    assert merged is not None and other is not None
+    merged.aggregate(other)
+    assert merged.reduce() == {R.STORED_CHUNKS: 3, R.LOADED_CHUNKS: 3}
+
+
+def test_refusals_reach_prometheus_per_kind(local_redis: LocalRedis) -> None:
+    with redis.Redis(port=local_redis.port) as admin:
+        admin.acl_setuser(
+            "tier", enabled=True, passwords=["+pw"], keys=["hma:*"], commands=["+@all", "-set"]
+        )
+    url = f"redis://tier:pw@127.0.0.1:{local_redis.port}/0"
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
+    store.put_if_absent([("hma:ns:g0:aa", b"v"), ("hma:ns:g0:bb", b"v")])
+    definitions = metric_definitions()
+    for name in ("NOPERM", "OOM", "READONLY", "OTHER"):
+        assert getattr(RedisMetricName, f"REFUSED_{name}") in definitions
+
+    worker_side = WorkerMetrics(store.counters).collect()
+    assert worker_side is not None
+    assert worker_side.reduce()[RedisMetricName.REFUSED_NOPERM] == 2
+
+    scheduler_side = ManagerMetrics().collect(ManagerStats(), refusals=store.counters.snapshot())
+    assert scheduler_side is not None
+    assert scheduler_side.reduce()[RedisMetricName.REFUSED_NOPERM] == 2
+    store.close()

@@ -1,0 +1,300 @@
+"""The store and the transfer engine against a real 3-master Redis Cluster (no mocks).
+
+The cluster runs with an ACL user and its ``default`` user switched off, so every test also
+shows that the URL's credentials reach every node, including those found through CLUSTER SLOTS.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from hma_redis.core.breaker import BreakerState
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.tools.demo.local_redis import free_port
+from tests.support.cluster_servers import LocalCluster, started_cluster
+from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
+
+USER, PASSWORD = "tier", "cluster-s3cret"
+READ_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    server = started_cluster(USER, PASSWORD)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def clean(cluster: LocalCluster) -> LocalCluster:
+    cluster.flushall()
+    return cluster
+
+
+def _store(url: str, stats_key: str | None = None, **overrides: object) -> RedisBlockStore:
+    extra = {"redis_url": url, "read_timeout_s": READ_TIMEOUT_S, **overrides}
+    return RedisBlockStore(RedisTierConfig.from_extra_config(extra, env={}), stats_key=stats_key)
+
+
+def _keys(namespace: str, groups: int = 3, per_group: int = 40) -> list[str]:
+    ks = KeySpace("hma", namespace)
+    return [ks.block_key(g, i.to_bytes(8, "big")) for g in range(groups) for i in range(per_group)]
+
+
+def _per_node(cluster: LocalCluster, keys: list[str]) -> Counter[int]:
+    owners = cluster.slot_owners()
+    return Counter(owners[key_slot(k.encode())] for k in keys)
+
+
+def _stats(client: redis.Redis) -> dict[str, int]:
+    """Read events and per-command calls, from one INFO call (itself one read event)."""
+    info = client.info("stats", "commandstats")
+    calls = {
+        n.removeprefix("cmdstat_"): int(v["calls"]) for n, v in info.items() if n[:8] == "cmdstat_"
+    }
+    return {"reads": int(info["total_reads_processed"]), **calls}
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts", "tls"),
+    [
+        ("redis+cluster://h1:7000,h2:7001/", (("h1", 7000), ("h2", 7001)), False),
+        ("redis+cluster://h1", (("h1", 6379),), False),
+        ("rediss+cluster://u:p%40ss@h1:7000,[::1]:7001/0", (("h1", 7000), ("::1", 7001)), True),
+    ],
+)
+def test_cluster_url_forms(url: str, hosts: tuple[tuple[str, int], ...], tls: bool) -> None:
+    cfg = RedisTierConfig.from_extra_config({"redis_url": url}, env={})
+    assert cfg.topology.kind == "cluster"
+    assert (cfg.topology.hosts, cfg.tls, cfg.db) == (hosts, tls, 0)
+    if "@" in url:
+        assert (cfg.username, cfg.password) == ("u", "p@ss")
+        assert "p%40ss" not in cfg.redacted_url and "***@h1:7000,[::1]:7001" in cfg.redacted_url
+
+
+@pytest.mark.parametrize(
+    ("url", "field"),
+    [
+        ("redis+cluster://h1:7000/2", "db must be 0"),
+        ("redis+cluster://u:pw@h1:7000,h2:99999/", "invalid host or port"),
+        ("redis+cluster://u:pw@h1:7000,,h2/", "invalid host or port"),
+        ("redis+cluster:///", "no host"),
+    ],
+)
+def test_bad_cluster_urls_fail_with_one_redacted_line(url: str, field: str) -> None:
+    with pytest.raises(ValueError, match=field) as info:
+        RedisTierConfig.from_extra_config({"redis_url": url}, env={})
+    assert ":pw@" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cluster_url_gives_a_cluster_client_with_the_tier_timeouts(clean: LocalCluster) -> None:
+    store = _store(clean.url, connect_timeout_s=0.7, pool_size=3)
+    try:
+        assert isinstance(store.client, RedisCluster)
+        store.ping()
+        store.exists(_keys("opts"))  # connect to every node
+        nodes = store.client.get_nodes()
+        assert sorted(n.port for n in nodes) == sorted(clean.ports)
+        for node in nodes:
+            pool = node.redis_connection.connection_pool
+            assert isinstance(pool, redis.BlockingConnectionPool)
+            assert pool.max_connections == 3
+            kwargs = pool.connection_kwargs
+            assert kwargs["socket_timeout"] == READ_TIMEOUT_S
+            assert kwargs["socket_connect_timeout"] == 0.7
+            assert (kwargs["username"], kwargs["password"]) == (USER, PASSWORD)
+            assert kwargs["retry"].get_retries() == 0
+        assert store.client.retry.get_retries() == 0
+        # Values go through connections whose packer never copies them.
+        bulk_node = store._bulk.get_nodes()[0]
+        connection_class = bulk_node.redis_connection.connection_pool.connection_class
+        assert connection_class.__name__ == "ZeroCopyConnection"
+    finally:
+        store.close()
+
+
+def test_exists_across_three_groups_returns_exact_flags(clean: LocalCluster) -> None:
+    store = _store(clean.url)
+    keys = _keys("flags")
+    present = [k for i, k in enumerate(keys) if i % 3 == 0 or i % 7 == 1]
+    assert set(store.put_if_absent([(k, b"v") for k in present])) == {PutResult.STORED}
+    assert store.exists(keys) == [k in present for k in keys]
+    # The keys really are spread over the three masters.
+    assert all(n > 0 for n in _per_node(clean, present).values())
+    assert len(_per_node(clean, present)) == 3
+    store.close()
+
+
+def test_a_lookup_is_one_round_trip_per_node_with_the_counters_riding_along(
+    clean: LocalCluster,
+) -> None:
+    ks = KeySpace("hma", "trips")
+    store = _store(clean.url, stats_key=ks.stats_key())
+    keys = _keys("trips")
+    store.put_if_absent([(k, b"v") for k in keys[::2]])
+    store.exists(keys)  # every node's connection is open: no HELLO inside the measurement
+    clients = clean.clients()
+    store.counters.add(lookups=1, lookup_keys=len(keys))
+    trips = store.round_trips
+    before = [_stats(c) for c in clients]
+    found = store.exists(keys)
+    after = [_stats(c) for c in clients]
+    assert found == [i % 2 == 0 for i in range(len(keys))]
+    assert store.round_trips == trips + 1
+
+    expected = _per_node(clean, keys)
+    stats_port = clean.slot_owners()[key_slot(ks.stats_key().encode())]
+    for client, b, a, port in zip(clients, before, after, clean.ports, strict=True):
+        delta = {k: a.get(k, 0) - b.get(k, 0) for k in a}
+        # One batch per node: usually one read event (the other one is our second INFO). TCP may
+        # split the batch into a few reads on a loaded machine, but never one read per key.
+        assert 1 <= delta["reads"] - 1 < max(4, expected[port] // 4), (port, delta)
+        # One EXISTS per key that lives on this node, nothing else (no per-key GETKEYS).
+        assert delta.get("exists", 0) == expected[port], (port, delta)
+        assert delta.get("command|getkeys", 0) == 0, (port, delta)
+        assert delta.get("hincrby", 0) == (2 if port == stats_port else 0), (port, delta)
+        client.close()
+    with clean.clients()[clean.ports.index(stats_port)] as client:
+        counters = client.hgetall(ks.stats_key())
+    assert counters == {b"lookups": b"1", b"lookup_keys": str(len(keys)).encode()}
+    store.close()
+
+
+def test_put_get_and_dedup(clean: LocalCluster) -> None:
+    store = _store(clean.url)
+    keys = _keys("values", per_group=20)
+    values = {k: os.urandom(64 * 1024) for k in keys}
+    # memoryviews go through the zero-copy packer of the bulk client.
+    first = store.put_if_absent([(k, memoryview(v)) for k, v in values.items()])
+    assert first == [PutResult.STORED] * len(keys)
+    again = store.put_if_absent([(k, b"other") for k in keys[:10]] + [(keys[0] + "x", b"n")])
+    assert again == [PutResult.EXISTED] * 10 + [PutResult.STORED]
+    assert store.get([*keys, "hma:values:missing"]) == [*(values[k] for k in keys), None]
+    assert store.delete(keys[:5]) == 5
+    assert store.exists(keys[:6]) == [False] * 5 + [True]
+    assert store.breaker.state is BreakerState.CLOSED
+    store.close()
+
+
+def test_get_into_fills_the_callers_buffers_and_bounds_each_value(clean: LocalCluster) -> None:
+    store = _store(clean.url)
+    keys = _keys("bounded", groups=1, per_group=6)
+    values = {k: os.urandom(n) for k, n in zip(keys, [100, 5000, 0, 100, 100], strict=False)}
+    store.put_if_absent(list(values.items()))
+    given: list[memoryview] = []
+
+    def alloc(nbytes: int) -> memoryview:
+        given.append(memoryview(bytearray(nbytes)))
+        return given[-1]
+
+    got = store.get_into(keys, alloc, max_bytes=[100] * len(keys))
+    assert got[1] == OversizedValue(101)  # read no further than one byte past its bound
+    assert got[5] is None  # missing
+    present = [got[i] for i in (0, 2, 3, 4)]
+    assert [bytes(v) for v in present] == [values[keys[i]] for i in (0, 2, 3, 4)]
+    # Every value is in memory alloc gave (writable, reusable), never a view of redis-py's bytes.
+    assert all(v is g for v, g in zip(present, given, strict=True))
+    assert sorted(g.nbytes for g in given) == [0, 100, 100, 100]
+    store.close()
+
+
+def test_buffered_pages_keep_storing_after_loads(clean: LocalCluster) -> None:
+    """Pages the engine cannot address in place (a GPU's, here a strided CPU view) go through
+    pooled buffers: buffers that served loads are reused by stores."""
+    store = _store(clean.url)
+    pages = make_pages(store, strided=True)
+    try:
+        assert pages.store_job(1, chunks(SRC)).ok
+        assert pages.load_job(2, chunks(DST)).ok
+        assert pages.moved(SRC, DST)
+        others = tuple([h[:-1] + b"\xee" for h in group] for group in HASHES)  # same sizes
+        assert pages.store_job(3, chunks(SRC, others)).ok
+        totals = store.counters.snapshot()
+        assert totals["stored_chunks"] == 8
+        assert totals.get("store_failed_chunks", 0) == 0
+        found = 0
+        for client in clean.clients():
+            with client:
+                found += sum(1 for _ in client.scan_iter(match="hma:worker-test:g*"))
+        assert found == 8
+    finally:
+        pages.close()
+        store.close()
+
+
+def test_a_resharded_slot_is_followed_by_redirection(clean: LocalCluster) -> None:
+    store = _store(clean.url)
+    keys = _keys("moved", groups=1, per_group=30)
+    store.put_if_absent([(k, b"v") for k in keys])
+    assert store.exists(keys) == [True] * len(keys)  # the client has cached the slot table
+    slot = key_slot(keys[0].encode())
+    owner = clean.slot_owners()[slot]
+    target = next(p for p in clean.ports if p != owner)
+    clean.move_slot(slot, target)
+
+    assert store.exists(keys) == [True] * len(keys)
+    assert store.get(keys[:1]) == [b"v"]
+    new_key = next(
+        k for k in (f"hma:moved:g0:{i:x}" for i in range(100000)) if key_slot(k.encode()) == slot
+    )
+    assert store.put_if_absent([(new_key, b"n")]) == [PutResult.STORED]
+    with redis.Redis(port=target, username=USER, password=PASSWORD) as client:
+        assert client.get(new_key) == b"n"
+    assert store.breaker.state is BreakerState.CLOSED
+    store.close()
+
+
+def test_a_stalled_node_costs_at_most_two_timeouts_then_the_tier_recovers(
+    clean: LocalCluster,
+) -> None:
+    store = _store(clean.url, retry_interval_s=0.5)
+    keys = _keys("stall")
+    store.put_if_absent([(k, b"v") for k in keys])
+    assert store.exists(keys) == [True] * len(keys)
+    node = clean.nodes[1]
+    node.pause()
+    try:
+        t0 = time.monotonic()
+        found = store.exists(keys)
+        took = time.monotonic() - t0
+        assert found == [False] * len(keys)
+        assert store.breaker.state is BreakerState.OPEN
+        # redis-py alone would re-send each of the node's ~40 commands with its own timeout.
+        assert took < 2 * READ_TIMEOUT_S + 1.0, took
+        assert store.put_if_absent([(keys[0], b"w")]) == [PutResult.FAILED]  # breaker: at once
+    finally:
+        node.resume()
+    clean.wait_ok()
+    deadline = time.monotonic() + 10
+    while store.exists(keys) != [True] * len(keys):
+        assert time.monotonic() < deadline, "the tier did not come back after the node resumed"
+        time.sleep(0.2)
+    assert store.breaker.state is BreakerState.CLOSED
+    store.close()
+
+
+def test_no_reachable_node_degrades_and_never_raises() -> None:
+    # Ports nothing listens on: building the store works (as with a plain URL), every call
+    # degrades, and ping() gives one clear, redacted line.
+    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
+    url = f"redis+cluster://{USER}:{PASSWORD}@{hosts}/"
+    store = _store(url, retry_interval_s=0.05, connect_timeout_s=0.2)
+    assert store.exists(["hma:x:g0:00"]) == [False]
+    time.sleep(0.06)
+    assert store.put_if_absent([("hma:x:g0:00", b"v")]) == [PutResult.FAILED]
+    time.sleep(0.06)
+    assert store.get(["hma:x:g0:00"]) == [None]
+    with pytest.raises(RedisUnavailableError) as info:
+        store.ping()
+    assert PASSWORD not in str(info.value) and "***" in str(info.value)
+    store.close()

@@ -1,0 +1,231 @@
+"""The transfer engine on CPU KV pages against a real Redis (no vLLM): pages land where they
+belong and nothing else changes, a bad job writes nothing and counts its chunks,
+``max_inflight_bytes`` bounds loads as well as stores, fairly, and a value longer than its chunk
+can be is refused without ever being held."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV, LayoutMismatch, _block_runs, _ByteBudget
+from tests.support.kv_pages import DST, NUM_BLOCKS, SRC, Pages, chunks, make_pages
+
+
+def _store(url: str) -> RedisBlockStore:
+    return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
+
+
+def _stored_keys(client) -> list[str]:
+    return sorted(k.decode() for k in client.scan_iter("hma:worker-test:g*"))
+
+
+@pytest.fixture(params=[False, True], ids=["in-place", "buffered"])
+def pages(request, redis_client, redis_url):
+    store = _store(redis_url)
+    rig = make_pages(store, strided=request.param)
+    yield rig
+    rig.close()
+    store.close()
+
+
+def test_block_runs_groups_consecutive_ids():
+    assert _block_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert _block_runs([7]) == [(0, 7, 1)]
+
+
+def test_store_then_load_moves_every_page_and_nothing_else(pages: Pages) -> None:
+    before = [t.clone() for t in pages.tensors]
+    stored = pages.store_job(1, chunks(SRC))
+    assert stored.ok and stored.is_store and stored.nbytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, pages.tensors, strict=True))
+
+    loaded = pages.load_job(2, chunks(DST))
+    assert loaded.ok and not loaded.is_store and loaded.nbytes == stored.nbytes
+    assert pages.moved(SRC, DST)
+    # Only the destination pages changed: padding bytes and every other block are as before.
+    for idx, (old, new) in enumerate(zip(before, pages.tensors, strict=True)):
+        group = 0 if idx < 3 else 1
+        page = 2500 if group == 0 else 1000
+        changed = torch.zeros_like(old, dtype=torch.bool)
+        changed[DST[group], :page] = True
+        assert torch.equal(old[~changed], new[~changed])
+
+
+def test_wait_returns_once_a_store_no_longer_reads_its_pages(pages: Pages) -> None:
+    pages.engine.submit_store(1, chunks(SRC))
+    pages.engine.wait({1, 99})  # 99: never submitted, returns at once
+    before = [t.clone() for t in pages.tensors]
+    for tensor in pages.tensors:
+        tensor.zero_()  # the pages may be reused now: what was read is stored as it was
+    for tensor, old in zip(pages.tensors, before, strict=True):
+        tensor.copy_(old)
+    deadline = time.monotonic() + 10
+    while not any(r.job_id == 1 for r in pages.engine.finished()):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert pages.load_job(2, chunks(DST)).ok
+    assert pages.moved(SRC, DST)
+
+
+def test_a_job_whose_layout_does_not_add_up_fails_and_counts_its_chunks(pages: Pages) -> None:
+    before = [t.clone() for t in pages.tensors]
+    assert pages.store_job(1, LayoutMismatch(5)).ok  # a store is best effort: nothing stored
+    assert pages.store.counters.snapshot()["store_failed_chunks"] == 5
+    failed = pages.load_job(2, LayoutMismatch(3))
+    assert not failed.ok and failed.nbytes == 0
+    totals = pages.store.counters.snapshot()
+    assert (totals["load_failed_jobs"], totals["load_failed_chunks"]) == (1, 3)
+    assert all(torch.equal(a, b) for a, b in zip(before, pages.tensors, strict=True))
+
+
+def test_store_job_that_raises_counts_every_chunk_as_failed(pages: Pages) -> None:
+    # A block id past the end of the KV cache: the job fails while it reads the pages.
+    bad = ([*SRC[0][:-1], NUM_BLOCKS + 5], SRC[1])
+    assert pages.store_job(1, chunks(bad)).ok
+    # Every chunk is counted once; those of the failed batch as failed.
+    totals = pages.store.counters.snapshot()
+    assert totals.get("stored_chunks", 0) + totals["store_failed_chunks"] == 4
+    assert totals["store_failed_chunks"] >= 1
+
+
+def test_corrupt_chunk_fails_the_load_before_any_page_is_written(pages: Pages, redis_client):
+    assert pages.store_job(1, chunks(SRC)).ok
+    keys = _stored_keys(redis_client)
+    assert len(keys) == 4
+    victim = keys[-1]
+    value = bytearray(redis_client.get(victim))
+    value[-1] ^= 0xFF  # one flipped bit in the last page of the last layer
+    redis_client.set(victim, bytes(value))
+
+    before = [t.clone() for t in pages.tensors]
+    assert not pages.load_job(2, chunks(DST)).ok
+    assert all(torch.equal(a, b) for a, b in zip(before, pages.tensors, strict=True))
+    assert redis_client.exists(victim) == 0  # dropped, so the recompute can store a good copy
+    assert redis_client.exists(*keys[:-1]) == 3
+
+
+# ---------------------------------------------------------------------------------- bounds
+
+
+def test_concurrent_loads_never_hold_more_than_the_budget(redis_client, redis_url, monkeypatch):
+    # Every load pauses before its GETs, so the four loads reach Redis together.
+    monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "0.3")
+    budget = 100_000  # one load (~77 kB of values) fits, two do not
+    store = _store(redis_url)
+    rig = make_pages(store, max_inflight_bytes=budget, io_threads=4)
+    try:
+        assert rig.store_job(1, chunks(SRC)).ok
+        values = sum(redis_client.strlen(k) for k in _stored_keys(redis_client))
+        assert budget / 2 < values <= budget
+
+        jobs = range(10, 14)
+        for job in jobs:
+            rig.engine.submit_load(job, chunks(DST))
+        finished: dict[int, bool] = {}
+        deadline = time.monotonic() + 20
+        while set(finished) != set(jobs):
+            assert time.monotonic() < deadline, f"loads {set(jobs) - set(finished)} did not finish"
+            finished |= {r.job_id: r.ok for r in rig.engine.finished()}
+            time.sleep(0.01)
+        assert all(finished.values())
+        assert values <= rig.engine.peak_buffer_bytes <= budget
+    finally:
+        rig.close()
+        store.close()
+
+
+def test_a_value_longer_than_its_chunk_is_refused_unread_and_deleted(redis_client, redis_url):
+    store = _store(redis_url)
+    rig = make_pages(store)
+    try:
+        assert rig.store_job(1, chunks(SRC)).ok
+        keys = _stored_keys(redis_client)
+        victim = keys[0]
+        redis_client.set(victim, os.urandom(1 << 20) * 64)  # 64 MiB of junk under a chunk key
+        before = [t.clone() for t in rig.tensors]
+
+        assert not rig.load_job(2, chunks(DST)).ok
+        # Refused as corrupt: the request is recomputed, nothing was written, the value is gone
+        # (so the recompute's store can put a good one there).
+        assert all(torch.equal(a, b) for a, b in zip(before, rig.tensors, strict=True))
+        assert redis_client.exists(victim) == 0
+        assert redis_client.exists(*keys[1:]) == len(keys) - 1
+        assert store.counters.snapshot()["load_failed_jobs"] == 1
+        # No buffer of that size was ever taken: the 64 MiB went through a small scratch buffer.
+        assert rig.engine.peak_buffer_bytes < 1 << 20
+        assert store.breaker.failures == 0
+
+        # The connection it arrived on is clean: the tier heals and serves the chunk again.
+        assert rig.store_job(3, chunks(SRC)).ok
+        assert rig.load_job(4, chunks(DST)).ok
+        assert rig.moved(SRC, DST)
+    finally:
+        rig.close()
+        store.close()
+
+
+# ---------------------------------------------------------------------------------- fairness
+
+
+def _acquire_in_thread(budget: _ByteBudget, nbytes: int, load: bool) -> threading.Event:
+    """Start a thread that acquires ``nbytes``; the event is set once it holds them."""
+    holding = threading.Event()
+
+    def run() -> None:
+        budget.acquire(nbytes, load=load)
+        holding.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return holding
+
+
+def test_a_waiting_load_goes_before_stores_that_would_fit():
+    budget = _ByteBudget(100)
+    budget.acquire(60, load=False)
+    load = _acquire_in_thread(budget, 50, load=True)  # does not fit yet: waits
+    time.sleep(0.1)
+    store = _acquire_in_thread(budget, 10, load=False)  # would fit, but a load waits
+    assert not store.wait(0.3)
+    assert not load.is_set()
+    budget.release(60)
+    assert load.wait(2) and store.wait(2)
+
+
+def test_a_load_larger_than_the_budget_is_not_starved_by_steady_stores():
+    budget = _ByteBudget(100)
+    stop = threading.Event()
+    big_holds = threading.Event()
+    overlaps: list[int] = []
+
+    def steady_stores() -> None:
+        # Each holds 40 for a moment and comes straight back: two of three always hold some.
+        while not stop.is_set():
+            budget.acquire(40, load=False)
+            if big_holds.is_set():
+                overlaps.append(1)
+            time.sleep(0.005)
+            budget.release(40)
+
+    threads = [threading.Thread(target=steady_stores, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.1)
+    try:
+        big = _acquire_in_thread(budget, 150, load=True)
+        assert big.wait(2.0), "the oversize load never got the budget"
+        big_holds.set()
+        time.sleep(0.1)  # it runs alone: no store acquires meanwhile
+        big_holds.clear()
+        budget.release(150)
+        assert not overlaps
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(2)

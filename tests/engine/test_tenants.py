@@ -1,0 +1,175 @@
+"""Tenants kept apart across real vLLM engines (separate processes) sharing one Redis:
+``cache_salt`` keeps tenants with different salts apart and still shares within a tenant, and
+only instances with the same ``auth_key`` share KV; tokens are identical to a run without the
+tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from hma_redis.core import codec
+from hma_redis.core.keys import parse_block_key
+from hma_redis.tools.demo.engine import RESULT_PREFIX
+from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_llama
+from tests.support.engine_runner import REPO_ROOT, child_env, make_prompts
+from tests.support.salt_child import SALT_ENV
+from tests.support.tier import chunk_aligned_prefix, tier_config
+
+pytestmark = pytest.mark.engine
+
+# --------------------------------------------------------------------------------- cache_salt
+
+SALT_PROMPT_LEN = 700
+SALT_MAX_TOKENS = 8
+SALT_TIMEOUT_S = 900.0
+
+
+def _salted_runs(runs: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    """Run each ``{"salt": str | None, "tier": dict | None, "prompts": ..., "env": {...}}``
+    (``env`` optional) as its own vLLM instance (forked process), in order; return each run's
+    result payload."""
+    with tempfile.TemporaryDirectory(prefix="hma-salt-") as tmp:
+        requests = []
+        for i, run in enumerate(runs):
+            salt_env = {SALT_ENV: run["salt"]} if run["salt"] else {}
+            env = child_env({**salt_env, **run.get("env", {})})
+            if not run["salt"]:
+                env.pop(SALT_ENV, None)
+            if "HMA_REDIS_AUTH_KEY" not in run.get("env", {}):
+                env.pop("HMA_REDIS_AUTH_KEY", None)
+            job = {
+                "model": model,
+                "prompts": run["prompts"],
+                "max_tokens": SALT_MAX_TOKENS,
+                "kv_transfer_config": run["tier"],
+                "block_size": None,
+                "reset_prefix_cache_between": True,
+                "dtype": "float32",
+                "max_model_len": 2048,
+                "llm_kwargs": {},
+            }
+            requests.append(
+                {
+                    "job": job,
+                    "env": env,
+                    "cwd": REPO_ROOT,
+                    "stdout_path": os.path.join(tmp, f"{i}.out"),
+                    "stderr_path": os.path.join(tmp, f"{i}.err"),
+                }
+            )
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.support.salt_child"],
+            input=json.dumps(requests),
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            cwd=REPO_ROOT,
+            timeout=SALT_TIMEOUT_S,
+        )
+        payloads: list[dict[str, Any]] = []
+        for request in requests:
+            out = Path(request["stdout_path"])
+            err = Path(request["stderr_path"])
+            stdout = out.read_text(errors="replace") if out.exists() else ""
+            stderr = err.read_text(errors="replace") if err.exists() else ""
+            lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+            assert len(lines) == 1, (
+                f"salted engine run {len(payloads)} failed (child exit {proc.returncode}); "
+                f"child stderr:\n{proc.stderr[-2000:]}\nrun stderr:\n{stderr[-3000:]}"
+            )
+            payload = json.loads(lines[0][len(RESULT_PREFIX) :])
+            payload["stderr_tail"] = stderr[-3000:]
+            payloads.append(payload)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return payloads
+
+
+def test_cache_salt_keeps_tenants_apart_across_engines(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    model = build_llama(tmp_path / "llama")
+    prompts = make_prompts(seed=77, n=1, length=SALT_PROMPT_LEN, vocab=VOCAB_SIZE)
+    tier = tier_config(redis_url)
+    baseline, a, b, c, unsalted = _salted_runs(
+        [
+            {"salt": None, "tier": None, "prompts": prompts},  # no tier at all
+            {"salt": "tenant-a", "tier": tier, "prompts": prompts},  # computes and stores
+            {"salt": "tenant-b", "tier": tier, "prompts": prompts},  # other tenant: no hits
+            {"salt": "tenant-a", "tier": tier, "prompts": prompts},  # same tenant: loads
+            {"salt": None, "tier": tier, "prompts": prompts},  # no salt: no hits either
+        ],
+        model,
+    )
+
+    def cached(run: dict[str, Any]) -> int:
+        return int(run["results"][0]["num_cached_tokens"])
+
+    def tokens(run: dict[str, Any]) -> list[int]:
+        return list(run["results"][0]["token_ids"])
+
+    assert cached(a) == 0, a["stderr_tail"]
+    assert cached(b) == 0, f"tenant-b hit tenant-a's blocks\n{b['stderr_tail']}"
+    assert cached(unsalted) == 0, (
+        f"an unsalted request hit salted blocks\n{unsalted['stderr_tail']}"
+    )
+    aligned = chunk_aligned_prefix(SALT_PROMPT_LEN, int(c["block_size"]))
+    assert aligned > 0
+    assert cached(c) == aligned, f"tenant-a did not load its own blocks\n{c['stderr_tail']}"
+    for name, run in (("A", a), ("B", b), ("C", c), ("unsalted", unsalted)):
+        assert tokens(run) == tokens(baseline), f"engine {name}: tokens differ from baseline"
+    # Each tenant stored its own copy of the prefix (A, B and the unsalted run; C stored
+    # nothing new): three sets of distinct keys, one per whole chunk of the prompt.
+    keys = [k.decode() for k in redis_client.scan_iter(match="hma:*", count=1000)]
+    block_keys = [k for k in keys if parse_block_key(k) is not None]
+    assert len(block_keys) == 3 * (aligned // int(c["block_size"])), sorted(keys)
+
+
+# ---------------------------------------------------------------------------------- auth_key
+
+
+def test_auth_key_shares_kv_only_between_instances_with_the_same_key(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    model = build_llama(tmp_path / "llama")
+    prompts = make_prompts(seed=78, n=1, length=SALT_PROMPT_LEN, vocab=VOCAB_SIZE)
+    tier = tier_config(redis_url)
+    key_a = {"HMA_REDIS_AUTH_KEY": "key-a-" + "0123456789" * 3}
+    key_b = {"HMA_REDIS_AUTH_KEY": "key-b-" + "0123456789" * 3}
+    baseline, a, a2, b, unkeyed = _salted_runs(
+        [
+            {"salt": None, "tier": None, "prompts": prompts},  # no tier at all
+            {"salt": None, "tier": tier, "prompts": prompts, "env": key_a},  # stores, MAC'd
+            {"salt": None, "tier": tier, "prompts": prompts, "env": key_a},  # same key: loads
+            {"salt": None, "tier": tier, "prompts": prompts, "env": key_b},  # other key: no hits
+            {"salt": None, "tier": tier, "prompts": prompts},  # no key: no hits either
+        ],
+        model,
+    )
+
+    def cached(run: dict[str, Any]) -> int:
+        return int(run["results"][0]["num_cached_tokens"])
+
+    aligned = chunk_aligned_prefix(SALT_PROMPT_LEN, int(a2["block_size"]))
+    assert aligned > 0
+    assert cached(a) == 0, a["stderr_tail"]
+    assert cached(a2) == aligned, f"same auth_key did not load\n{a2['stderr_tail']}"
+    assert cached(b) == 0, f"another auth_key hit key-a's values\n{b['stderr_tail']}"
+    assert cached(unkeyed) == 0, f"an unkeyed instance hit MAC'd values\n{unkeyed['stderr_tail']}"
+    for name, run in (("A", a), ("A2", a2), ("B", b), ("unkeyed", unkeyed)):
+        assert run["results"][0]["token_ids"] == baseline["results"][0]["token_ids"], name
+    for run in (a, a2, b, unkeyed):
+        assert key_a["HMA_REDIS_AUTH_KEY"] not in run["stderr_tail"]
+    # Keyed instances wrote MAC'd values (A; B its own), the unkeyed one plain values.
+    keys = [k for k in redis_client.scan_iter(match="hma:*", count=1000)]
+    values = [redis_client.get(k) for k in keys if parse_block_key(k.decode()) is not None]
+    per_set = aligned // int(a2["block_size"])
+    assert sorted(codec.has_mac(v) for v in values) == [False] * per_set + [True] * 2 * per_set

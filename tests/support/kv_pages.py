@@ -1,0 +1,151 @@
+"""CPU KV pages of two KV groups for the transfer engine's tests (no vLLM).
+
+Group 0: three layers in tensors whose rows are padded past the page; group 1: two layers of
+unpadded rows (as vLLM lays out a hybrid model whose groups have different page sizes). The
+chunks of a job mirror what the vLLM adapter plans for ``GPULoadStoreSpec(ids, [8, 6], [0, 2])``:
+group 0 two whole chunks, group 1 starting mid-chunk (a sliding window keeps only the last two
+blocks of its first chunk), then one whole chunk. The Redis keys are the adapter's too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.transfer import (
+    ChunkTransfer,
+    JobChunks,
+    JobResult,
+    LayerSource,
+    TransferEngine,
+    ValueFormat,
+)
+
+NUM_BLOCKS = 40
+BPC = 4  # blocks per chunk
+ROW0, PAGE0 = 3000, 2500
+PAGE1 = 1000
+PAGES = (PAGE0, PAGE1)
+LAYERS = ((0, 1, 2), (3, 4))  # tensor indices of each group's layers
+KEYSPACE = KeySpace("hma", "worker-test")
+# Block ids of a job per group; runs of consecutive blocks and gaps.
+SRC = ([3, 4, 5, 9, 10, 2, 20, 21], [7, 8, 11, 12, 13, 14])
+DST = ([30, 31, 32, 33, 0, 36, 38, 39], [25, 26, 27, 18, 34, 35])
+# The block hashes of the job's chunks, per group.
+HASHES = ([bytes([1]) * 16, bytes([2]) * 16], [bytes([3]) * 16, bytes([4]) * 16])
+FIRST_INDEX = (0, 2)  # each group's first block, as an index into its chunks' blocks
+
+
+def kv_tensors(strided: bool = False) -> list[torch.Tensor]:
+    """Random int8 KV caches of both groups. ``strided``: each layer a non-contiguous view (rows
+    of a wider tensor), which the engine cannot address as host memory: it goes through value
+    buffers and torch copies, as a GPU KV cache does."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(NUM_BLOCKS, ROW0)] * 3 + [(NUM_BLOCKS, PAGE1)] * 2
+    tensors = [torch.randint(-128, 128, s, dtype=torch.int8, generator=gen) for s in shapes]
+    if strided:
+        tensors = [torch.cat([t, t[:, :16]], dim=1)[:, : t.shape[1]] for t in tensors]
+        assert not any(t.is_contiguous() for t in tensors)
+    return tensors
+
+
+def layer_groups(tensors: Sequence[torch.Tensor]) -> list[list[LayerSource]]:
+    return [
+        [LayerSource.of(tensors[i], page) for i in layers]
+        for layers, page in zip(LAYERS, PAGES, strict=True)
+    ]
+
+
+def chunks(
+    ids: tuple[list[int], list[int]],
+    hashes: tuple[list[bytes], list[bytes]] = HASHES,
+    blocks_per_chunk: int = BPC,
+) -> list[ChunkTransfer]:
+    """The job's chunks: each group's block ids cut into chunks from its first index on."""
+    out: list[ChunkTransfer] = []
+    for group, (group_ids, group_hashes) in enumerate(zip(ids, hashes, strict=True)):
+        start, taken = FIRST_INDEX[group] % blocks_per_chunk, 0
+        for block_hash in group_hashes:
+            count = min(blocks_per_chunk - start, len(group_ids) - taken)
+            out.append(
+                ChunkTransfer(
+                    redis_key=KEYSPACE.block_key(group, block_hash),
+                    group=group,
+                    group_pos=group,
+                    start=start,
+                    block_ids=tuple(group_ids[taken : taken + count]),
+                )
+            )
+            taken += count
+            start = 0
+    return out
+
+
+@dataclass
+class Pages:
+    """A transfer engine over fresh CPU KV caches (see :func:`kv_tensors`)."""
+
+    engine: TransferEngine
+    tensors: list[torch.Tensor]
+    store: RedisBlockStore
+
+    def run(
+        self, job_id: int, submit: Callable[[int, JobChunks], None], job: JobChunks
+    ) -> JobResult:
+        """Submit one job (``self.engine.submit_store`` or ``submit_load``) and wait for it."""
+        submit(job_id, job)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for result in self.engine.finished():
+                if result.job_id == job_id:
+                    return result
+            time.sleep(0.001)
+        raise AssertionError(f"job {job_id} did not finish")
+
+    def store_job(self, job_id: int, job: JobChunks) -> JobResult:
+        return self.run(job_id, self.engine.submit_store, job)
+
+    def load_job(self, job_id: int, job: JobChunks) -> JobResult:
+        return self.run(job_id, self.engine.submit_load, job)
+
+    def pages(self, group: int, ids: list[int]) -> list[torch.Tensor]:
+        """Copies of the pages (without row padding) of ``ids`` in every layer of ``group``."""
+        return [self.tensors[i][ids, : PAGES[group]].clone() for i in LAYERS[group]]
+
+    def moved(self, src: tuple[list[int], list[int]], dst: tuple[list[int], list[int]]) -> bool:
+        """Whether every page of ``src`` equals the page at ``dst``, in every layer."""
+        return all(
+            torch.equal(a, b)
+            for group in (0, 1)
+            for a, b in zip(
+                self.pages(group, dst[group]), self.pages(group, src[group]), strict=True
+            )
+        )
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def make_pages(
+    store: RedisBlockStore,
+    strided: bool = False,
+    max_inflight_bytes: int = 1 << 24,
+    io_threads: int = 2,
+    auth_key: bytes | None = None,
+) -> Pages:
+    tensors = kv_tensors(strided)
+    engine = TransferEngine(
+        store,
+        layer_groups(tensors),
+        ValueFormat(kv_dtype="int8", auth_key=auth_key),
+        blocks_per_chunk=BPC,
+        io_threads=io_threads,
+        max_inflight_bytes=max_inflight_bytes,
+        shutdown_timeout_s=1.0,
+    )
+    return Pages(engine, tensors, store)

@@ -1,0 +1,72 @@
+"""A loopback TCP proxy that breaks a connection part way: a network that stalls or drops
+in the middle of a value.
+
+Each new connection forwards at most ``limit`` bytes of the server's replies and at most
+``request_limit`` bytes of the client's requests, then either stops forwarding that way while
+keeping the connection open (``"stall"``) or closes it (``"close"``). ``None`` forwards
+everything. Settings apply to connections accepted after they are changed, so a client that
+reconnects can be let through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from typing import Literal
+
+from hma_redis.tools.demo.local_redis import free_port
+
+
+class BreakingProxy:
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self.limit: int | None = None
+        self.request_limit: int | None = None
+        self.mode: Literal["stall", "close"] = "stall"
+        self.connections = 0
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._sockets += [client, server]
+            self.connections += 1
+            threading.Thread(
+                target=self._pump, args=(client, server, self.request_limit), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump, args=(server, client, self.limit), daemon=True
+            ).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        sent = 0
+        mode = self.mode
+        with contextlib.suppress(OSError):
+            while limit is None or sent < limit:
+                data = src.recv(65536 if limit is None else min(65536, limit - sent))
+                if not data:
+                    break
+                dst.sendall(data)
+                sent += len(data)
+            if mode == "close" or limit is None:
+                src.close()
+                dst.close()
+        # "stall": keep both sockets open and forward nothing more.
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()

@@ -1,0 +1,148 @@
+"""CI smoke of the benchmarks: every measured path must move the right bytes (speed is not
+checked here; see docs/performance.md); and ``hma-redis bench`` keeps credentials off every
+command line and reports any failure as one line."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import redis
+
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.tools.bench import store as bench_store
+from hma_redis.tools.bench import tier as bench_tier
+from hma_redis.tools.bench.common import (
+    PASSWORD_SKIP_NOTE,
+    RedisBenchmarkSkipped,
+    redis_benchmark_args,
+)
+from hma_redis.tools.cli.main import main
+from hma_redis.tools.demo.local_redis import LocalRedis
+
+SECRET = "bench-Pw#/?s3cret"
+
+
+def test_tier_benchmark_smoke_round_trips_its_bytes(capsys) -> None:  # type: ignore[no-untyped-def]
+    bench_tier.main(["--smoke"])  # raises if a round trip came back wrong
+    out = capsys.readouterr().out
+    assert "smoke: every measured path round-tripped its bytes and answered right" in out
+    assert "redis-benchmark -h 127.0.0.1 -p " in out  # it ran, told where by host and port
+
+
+def test_store_benchmark_smoke_round_trips_its_bytes(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert bench_store.main(["--smoke"]) == 0  # raises if a round trip came back wrong
+    out = capsys.readouterr().out
+    assert "smoke: every store call round-tripped its bytes and answered right" in out
+    assert "redis-benchmark -h 127.0.0.1 -p " in out
+    assert "put_if_absent / SET" in out and "get / GET" in out
+
+
+@pytest.mark.parametrize(
+    ("url", "extra", "target"),
+    [
+        ("redis://10.0.0.7:6390/3", {}, ["-h", "10.0.0.7", "-p", "6390", "--dbnum", "3"]),
+        ("redis://u@h:1/0", {}, ["-h", "h", "-p", "1"]),
+        ("unix:///run/redis.sock", {}, ["-s", "/run/redis.sock"]),
+        ("rediss://h:6380/0", {"tls_verify": False},
+         ["-h", "h", "-p", "6380", "--tls", "--insecure"]),
+    ],
+)  # fmt: skip
+def test_redis_benchmark_is_told_where_never_a_url(url: str, extra: dict, target: list[str]):
+    cfg = RedisTierConfig.from_extra_config({"redis_url": url, **extra}, env={})
+    args = redis_benchmark_args(cfg, bench_tier.SMOKE, 512 * 1024)
+    assert args[1 : 1 + len(target)] == target
+    assert not any("://" in arg for arg in args)
+    assert "-a" not in args and "-u" not in args and "--user" not in args
+
+
+@pytest.mark.parametrize("url", [f"redis://u:{quote(SECRET, safe='')}@h:1/0", "redis://h:1/0"])
+def test_redis_benchmark_is_skipped_rather_than_given_a_password(url: str):
+    cfg = RedisTierConfig.from_extra_config(
+        {"redis_url": url}, env={"HMA_REDIS_PASSWORD": SECRET}, warn_credentials=False
+    )
+    assert cfg.password == SECRET
+    with pytest.raises(RedisBenchmarkSkipped, match="only on its command line"):
+        redis_benchmark_args(cfg, bench_tier.SMOKE, 512 * 1024)
+
+
+@pytest.fixture
+def protected() -> Iterator[LocalRedis]:
+    """A private redis-server whose default user needs SECRET (set after start-up, so the
+    password is not on the server's own command line either)."""
+    server = LocalRedis().start()
+    with redis.Redis(port=server.port) as client:
+        client.config_set("requirepass", SECRET)
+    yield server
+    server.stop()
+
+
+class _CommandLineWatch:
+    """Every command line of this user's processes, sampled while a block runs."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _CommandLineWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        raw = (entry / "cmdline").read_bytes()
+                    except OSError:
+                        continue  # gone, or not ours to read
+                    self.seen.add(raw.replace(b"\0", b" ").decode(errors="replace"))
+            self._stop.wait(0.005)
+
+
+def test_bench_with_a_password_keeps_it_off_every_command_line(protected, capsys) -> None:
+    url = f"redis://127.0.0.1:{protected.port}/0"
+    with _CommandLineWatch() as watch:
+        code = main(["--url", url, "bench", "--smoke", "--password", SECRET])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert PASSWORD_SKIP_NOTE in out
+    assert "smoke: every measured path round-tripped its bytes" in out
+    assert SECRET not in out + err
+    assert [c for c in watch.seen if SECRET in c] == []
+    assert any("redis-server" in c for c in watch.seen)  # the watch did watch
+
+
+def test_a_failing_bench_is_one_line_without_the_password(protected, capsys) -> None:
+    url = f"redis://127.0.0.1:{protected.port}/0"
+    code = main(["--url", url, "--password", f"wrong-{SECRET}", "bench", "--smoke"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert err.startswith("hma-redis: bench: ") and err.count("\n") == 1, err
+    assert SECRET not in out + err and "Traceback" not in out + err
+
+
+def test_a_failing_redis_benchmark_is_one_line(capsys) -> None:
+    """redis-benchmark refused (an ACL that keeps the default user to the tier's keys): one
+    line saying so, never a traceback with its command line."""
+    server = LocalRedis().start()
+    try:
+        with redis.Redis(port=server.port) as client:
+            client.acl_setuser(
+                "default", enabled=True, nopass=True, reset_keys=True, keys=["hma:*"]
+            )
+        code = main(["--url", server.url, "bench", "--smoke"])
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("hma-redis: bench: redis-benchmark exited with status 1: ")
+    assert "NOPERM" in err and err.count("\n") == 1 and "Traceback" not in err

@@ -1,0 +1,647 @@
+"""The ``hma-redis`` CLI against a real Redis holding real encoded blocks."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import re
+import shlex
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from hma_redis.core import codec
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace, RedisKey
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.tools.cli.main import main
+from hma_redis.tools.demo.local_redis import free_port
+from tests.support.cli_run import (
+    FINGERPRINT,
+    Run,
+    assert_one_line_error,
+    block_header,
+    run_script,
+    write_blocks,
+)
+
+OTHER_NS = "other-deployment"
+FOREIGN_KEYS = {"user:session:1": b"keep me", "hmax:not-ours": b"keep me too"}
+SECRET = "s3cret-Pw"
+
+
+@dataclass(frozen=True)
+class Populated:
+    ns: str  # the namespace under test: 3 chunks in group 0, 1 in group 1, info, stats
+    blocks: dict[int, list[RedisKey]]
+    other_blocks: list[RedisKey]  # OTHER_NS: 2 chunks in group 0, and its info
+
+
+@pytest.fixture
+def populated(redis_client: redis.Redis, redis_url: str) -> Iterator[Populated]:
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}))
+    ns = FINGERPRINT.namespace_id()
+    keys = KeySpace("hma", ns)
+    written = write_blocks(store, keys, [(0, 16), (0, 16), (0, 16), (1, 8)])
+    assert store.write_info(keys.info_key(), FINGERPRINT.info_fields())
+    redis_client.hset(keys.stats_key(), mapping={"lookups": 7, "hit_chunks": 5})
+    other = KeySpace("hma", OTHER_NS)
+    other_blocks = write_blocks(store, other, [(0, 16), (0, 16)])
+    assert store.write_info(other.info_key(), {"model": "another-model"})
+    redis_client.mset(FOREIGN_KEYS)
+    store.close()
+    yield Populated(ns, {0: written[:3], 1: written[3:]}, other_blocks)
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], redis_url: str) -> Any:
+    """Run ``hma-redis --url <session redis> ARGS...`` in-process."""
+
+    def run(*args: str, url: str | None = redis_url) -> Run:
+        argv = (["--url", url] if url is not None else []) + list(args)
+        code = main(argv)
+        captured = capsys.readouterr()
+        return Run(code, captured.out, captured.err)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------- info
+
+
+def test_info_shows_each_namespace_with_group_counts_and_bytes(populated, cli, redis_client):
+    g0_bytes = sum(redis_client.strlen(k) for k in populated.blocks[0])
+    g1_bytes = sum(redis_client.strlen(k) for k in populated.blocks[1])
+
+    text = cli("info")
+    assert text.code == 0, text.err
+    assert f"namespace {populated.ns}" in text.out
+    assert f"namespace {OTHER_NS}" in text.out
+    assert "/models/tiny-gemma3" in text.out
+    rows = _sizes_rows(_section(text.out, populated.ns))
+    assert rows["g0"][1:4] == ["full attention", "3", str(g0_bytes)]
+    assert rows["g1"][1:4] == ["sliding window 512", "1", str(g1_bytes)]
+    assert rows["total"][1:3] == ["4", str(g0_bytes + g1_bytes)]
+    assert "lookups" in text.out and "hit_chunks" in text.out
+
+    data = cli("--json", "info").json()
+    by_ns = {ns["namespace"]: ns for ns in data["namespaces"]}
+    assert set(by_ns) == {populated.ns, OTHER_NS}
+    mine = by_ns[populated.ns]
+    assert mine["info"] == FINGERPRINT.info_fields()
+    assert mine["groups"]["0"]["keys"] == 3
+    assert mine["groups"]["0"]["value_bytes"] == g0_bytes
+    assert mine["groups"]["1"] == {
+        "keys": 1,
+        "value_bytes": g1_bytes,
+        "memory_bytes": redis_client.memory_usage(populated.blocks[1][0]),
+    }
+    assert mine["total"]["keys"] == 4
+    assert mine["stats"] == {"lookups": 7, "hit_chunks": 5}
+    assert by_ns[OTHER_NS]["groups"]["0"]["keys"] == 2
+    assert by_ns[OTHER_NS]["stats"] == {}
+
+
+def _section(out: str, namespace: str) -> str:
+    """``info``'s text about one namespace."""
+    return out.split(f"namespace {namespace}\n")[1].split("\nnamespace ")[0]
+
+
+def _sizes_rows(section: str) -> dict[str, list[str]]:
+    """The sizes table of one namespace's section: {group: cells}."""
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["group", "attention"])
+    rows = {}
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = cells if cells[0] != "total" else [cells[0], *cells[1:]]
+    return rows
+
+
+def _fields(section: str) -> list[tuple[str, str]]:
+    """The fingerprint lines of one namespace's section, in order: (label, value)."""
+    out = []
+    for line in section.splitlines():
+        if not line.strip():
+            break
+        label, _, value = line.strip().partition("  ")
+        out.append((label, value.strip()))
+    return out
+
+
+def test_info_reads_like_a_report(populated, cli, redis_client):
+    info_key = KeySpace("hma", populated.ns).info_key()
+    redis_client.hset(info_key, mapping={"revision": "0123abcd", "quantization": "fp8"})
+    redis_client.hset(info_key, mapping={"g1.kind": "sliding_window:4096", "new_field": "x"})
+    run = cli("info")
+    assert run.code == 0, run.err
+    fields = _fields(_section(run.out, populated.ns))
+    labels = [label for label, _ in fields]
+    order = ["model", "revision", "kv dtype", "layout", "parallel", "hash", "format", "g0", "g1"]
+    assert [label for label in labels if label in order] == order
+    values = dict(fields)
+    assert values["model"] == "/models/tiny-gemma3"
+    assert values["revision"] == "0123abcd"
+    assert values["quantization"] == "fp8"
+    assert values["kv dtype"] == "bfloat16" and values["layout"] == "NHD"
+    assert values["parallel"] == "tp 1, pp 1, dcp 1, pcp 1, world size 1"
+    assert values["g0"].startswith("full attention, 256 tokens per chunk, 2 layers")
+    assert values["g1"].startswith("sliding window 4096, 256 tokens per chunk")
+    # A field this version does not know is shown, never dropped.
+    assert labels[-2:] == ["other", "new_field"] and values["new_field"] == "x"
+    rows = _sizes_rows(_section(run.out, populated.ns))
+    assert rows["g1"][1] == "sliding window 4096"
+    data = cli("info", "--json").json()
+    mine = next(ns for ns in data["namespaces"] if ns["namespace"] == populated.ns)
+    assert mine["info"]["new_field"] == "x" and mine["info"]["revision"] == "0123abcd"
+    assert set(FINGERPRINT.info_fields()) <= set(mine["info"])
+
+
+def test_info_shows_what_an_old_namespace_recorded(populated, cli, redis_client):
+    """Namespaces written before attention kinds were recorded say kv_group_<N>."""
+    info_key = KeySpace("hma", populated.ns).info_key()
+    redis_client.hset(info_key, mapping={"g0.kind": "kv_group_0", "g1.kind": "kv_group_1"})
+    redis_client.hdel(info_key, "revision")
+    run = cli("info")
+    values = dict(_fields(_section(run.out, populated.ns)))
+    assert values["revision"] == "(not recorded)"
+    assert values["g0"].startswith("kv_group_0 (attention kind not recorded)")
+    assert _sizes_rows(_section(run.out, populated.ns))["g1"][1] == "kv_group_1"
+
+
+def test_info_lists_a_namespace_whose_info_hash_was_evicted(populated, cli, redis_client):
+    redis_client.delete(KeySpace("hma", OTHER_NS).info_key())
+    data = cli("--json", "info").json()
+    orphan = next(ns for ns in data["namespaces"] if ns["namespace"] == OTHER_NS)
+    assert orphan["info"] == {}
+    assert orphan["groups"]["0"]["keys"] == 2
+    assert "fingerprint unknown" in cli("info").out
+
+
+# ---------------------------------------------------------------------------------- ls
+
+
+def test_ls_pages_through_every_key_exactly_once(populated, cli, redis_client):
+    expected = {k.decode() for k in redis_client.scan_iter(match=f"hma:{populated.ns}:*")}
+    seen: list[str] = []
+    cursor, pages = 0, 0
+    while True:
+        run = cli(
+            "--json", "ls", "--namespace", populated.ns, "--limit", "2", "--cursor", str(cursor)
+        )
+        assert run.code == 0, run.err
+        page = run.json()
+        seen += [entry["key"] for entry in page["keys"]]
+        pages += 1
+        cursor = page["cursor"]
+        if cursor == 0:
+            break
+    assert pages > 1
+    assert sorted(seen) == sorted(expected)  # 4 blocks + info + stats, none twice
+    sizes = {e["key"]: e for e in cli("--json", "ls", "--limit", "100").json()["keys"]}
+    block = populated.blocks[0][0]
+    assert sizes[block]["value_bytes"] == redis_client.strlen(block)
+    assert sizes[block]["ttl_s"] is None
+    assert "user:session:1" not in sizes and "hmax:not-ours" not in sizes
+
+
+def test_ls_shows_sizes_ttls_and_the_next_cursor(populated, cli, redis_client):
+    key = populated.blocks[1][0]
+    redis_client.expire(key, 3600)
+    run = cli("ls", "--namespace", populated.ns, "--group", "1")
+    assert run.code == 0, run.err
+    lines = run.out.splitlines()
+    assert lines[0].split() == ["type", "value", "bytes", "memory", "ttl", "key"]
+    row = next(line.split() for line in lines if key in line)
+    assert row[0] == "string" and row[1] == str(redis_client.strlen(key))
+    assert row[3] in ("3600s", "3599s")
+    assert all(populated.blocks[0][0] not in line for line in lines)
+    assert lines[-1] == "end of scan (cursor 0)"
+    first = cli("ls", "--limit", "1")
+    assert "next cursor:" in first.out.splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_verifies_a_good_block(populated, cli):
+    key = populated.blocks[1][0]
+    run = cli("inspect", key)
+    assert run.code == 0, run.err
+    fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in run.out.splitlines())
+    assert fields["header.group"] == "1"
+    assert fields["first_block"] == "8" and fields["num_blocks"] == "8"
+    assert fields["page_bytes"] == "1024,1024" and fields["kv_dtype"] == "bfloat16"
+    assert fields["kv_cache_layout"] == "-" and fields["mac"].startswith("none")
+    assert fields["body_bytes"] == str(8 * 2048)
+    assert fields["checksum"] == "OK" and fields["key echo"] == "OK"
+    assert fields["verdict"].startswith("OK")
+    data = cli("--json", "inspect", key).json()
+    assert data["valid"] and data["checksum_ok"] and data["key_matches"]
+    assert data["header"]["key"] == key
+
+
+def test_inspect_flags_a_corrupted_block(populated, cli, redis_client):
+    key = populated.blocks[0][1]
+    offset = redis_client.strlen(key) - 10  # a byte of the KV body
+    byte = redis_client.getrange(key, offset, offset)
+    redis_client.setrange(key, offset, bytes([byte[0] ^ 0xFF]))
+    run = cli("inspect", key)
+    assert run.code == 1
+    assert re.search(r"^checksum +MISMATCH$", run.out, re.M)
+    assert "INVALID: checksum mismatch" in run.out
+    data = cli("--json", "inspect", key).json()
+    assert not data["valid"] and not data["checksum_ok"] and data["key_matches"]
+
+
+def test_inspect_flags_a_block_copied_under_another_key(populated, cli, redis_client):
+    source = populated.blocks[0][0]
+    copy = KeySpace("hma", populated.ns).block_key(0, b"\xee" * 32)
+    redis_client.set(copy, redis_client.get(source))
+    data = cli("--json", "inspect", copy).json()
+    assert data["checksum_ok"] and not data["key_matches"] and not data["valid"]
+    assert re.search(r"^key echo +MISMATCH$", cli("inspect", copy).out, re.M)
+
+
+def test_inspect_of_a_missing_key_or_a_hash_is_one_line(populated, cli):
+    assert_one_line_error(cli("inspect", "hma:nope:g0:00"))
+    run = cli("inspect", str(KeySpace("hma", populated.ns).info_key()))
+    assert_one_line_error(run)
+    assert "is a hash, not a block" in run.err
+
+
+# ---------------------------------------------------------------------------------- purge
+
+
+def test_purge_dry_run_deletes_nothing(populated, cli, redis_client):
+    before = redis_client.dbsize()
+    run = cli("purge", "--namespace", populated.ns, "--dry-run")
+    assert run.code == 0, run.err
+    assert "6 keys match" in run.out
+    assert cli("--json", "purge", "--all", "--dry-run").json()["matching"] == 6 + 3
+    assert redis_client.dbsize() == before
+
+
+def test_purge_namespace_deletes_only_that_namespace(populated, cli, redis_client):
+    run = cli("--json", "purge", "--namespace", populated.ns, "--yes")
+    assert run.code == 0, run.err
+    assert run.json()["deleted"] == 6
+    assert list(redis_client.scan_iter(match=f"hma:{populated.ns}:*")) == []
+    assert all(redis_client.exists(k) for k in populated.other_blocks)
+    assert redis_client.exists(KeySpace("hma", OTHER_NS).info_key())
+    assert all(redis_client.get(k) == v for k, v in FOREIGN_KEYS.items())
+
+
+def test_purge_all_touches_only_keys_under_the_prefix(populated, cli, redis_client):
+    run = cli("purge", "--all", "--yes")
+    assert run.code == 0, run.err
+    assert "deleted 9 keys" in run.out
+    assert sorted(k.decode() for k in redis_client.scan_iter()) == sorted(FOREIGN_KEYS)
+
+
+def test_purge_without_yes_refuses_when_stdin_is_not_a_terminal(populated, redis_url, redis_client):
+    before = redis_client.dbsize()
+    run = run_script("--url", redis_url, "purge", "--namespace", populated.ns)
+    assert_one_line_error(run)
+    assert "--yes" in run.err
+    assert redis_client.dbsize() == before
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("answer", "deleted"), [("n\n", False), ("", False), ("yes\n", True)])
+def test_purge_asks_on_a_terminal_and_obeys_the_answer(
+    populated, cli, redis_client, monkeypatch, answer, deleted
+):
+    monkeypatch.setattr(sys, "stdin", _Terminal(answer))
+    run = cli("purge", "--namespace", populated.ns)
+    assert "UNLINK 6 keys matching" in run.err
+    assert (run.code == 0) == deleted
+    assert redis_client.exists(*populated.blocks[0]) == (0 if deleted else 3)
+    assert redis_client.exists(*populated.other_blocks) == 2
+
+
+def test_purge_rejects_a_namespace_the_tier_would_reject(populated, cli, redis_client):
+    run = cli("purge", "--namespace", "*", "--yes")
+    assert_one_line_error(run)
+    assert run.code == 2 and "namespace must be" in run.err
+    # 4 blocks + info + stats, the other namespace's 2 blocks + info, 2 foreign keys.
+    assert redis_client.dbsize() == 4 + 2 + 2 + 1 + 2
+
+
+# ---------------------------------------------------------------------------------- doctor
+
+
+@pytest.fixture
+def server_config(redis_client: redis.Redis) -> Iterator[redis.Redis]:
+    """Lets a test change the session server's memory settings; restores them afterwards."""
+    saved = redis_client.config_get("maxmemory*")
+    yield redis_client
+    redis_client.config_set("maxmemory", saved["maxmemory"])
+    redis_client.config_set("maxmemory-policy", saved["maxmemory-policy"])
+
+
+def _verdicts(out: str) -> dict[str, str]:
+    return {line.split()[1]: line.split()[0] for line in out.splitlines()}
+
+
+def test_doctor_prints_one_verdict_per_check_and_warns_on_unbounded_memory(
+    cli, server_config, monkeypatch
+):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    server_config.config_set("maxmemory", 0)
+    run = cli("doctor")
+    assert run.code == 0, run.out + run.err
+    assert all(line.split()[0] in ("OK", "WARN", "FAIL") for line in run.out.splitlines())
+    verdicts = _verdicts(run.out)
+    assert verdicts["connectivity"] == "OK" and verdicts["version"] == "OK"
+    assert verdicts["scripts"] == "OK" and verdicts["cluster"] == "OK"
+    assert verdicts["maxmemory"] == "WARN"
+    assert verdicts["PYTHONHASHSEED"] == "OK"  # vLLM's default sha256 needs no seed
+    assert {"auth", "tls", "maxmemory-policy", "evictions", "persistence"} <= set(verdicts)
+
+
+def test_doctor_accepts_a_bounded_lru_cache(cli, server_config, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "3141592653")
+    server_config.config_set("maxmemory", 512 * 1024 * 1024)
+    server_config.config_set("maxmemory-policy", "allkeys-lru")
+    data = cli("--json", "doctor").json()
+    verdicts = {c["check"]: c["verdict"] for c in data["checks"]}
+    assert verdicts["maxmemory"] == "OK"
+    assert verdicts["maxmemory-policy"] == "OK"
+    assert verdicts["PYTHONHASHSEED"] == "OK"
+    assert "3141592653" not in json.dumps(data)  # a seed is a secret: never printed
+    assert data["failed"] is False
+
+
+def test_doctor_warns_about_a_well_known_hash_seed(cli, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert _verdicts(cli("doctor").out)["PYTHONHASHSEED"] == "WARN"
+
+
+def test_doctor_fails_when_redis_is_unreachable(cli):
+    run = cli("doctor", url=f"redis://127.0.0.1:{free_port()}/0")
+    assert run.code == 1
+    assert _verdicts(run.out)["connectivity"] == "FAIL"
+    assert "Traceback" not in run.out + run.err
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def test_unreachable_redis_is_one_line_with_the_password_redacted(cli):
+    url = f"redis://admin:{SECRET}@127.0.0.1:{free_port()}/0"
+    for command in (["info"], ["ls"], ["inspect", "hma:x:g0:00"], ["purge", "--all", "--yes"]):
+        run = cli(*command, url=url)
+        assert_one_line_error(run)
+        assert run.code == 1
+        assert "cannot reach Redis at redis://***@127.0.0.1:" in run.err
+        assert SECRET not in run.err + run.out
+
+
+def test_bench_without_a_usable_lmcache_interpreter_is_one_line(cli, tmp_path):
+    missing = tmp_path / "no-such-python"
+    run = cli("bench", "--smoke", "--lmcache-python", str(missing))
+    assert_one_line_error(run)
+    assert run.err == f"hma-redis: bench: --lmcache-python {missing} is not an executable\n"
+
+
+def test_unreachable_redis_from_the_installed_script():
+    port = free_port()
+    run = run_script(
+        "info",
+        env={"HMA_REDIS_URL": f"redis://admin@127.0.0.1:{port}/0", "HMA_REDIS_PASSWORD": SECRET},
+    )
+    assert_one_line_error(run)
+    assert f"cannot reach Redis at redis://***@127.0.0.1:{port}/0" in run.err
+    assert SECRET not in run.err + run.out
+
+
+def test_wrong_password_is_one_line_without_the_password(cli):
+    run = cli("--username", "nobody", "--password", SECRET, "info")
+    assert_one_line_error(run)
+    assert "refused the credentials" in run.err
+    assert SECRET not in run.err + run.out
+
+
+def test_bad_url_is_a_configuration_error(cli):
+    run = cli("info", url=f"http://admin:{SECRET}@host:1/0")
+    assert_one_line_error(run)
+    assert run.code == 2
+    assert "redis_url scheme must be one of" in run.err and SECRET not in run.err
+    assert_one_line_error(cli("info", url="redis://host:99999/0"))
+    assert_one_line_error(cli("--prefix", "bad prefix!", "info"))
+
+
+def test_json_output_of_the_installed_script_parses(populated, redis_url):
+    run = run_script("--url", redis_url, "--json", "info")
+    assert run.code == 0, run.err
+    assert {ns["namespace"] for ns in run.json()["namespaces"]} == {populated.ns, OTHER_NS}
+    for command in (["ls", "--limit", "3"], ["purge", "--all", "--dry-run"], ["doctor"]):
+        run = run_script("--url", redis_url, "--json", *command)
+        assert run.code == 0, run.err
+        assert isinstance(run.json(), dict)
+
+
+def test_prefix_selects_another_tree(populated, cli, redis_client):
+    redis_client.set("team2:ns:g0:" + "ab" * 32, b"x")
+    data = cli("--prefix", "team2", "--json", "info").json()
+    assert [ns["namespace"] for ns in data["namespaces"]] == ["ns"]
+    assert data["namespaces"][0]["groups"]["0"]["keys"] == 1
+
+
+# ---------------------------------------------------------------------------------- tls, auth
+
+
+def test_tls_and_password_options_reach_the_server(tmp_path, cli):
+    from tests.support.tls_certs import TlsLocalRedis, make_tls_files
+
+    files = make_tls_files(tmp_path)
+    server = TlsLocalRedis(files)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        pytest.fail(f"cannot start a TLS redis-server: {exc}", pytrace=False)
+    try:
+        server.tls_client().config_set("requirepass", SECRET)
+        tls = ["--tls-ca-file", files.ca_cert]
+        tls += ["--tls-cert-file", files.client_cert, "--tls-key-file", files.client_key]
+        run = cli(*tls, "--password", SECRET, "doctor", url=server.url)
+        verdicts = _verdicts(run.out)
+        assert verdicts["tls"] == "OK" and "certificate verified" in run.out
+        assert verdicts["auth"] == "OK" and verdicts["connectivity"] == "OK"
+        assert SECRET not in run.out + run.err
+
+        refused = cli(*tls, "info", url=server.url)  # no password
+        assert_one_line_error(refused)
+        assert "refused the credentials" in refused.err
+        unverified = cli(
+            "--tls-cert-file",
+            files.client_cert,
+            "--tls-key-file",
+            files.client_key,
+            "--password",
+            SECRET,
+            "info",
+            url=server.url,
+        )
+        assert_one_line_error(unverified)
+        assert "CERTIFICATE_VERIFY_FAILED" in unverified.err and SECRET not in unverified.err
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------------- conventions
+
+
+def test_global_options_are_accepted_after_the_command(populated, cli, redis_url):
+    before = cli("--json", "info").json()
+    after = run_script("info", "--json", "--url", redis_url, "--prefix", "hma")
+    assert after.code == 0, after.err
+    assert after.json()["namespaces"] == before["namespaces"]
+    page = cli("ls", "--json", "--limit", "3", "--namespace", populated.ns, url=None)
+    assert page.code == 1  # without --url: the default URL, where nothing listens
+    page = cli("ls", "--url", redis_url, "--json", "--limit", "3", url=None)
+    assert page.code == 0, page.err
+    assert len(page.json()["keys"]) >= 3
+    doctor = cli("doctor", "--json")
+    assert doctor.code == 0 and doctor.json()["failed"] is False
+    # Given on both sides, the one after the command wins.
+    run = cli("--prefix", "nope", "purge", "--all", "--dry-run", "--prefix", "hma", "--json")
+    assert run.json()["matching"] == 9
+
+
+# ---------------------------------------------------------------------------------- hostile input
+
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\ninjected line\x00\x9b\u202e"
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _assert_inert(text: str) -> None:
+    """No control character and no line beyond the ones the CLI meant to print."""
+    assert not CONTROL.search(text), repr(text)
+    assert "\ninjected line" not in text
+
+
+def test_hostile_strings_from_redis_are_escaped_in_every_output(populated, cli, redis_client):
+    ns = KeySpace("hma", populated.ns)
+    key = ns.block_key(0, b"\xab" * 32)
+    header = codec.BlockHeader(
+        key=f"{key}{HOSTILE}", group=0, first_block=0, num_blocks=1, page_bytes=(64,),
+        kv_dtype=f"bf16{HOSTILE}",
+    )  # fmt: skip
+    redis_client.set(key, codec.encode(header, os.urandom(64)))
+    redis_client.hset(ns.info_key(), mapping={"model": f"m{HOSTILE}", f"x{HOSTILE}": HOSTILE})
+    redis_client.set(f"hma:{populated.ns}:weird{HOSTILE}".encode(), b"v")
+
+    inspect = cli("inspect", key)
+    assert inspect.code == 1  # the key echo does not match
+    _assert_inert(inspect.out)
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\ninjected line\\x00\\x9b\\u202e" in inspect.out
+    lines = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in inspect.out.splitlines())
+    assert lines["kv_dtype"] == "bf16\\x1b]0;owned\\x07\\x1b[2J\\ninjected line\\x00\\x9b\\u202e"
+    assert inspect.out.count("\n") == len(lines)
+
+    for command in (["info"], ["info", "--by-node"], ["ls", "--limit", "100"]):
+        run = cli(*command)
+        assert run.code == 0, run.err
+        _assert_inert(run.out)
+        assert "\\x1b]0;owned" in run.out
+    for command in (["info"], ["inspect", key], ["ls", "--limit", "100"]):
+        raw = cli("--json", *command).out
+        _assert_inert(raw)
+        json.loads(raw)  # and the JSON keeps the strings exactly
+    assert cli("--json", "inspect", key).json()["header"]["kv_dtype"] == f"bf16{HOSTILE}"
+
+    error = cli("inspect", f"hma:nope{HOSTILE}")
+    assert_one_line_error(error)
+    _assert_inert(error.err)
+
+
+def test_inspect_verifies_the_mac_with_the_tier_auth_key(populated, cli, redis_client, tmp_path):
+    secret = b"an auth key of at least 16 bytes"
+    key = KeySpace("hma", populated.ns).block_key(0, b"\xcd" * 32)
+    header = block_header(key, 0, 4)
+    value = codec.encode(header, os.urandom(header.body_bytes), mac_key=codec.MacKey.derive(secret))
+    redis_client.set(key, value)
+    key_file = tmp_path / "auth_key"
+    key_file.write_bytes(secret)
+
+    unverified = cli("--json", "inspect", key).json()
+    assert unverified["mac"] == "unverified" and not unverified["valid"]
+    assert "not verified" in cli("inspect", key).out
+    verified = cli("inspect", key, "--auth-key-file", str(key_file), "--json").json()
+    assert verified["mac"] == "verified" and verified["valid"] and verified["checksum_ok"]
+    other = tmp_path / "other_key"
+    other.write_bytes(b"another key, also 16 bytes or more")
+    wrong = cli("--auth-key-file", str(other), "--json", "inspect", key).json()
+    assert wrong["mac"] == "invalid" and not wrong["valid"]
+    plain = cli("--auth-key-file", str(key_file), "--json", "inspect", populated.blocks[0][0])
+    assert plain.json()["mac"] == "invalid"  # a keyed tier refuses values without a MAC
+
+
+# ---------------------------------------------------------------------------------- README
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every ``hma-redis ...`` command line in the README's code blocks, as argv."""
+    commands = []
+    in_code = False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        match = re.match(r"^(?:\$ |\.venv/bin/)?hma-redis(?P<args>(?: .*)?)$", line.split("  #")[0])
+        if in_code and match:
+            commands.append(shlex.split(match.group("args")))
+    return commands
+
+
+def test_every_command_the_readme_shows_exists_with_the_flags_shown():
+    from hma_redis.tools.bench import tier as bench_tier
+    from hma_redis.tools.cli.main import build_parser
+
+    commands = _readme_commands()
+    assert {argv[0] for argv in commands} >= {"info", "ls", "inspect", "doctor", "purge", "bench"}
+    for argv in commands:
+        try:
+            args, rest = build_parser().parse_known_args(argv)
+            if args.command == "bench":
+                bench_tier.build_parser().parse_args(rest)
+            else:
+                assert rest == [], f"README: hma-redis {' '.join(argv)}: unknown {rest}"
+        except SystemExit:
+            pytest.fail(f"README shows a command the CLI rejects: hma-redis {' '.join(argv)}")
+
+
+def test_password_file_reaches_the_server(local_redis, cli, tmp_path):
+    redis.Redis(port=local_redis.port).config_set("requirepass", SECRET)
+    secret_file = tmp_path / "password"
+    secret_file.write_text(SECRET + "\n")
+    run = cli("info", "--password-file", str(secret_file), url=local_redis.url)
+    assert run.code == 0, run.err
+    refused = cli("info", url=local_redis.url)
+    assert_one_line_error(refused)
+    assert "refused the credentials" in refused.err or "NOAUTH" in refused.err
+
+
+def test_console_script_is_this_cli() -> None:
+    """The ``hma-redis`` command pip installs (pyproject.toml's entry point) runs this main."""
+    scripts = tomllib.loads((README.parent / "pyproject.toml").read_text())
+    module, _, name = scripts["project"]["scripts"]["hma-redis"].partition(":")
+    assert getattr(importlib.import_module(module), name) is main
