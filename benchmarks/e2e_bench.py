@@ -30,33 +30,26 @@ from typing import Any
 
 from hma_redis.tools.demo import engine
 from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.demo.tiny_models import build_llama
 
 DECODE_PROMPT_TOKENS = 64
 DECODE_TOKENS = 96
 
 
 def build_model(path: str) -> str:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    """The benchmark's model: tiny_models' Llama, scaled up (random weights, fp32)."""
+    return build_llama(
+        path,
+        seed=0,
         vocab_size=32000,
         hidden_size=1024,
         intermediate_size=2816,
         num_hidden_layers=8,
         num_attention_heads=16,
         num_key_value_heads=8,
-        head_dim=64,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
-        initializer_range=0.3,  # spread logits so greedy decoding is stable (see tiny_models)
-        torch_dtype="float32",
     )
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
-    GenerationConfig(bos_token_id=2, eos_token_id=1, pad_token_id=0).save_pretrained(path)
-    return path
 
 
 def run_engine(run: dict[str, Any]) -> dict[str, Any]:

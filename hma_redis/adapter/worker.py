@@ -35,6 +35,7 @@ from hma_redis.core.transfer import (
     LayoutMismatch,
     TransferEngine,
     ValueFormat,
+    group_chunks,
 )
 
 logger = init_logger(__name__)
@@ -184,7 +185,7 @@ def plan_chunks(
     keys and blocks do not add up (vLLM's spec and ours disagree: the job must fail, not guess).
     """
     mismatch = LayoutMismatch(len(keys))
-    if len(spec.group_sizes) != len(spec.block_indices) or len(spec.group_sizes) > len(group_ids):
+    if len(spec.group_sizes) > len(group_ids):
         return mismatch
     by_group: dict[int, list[bytes]] = {}
     for key in keys:
@@ -195,27 +196,21 @@ def plan_chunks(
     for pos, (size, first_index) in enumerate(
         zip(spec.group_sizes, spec.block_indices, strict=True)
     ):
-        group_blocks = block_ids[offset : offset + size]
-        offset += size
         group_id = group_ids[pos]
-        start = first_index % blocks_per_chunk
-        taken = 0
-        for key in by_group.pop(group_id, []):
-            count = min(blocks_per_chunk - start, size - taken)
-            if count <= 0:
-                return mismatch
-            block_hash = get_offload_block_hash(OffloadKey(key))
-            plan.append(
-                ChunkTransfer(
-                    redis_key=redis_key(group_id, block_hash),
-                    group=group_id,
-                    group_pos=pos,
-                    start=start,
-                    block_ids=tuple(group_blocks[taken : taken + count]),
-                )
-            )
-            taken += count
-            start = 0
-        if taken != size:
+        redis_keys = [
+            redis_key(group_id, get_offload_block_hash(OffloadKey(key)))
+            for key in by_group.pop(group_id, [])
+        ]
+        chunks = group_chunks(
+            group_id,
+            pos,
+            block_ids[offset : offset + size],
+            first_index,
+            redis_keys,
+            blocks_per_chunk,
+        )
+        offset += size
+        if chunks is None:
             return mismatch
+        plan += chunks
     return mismatch if by_group else plan

@@ -49,15 +49,8 @@ def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> RedisClient:
         "socket_timeout": cfg.read_timeout_s,
         "socket_connect_timeout": cfg.connect_timeout_s,
         "health_check_interval": 0,
+        **tls_options(cfg),
     }
-    if cfg.tls:
-        kwargs.update(
-            ssl_ca_certs=cfg.tls_ca_file,
-            ssl_certfile=cfg.tls_cert_file,
-            ssl_keyfile=cfg.tls_key_file,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_verify else ssl.CERT_NONE,
-            ssl_check_hostname=cfg.tls_verify,
-        )
     # Wait (bounded) for a free connection rather than fail when all are busy.
     pool_kwargs = {
         "max_connections": cfg.pool_size,
@@ -74,6 +67,20 @@ def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> RedisClient:
         endpoint_url(cfg.url), db=cfg.db, retry=Retry(NoBackoff(), 0), **pool_kwargs, **kwargs
     )
     return redis.Redis(connection_pool=pool)
+
+
+def tls_options(cfg: RedisTierConfig) -> dict[str, Any]:
+    """redis-py's ``ssl_*`` connection options for ``cfg``'s TLS files and verification; none
+    without TLS."""
+    if not cfg.tls:
+        return {}
+    return {
+        "ssl_ca_certs": cfg.tls_ca_file,
+        "ssl_certfile": cfg.tls_cert_file,
+        "ssl_keyfile": cfg.tls_key_file,
+        "ssl_cert_reqs": ssl.CERT_REQUIRED if cfg.tls_verify else ssl.CERT_NONE,
+        "ssl_check_hostname": cfg.tls_verify,
+    }
 
 
 def _zero_copy_packer() -> PythonRespSerializer:
@@ -202,9 +209,7 @@ def _sentinel_client(
         "health_check_interval": 0,
     }
     if cfg.tls:
-        sentinel_kwargs.update(
-            ssl=True, **{k: v for k, v in kwargs.items() if k.startswith("ssl_")}
-        )
+        sentinel_kwargs.update(ssl=True, **tls_options(cfg))
     sentinel = Sentinel(list(topo.hosts), sentinel_kwargs=sentinel_kwargs)
     return sentinel.master_for(
         topo.service,

@@ -234,21 +234,16 @@ def decode(
     is parsed only once checksum and MAC hold.
     """
     view = memoryview(value).cast("B")
-    if view.nbytes < PREFIX_BYTES:
-        raise CorruptBlockError(f"value too short ({view.nbytes} bytes)")
-    magic, version, flags, header_len, crc, mac = _PREFIX.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise CorruptBlockError("bad magic: not an hma_redis block")
+    _magic, version, flags, header_len, crc, mac = _prefix(view)
     if version != FORMAT_VERSION:
         raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
     if flags & ~FLAG_MAC:
         raise CorruptBlockError(f"unknown flags {flags:#06x}")
-    if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len > view.nbytes:
-        raise CorruptBlockError(f"header length {header_len} does not fit the value")
+    raw_header = _header_bytes(view, header_len)
     if crc32c.crc32c(view[PREFIX_BYTES:]) != crc:
         raise CorruptBlockError("checksum mismatch")
     _check_mac(view, flags, mac, mac_key)
-    header = _parse_header(view[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    header = _parse_header(raw_header)
     body = view[PREFIX_BYTES + header_len :]
     if body.nbytes != header.body_bytes:
         raise CorruptBlockError(f"body is {body.nbytes} bytes, header says {header.body_bytes}")
@@ -264,14 +259,8 @@ def decode_header(value: bytes | memoryview) -> tuple[BlockHeader, bool]:
     is not checked (see :func:`has_mac`). Raises :class:`CorruptBlockError` only when no
     header can be read at all."""
     view = memoryview(value).cast("B")
-    if view.nbytes < PREFIX_BYTES:
-        raise CorruptBlockError(f"value too short ({view.nbytes} bytes)")
-    magic, _version, _flags, header_len, crc, _mac = _PREFIX.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise CorruptBlockError("bad magic: not an hma_redis block")
-    if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len > view.nbytes:
-        raise CorruptBlockError(f"header length {header_len} does not fit the value")
-    header = _parse_header(view[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    _magic, _version, _flags, header_len, crc, _mac = _prefix(view)
+    header = _parse_header(_header_bytes(view, header_len))
     body_ok = view.nbytes == PREFIX_BYTES + header_len + header.body_bytes
     return header, body_ok and crc32c.crc32c(view[PREFIX_BYTES:]) == crc
 
@@ -282,6 +271,24 @@ def has_mac(value: bytes | memoryview) -> bool:
     if view.nbytes < PREFIX_BYTES:
         return False
     return bool(_PREFIX.unpack_from(view, 0)[2] & FLAG_MAC)
+
+
+def _prefix(view: memoryview) -> tuple[bytes, int, int, int, int, bytes]:
+    """The fixed prefix of a value (magic, version, flags, header length, CRC32C, MAC);
+    CorruptBlockError unless the value is long enough for one and says it is ours."""
+    if view.nbytes < PREFIX_BYTES:
+        raise CorruptBlockError(f"value too short ({view.nbytes} bytes)")
+    fields: tuple[bytes, int, int, int, int, bytes] = _PREFIX.unpack_from(view, 0)
+    if fields[0] != MAGIC:
+        raise CorruptBlockError("bad magic: not an hma_redis block")
+    return fields
+
+
+def _header_bytes(view: memoryview, header_len: int) -> memoryview:
+    """The msgpack header that follows the prefix; CorruptBlockError if it cannot fit."""
+    if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len > view.nbytes:
+        raise CorruptBlockError(f"header length {header_len} does not fit the value")
+    return view[PREFIX_BYTES : PREFIX_BYTES + header_len]
 
 
 def _signed_prefix(header_len: int, mac_key: MacKey | None) -> bytes:

@@ -102,6 +102,33 @@ class LayoutMismatch:
 JobChunks = Sequence[ChunkTransfer] | LayoutMismatch
 
 
+def group_chunks(
+    group: int,
+    group_pos: int,
+    block_ids: Sequence[int],
+    first_index: int,
+    redis_keys: Sequence[str],
+    blocks_per_chunk: int,
+) -> list[ChunkTransfer] | None:
+    """One KV group's chunks of a job: ``block_ids`` are consecutive blocks of a request, the
+    first at block index ``first_index``, covered in order by one chunk per Redis key. The
+    first chunk starts at ``first_index % blocks_per_chunk`` (a sliding window may have dropped
+    the older blocks of that chunk); the others at 0. None when the keys and the blocks do not
+    add up (a chunk left without blocks, or blocks left without a chunk)."""
+    start, taken = first_index % blocks_per_chunk, 0
+    chunks: list[ChunkTransfer] = []
+    for key in redis_keys:
+        count = min(blocks_per_chunk - start, len(block_ids) - taken)
+        if count <= 0:
+            return None
+        chunks.append(
+            ChunkTransfer(key, group, group_pos, start, tuple(block_ids[taken : taken + count]))
+        )
+        taken += count
+        start = 0
+    return chunks if taken == len(block_ids) else None
+
+
 @dataclass(frozen=True)
 class ValueFormat:
     """What every value this engine writes says of its bytes, and every value it reads must.

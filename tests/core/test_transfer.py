@@ -14,7 +14,13 @@ import torch
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV, LayoutMismatch, _block_runs, _ByteBudget
+from hma_redis.core.transfer import (
+    TEST_LOAD_DELAY_ENV,
+    LayoutMismatch,
+    _block_runs,
+    _ByteBudget,
+    group_chunks,
+)
 from tests.support.kv_pages import DST, NUM_BLOCKS, SRC, Pages, chunks, make_pages
 
 
@@ -229,3 +235,17 @@ def test_a_load_larger_than_the_budget_is_not_starved_by_steady_stores():
         stop.set()
         for thread in threads:
             thread.join(2)
+
+
+def test_a_groups_blocks_are_cut_into_chunks_from_its_first_index() -> None:
+    # A sliding window dropped the first block of chunk 1 (first index 5, 4 blocks a chunk).
+    blocks = [7, 8, 9, 11, 12, 13, 14]
+    cut = group_chunks(1, 0, blocks, 5, ["a", "b"], 4)
+    assert cut is not None
+    assert [(c.redis_key, c.group, c.start, c.block_ids) for c in cut] == [
+        ("a", 1, 1, (7, 8, 9)),
+        ("b", 1, 0, (11, 12, 13, 14)),
+    ]
+    # A key left without blocks, or blocks left without a key: the job does not add up.
+    assert group_chunks(1, 0, blocks, 5, ["a", "b", "c"], 4) is None
+    assert group_chunks(1, 0, blocks, 5, ["a"], 4) is None

@@ -14,7 +14,6 @@ pid. A missing binary raises ``RuntimeError``; :func:`started_cluster` and
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from hma_redis.tools.demo.local_redis import LocalRedis, free_port
+from hma_redis.tools.demo.local_redis import LocalRedis, free_port, terminate
 
 INSTALL_HINT = "Debian: apt-get install -y redis-server redis-tools (redis-server, redis-cli)"
 SERVICE_NAME = "hma-test"
@@ -358,13 +357,8 @@ class LocalSentinel:
         return self.master_port()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            terminate(self.proc)
         self.proc = None
         for server in self.servers:
             server.stop()

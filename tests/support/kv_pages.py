@@ -24,6 +24,7 @@ from hma_redis.core.transfer import (
     LayerSource,
     TransferEngine,
     ValueFormat,
+    group_chunks,
 )
 
 NUM_BLOCKS = 40
@@ -62,27 +63,15 @@ def layer_groups(tensors: Sequence[torch.Tensor]) -> list[list[LayerSource]]:
 
 
 def chunks(
-    ids: tuple[list[int], list[int]],
-    hashes: tuple[list[bytes], list[bytes]] = HASHES,
-    blocks_per_chunk: int = BPC,
+    ids: tuple[list[int], list[int]], hashes: tuple[list[bytes], list[bytes]] = HASHES
 ) -> list[ChunkTransfer]:
     """The job's chunks: each group's block ids cut into chunks from its first index on."""
     out: list[ChunkTransfer] = []
     for group, (group_ids, group_hashes) in enumerate(zip(ids, hashes, strict=True)):
-        start, taken = FIRST_INDEX[group] % blocks_per_chunk, 0
-        for block_hash in group_hashes:
-            count = min(blocks_per_chunk - start, len(group_ids) - taken)
-            out.append(
-                ChunkTransfer(
-                    redis_key=KEYSPACE.block_key(group, block_hash),
-                    group=group,
-                    group_pos=group,
-                    start=start,
-                    block_ids=tuple(group_ids[taken : taken + count]),
-                )
-            )
-            taken += count
-            start = 0
+        keys = [KEYSPACE.block_key(group, h) for h in group_hashes]
+        cut = group_chunks(group, group, group_ids, FIRST_INDEX[group], keys, BPC)
+        assert cut is not None, "the test's blocks and chunks do not add up"
+        out += cut
     return out
 
 

@@ -60,6 +60,7 @@ import numpy as np
 import redis
 import torch
 
+from hma_redis.core.client import tls_options
 from hma_redis.core.config import RedisTierConfig, endpoint_url
 from hma_redis.core.keys import KeySpace
 from hma_redis.tools.bench.common import (
@@ -167,21 +168,14 @@ class RedisPyBench:
 def redis_py_client(cfg: RedisTierConfig) -> redis.Redis:
     """Plain redis-py as a user would build it for ``cfg`` (``Redis.from_url``: hiredis parser
     and packer), with the config's credentials, database and TLS files."""
-    kwargs: dict[str, Any] = {
-        "username": cfg.username,
-        "password": cfg.password,
-        "db": cfg.db,
-        "socket_timeout": 60,
-    }
-    if cfg.tls:
-        kwargs.update(
-            ssl_ca_certs=cfg.tls_ca_file,
-            ssl_certfile=cfg.tls_cert_file,
-            ssl_keyfile=cfg.tls_key_file,
-            ssl_cert_reqs="required" if cfg.tls_verify else "none",
-            ssl_check_hostname=cfg.tls_verify,
-        )
-    return redis.Redis.from_url(endpoint_url(cfg.url), **kwargs)
+    return redis.Redis.from_url(
+        endpoint_url(cfg.url),
+        username=cfg.username,
+        password=cfg.password,
+        db=cfg.db,
+        socket_timeout=60,
+        **tls_options(cfg),
+    )
 
 
 # ---------------------------------------------------------------------------------- (c)

@@ -92,16 +92,23 @@ class LocalRedis:
         self.proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            terminate(self.proc)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def terminate(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server process we started: resumed if paused, SIGTERM, SIGKILL after 10 s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 @contextmanager

@@ -12,6 +12,7 @@ float32 weights (the CPU backend runs fp32, bf16 and fp16; fp32 keeps greedy dec
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -47,25 +48,32 @@ def _save(model: PreTrainedModel, path: str | Path) -> str:
     return str(out)
 
 
-def build_llama(path: str | Path) -> str:
-    """LlamaForCausalLM: 2 layers, hidden 128, 2 query heads / 1 KV head of 64 → 1 KV group."""
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=INIT_RANGE,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-    torch.manual_seed(SEED)
+def _common(**overrides: Any) -> dict[str, Any]:
+    """Config fields every tiny model shares (``overrides`` replace them)."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": INIT_RANGE,
+        "pad_token_id": PAD_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        **overrides,
+    }
+
+
+def build_llama(path: str | Path, seed: int = SEED, **overrides: Any) -> str:
+    """LlamaForCausalLM: 2 layers, hidden 128, 2 query heads / 1 KV head of 64 → 1 KV group.
+
+    ``overrides`` replace ``LlamaConfig`` fields (a larger model for a benchmark, say)."""
+    config = LlamaConfig(**_common(**{"num_hidden_layers": 2, **overrides}))
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     return _save(model, path)
 
@@ -77,24 +85,14 @@ def build_gemma3(path: str | Path, sliding_window: int = 32) -> str:
     two full-attention layers (same page size, so the hybrid manager keeps them as two groups).
     """
     config = Gemma3TextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
-        query_pre_attn_scalar=HEAD_DIM,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=INIT_RANGE,
-        sliding_window=sliding_window,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        # Untied: tied to the sqrt(hidden)-scaled embedding, a random Gemma repeats one token.
-        tie_word_embeddings=False,
-        dtype="float32",
+        **_common(
+            num_hidden_layers=4,
+            query_pre_attn_scalar=HEAD_DIM,
+            sliding_window=sliding_window,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            # Untied: tied to the sqrt(hidden)-scaled embedding, a random Gemma repeats one token.
+            tie_word_embeddings=False,
+        )
     )
     config.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(SEED)
