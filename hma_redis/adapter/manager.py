@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
+from hma_redis import FORMAT_VERSION
 from hma_redis.adapter.metrics import ManagerMetrics
 from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
 from hma_redis.core.breaker import BreakerState
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
     )
 
 logger = init_logger(__name__)
+
+# Labels of vLLM's vllm:kv_offload_config_info metric (0.33+), filled by config_info().
+CONFIG_INFO_KEYS = ("key_prefix", "namespace", "redis_url", "format_version")
 
 
 @dataclass
@@ -319,6 +323,25 @@ class RedisOffloadingManager(OffloadingManager):
         left alone."""
         self._answers.clear()
         self._storing.clear()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33+: the workers have reported every job in flight at the last
+        ``reset_cache``. The stores among them may have landed in Redis after an answer of
+        this step said MISS: forget the answers, so the chunks are asked of Redis again."""
+        self._answers.clear()
+
+    def config_info(self) -> list[dict[str, str]]:
+        """vLLM 0.33+ publishes this once as ``vllm:kv_offload_config_info``: the key prefix and
+        namespace this instance reads and writes (what ``hma-redis --prefix P ls --namespace NS``
+        takes), the Redis URL without its password, and the value format version."""
+        return [
+            {
+                "key_prefix": self._keyspace.prefix,
+                "namespace": self._keyspace.namespace,
+                "redis_url": self._store.cfg.redacted_url,
+                "format_version": str(FORMAT_VERSION),
+            }
+        ]
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Prometheus counters since the last call (see :mod:`hma_redis.adapter.metrics`)."""

@@ -32,7 +32,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hma_redis import FORMAT_VERSION
-from hma_redis.adapter.manager import RedisOffloadingManager
+from hma_redis.adapter import compat
+from hma_redis.adapter.manager import CONFIG_INFO_KEYS, RedisOffloadingManager
 from hma_redis.adapter.metrics import metric_definitions
 from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core.config import RedisTierConfig
@@ -147,11 +148,18 @@ class RedisOffloadingSpec(OffloadingSpec):
         """hma_redis' Prometheus metrics (see :mod:`hma_redis.adapter.metrics`)."""
         return {**super().build_metric_definitions(extra_config), **metric_definitions()}
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of vLLM's ``vllm:kv_offload_config_info`` metric (vLLM 0.33+) that the
+        manager fills (:meth:`RedisOffloadingManager.config_info`)."""
+        return CONFIG_INFO_KEYS
+
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
         _adopt_vllm_logging()
         context = _connector_context()
         self.vllm_config = context.vllm_config
+        compat.refuse_unsupported_options(config.extra_config)
         self.tier_config = RedisTierConfig.from_extra_config(config.extra_config)
         self.hash_algo = str(context.vllm_config.cache_config.prefix_caching_hash_algo)
         _check_hash_seed(self.hash_algo, self.tier_config)

@@ -92,8 +92,17 @@ class RedisOffloadingWorker(OffloadingWorker):
         self._engine.submit_store(job_id, self._plan(dst_spec.keys, src_spec))
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Queue a load; returns at once. Completion is reported through ``get_finished``."""
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Queue a load; returns at once. Completion is reported through ``get_finished``.
+
+        ``expedited`` (vLLM 0.33: a sync load the step waits on) is accepted and never set:
+        the spec refuses sync loads (see :mod:`hma_redis.adapter.compat`)."""
         assert isinstance(src_spec, RedisLoadStoreSpec)
         self._engine.submit_load(job_id, self._plan(src_spec.keys, dst_spec))
         return True
