@@ -1,0 +1,561 @@
+"""The transfer fast path: a job's per-byte work (socket I/O, RESP parsing, CRC32C) in one call.
+
+Two implementations of the same functions, giving identical results and identical bytes in the
+caller's buffers:
+
+* native: the C extension ``hma_redis.core._fastpath`` (built by ``pip install`` with the
+  system compiler), which runs the whole job with the GIL released, so a Python thread that
+  holds the GIL (vLLM's step loop while a request waits for its KV) does not stall it;
+* pure Python: this module, over the socket object. It is the test oracle and the fallback
+  where the extension was not built, is disabled (``HMA_REDIS_NATIVE=0``), or cannot serve the
+  socket: TLS sockets always take this path (the native code needs a plain fd; encryption
+  stays in Python's ``ssl``).
+
+One INFO line at first use says which path runs and why.
+
+A load job (:func:`load_values`) sends one command per target (a ``GET``; at most ``window``
+unanswered at once) and reads one reply per target: RESP2 ``$len``/``$-1``, RESP3 ``_``, or an
+error. Each value of ``len`` bytes lands by these rules, in this order:
+
+1. ``len > max_len``: drained in bounded pieces (never held whole), ``oversized``.
+2. Its first ``min(len, 48)`` bytes (the codec's prefix) go to ``head[0:]``. If ``len >= 48``
+   the prefix's header length ``H`` is read and, if ``48 + H`` fits both the value and
+   ``head``, the next ``H`` bytes (the msgpack header) go to ``head[48:48 + H]``.
+3. The header equals ``expected_header`` and ``len == 48 + H + sum(dests)``: the body goes to
+   ``dests`` in order (an ``int`` in ``dests`` is that many bytes checksummed and dropped),
+   ``ok`` / ``pages``.
+4. The header equals ``expected_header`` but the length does not: drained, ``layout-mismatch``.
+5. Anything else (another header, a value too short for a prefix, a header that does not fit
+   ``head``): with a ``staging`` buffer of at least ``len`` bytes the whole value is copied or
+   received into ``staging[0:len]`` for Python to decode, ``ok`` / ``staging``; without one,
+   drained, ``layout-mismatch``.
+
+``crc_ok`` says, for values that landed (``pages`` or ``staging``) and are at least 48 bytes,
+whether CRC32C of the bytes after the prefix (header ‖ body) equals the prefix's CRC field. It
+is only the checksum: magic, version, flags, MAC, key echo and layout are the caller's to check
+(the header bytes being equal to the expected ones covers key, group and layout).
+
+A timeout (no progress for ``timeout_s``), an EOF or a malformed reply raises
+(``TimeoutError``, ``ConnectionError``, :class:`ProtocolError`): the stream is then at an
+unknown position and the caller must drop the connection. Destination memory may have been
+written by then.
+
+:func:`store_values` takes each value as a :class:`StoreValue`: the command's framing up to the
+value (``*4 $3 SET $<keylen> key $<valuelen>``), the head (the codec's prefix and msgpack
+header, every field filled but the CRC), the pages read in place from the KV cache, and the
+tail (``\r\n`` and the ``NX`` / ``EX`` arguments). For each value it writes CRC32C of
+header ‖ pages into the head's CRC field (bytes 12-16, big-endian), then sends the pieces back
+to back with ``sendmsg`` (no copy of its own); then it reads one reply per value: ``+OK``
+stored, nil existed, an error. One call, one GIL release for the whole job: a per-value checksum
+call would wait for the GIL once per value while another thread holds it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from enum import Enum
+from typing import Any, NamedTuple
+
+import crc32c as _crc32c
+
+logger = logging.getLogger(__name__)
+
+# Set to "0" to run the pure-Python path even where the extension is built.
+NATIVE_ENV = "HMA_REDIS_NATIVE"
+
+PREFIX_BYTES = 48  # the codec's prefix (hma_redis.core.codec.PREFIX_BYTES)
+_HLEN_OFFSET = 8  # header length field (big-endian u32) inside the prefix
+_CRC_OFFSET = 12  # CRC32C field (big-endian u32) inside the prefix
+_LINE_READ = 64 * 1024  # bytes received at a time while looking for a reply line
+_MAX_LINE = _LINE_READ - 1  # a longer reply line is a protocol error
+_SCRATCH_BYTES = 256 * 1024  # bytes received at a time when dropped or only checksummed
+_MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk length is bogus
+_IOV_MAX = 1024
+# GETs unanswered at once in a load job: with every GET sent first, Redis builds all the
+# replies in its output buffer before the socket drains it; two in flight measured faster at
+# 512 KiB and 2 MiB values (benchmarks/fastpath_bench.py, and store.py's get_into before).
+DEFAULT_WINDOW = 2
+
+# The extension (untyped: its surface is wrapped, with types, by the functions below).
+_native: Any
+_IMPORT_ERROR: str | None = None
+try:
+    _native = importlib.import_module("hma_redis.core._fastpath")
+except ImportError as exc:  # not built (no compiler at install time), or a broken build
+    _native = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+if _native is not None:
+    ProtocolError: type[ConnectionError] = _native.ProtocolError
+else:
+
+    class _PyProtocolError(ConnectionError):
+        """Redis sent bytes that are not the expected RESP reply; drop the connection."""
+
+    ProtocolError = _PyProtocolError
+
+
+class LoadStatus(Enum):
+    OK = "ok"  # the value landed (see LoadResult.landed)
+    MISSING = "missing"  # no such key
+    OVERSIZED = "oversized"  # longer than max_len: drained, never held whole
+    ERROR = "error"  # an error reply (LoadResult.error)
+    LAYOUT_MISMATCH = "layout-mismatch"  # did not fit the targets and no staging: drained
+
+
+class Landed(Enum):
+    PAGES = "pages"  # head + dests
+    STAGING = "staging"  # the whole value in staging[0:value_len]
+
+
+class LoadTarget(NamedTuple):
+    """Where one value goes (see the module docstring for the rules)."""
+
+    head: Any  # writable, >= 48 + the largest header expected
+    expected_header: bytes | memoryview  # the exact msgpack header bytes a matching value has
+    dests: Sequence[Any]  # writable buffers (or ints: bytes to skip) for the body, in order
+    staging: Any | None  # writable buffer for values that do not match, or None
+    max_len: int  # longer values are drained and reported oversized
+
+
+class LoadResult(NamedTuple):
+    status: LoadStatus
+    value_len: int  # bytes of the value (oversized: its length); 0 when missing or an error
+    header_len: int  # the prefix's header length field; -1 when no prefix was received
+    crc_ok: bool  # CRC32C of header ‖ body equals the prefix's field (landed values only)
+    landed: Landed | None
+    error: str | None  # the error reply's text (status ERROR)
+
+
+class StoreValue(NamedTuple):
+    """One ``SET ... NX`` of a store job (see the module docstring)."""
+
+    framing: bytes | memoryview  # the command up to the value
+    head: Any  # writable: the codec's prefix and header; the CRC field is filled here
+    pages: Sequence[Any]  # the body's pieces, sent in place
+    tail: bytes | memoryview  # "\r\n" and the arguments after the value
+
+
+class StoreStatus(Enum):
+    STORED = "stored"
+    EXISTED = "existed"
+    ERROR = "error"
+
+
+class StoreResult(NamedTuple):
+    status: StoreStatus
+    error: str | None
+
+
+# ---------------------------------------------------------------------------------- the choice
+
+_announce_lock = threading.Lock()
+_announced = False
+
+
+def available() -> bool:
+    """Whether the native path is built, importable and not disabled."""
+    return _native is not None and os.environ.get(NATIVE_ENV, "1") != "0"
+
+
+def unavailable_reason() -> str | None:
+    """Why the native path does not run, or None when it does."""
+    if _native is None:
+        return f"the extension is not built ({_IMPORT_ERROR})"
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return f"disabled by {NATIVE_ENV}=0"
+    return None
+
+
+def describe() -> str:
+    """One line: which path runs, and why (for logs and ``hma-redis info``)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return f"pure Python ({reason})"
+    assert _native is not None
+    crc = "SSE4.2" if _native.hardware_crc() else "portable table"
+    return f"native, GIL released (CRC32C: {crc}; TLS connections use pure Python)"
+
+
+def _announce() -> None:
+    global _announced
+    if _announced:
+        return
+    with _announce_lock:
+        if not _announced:
+            _announced = True
+            logger.info("hma_redis: transfer data path: %s", describe())
+
+
+def _native_for(sock: socket.socket) -> bool:
+    _announce()
+    return available() and not isinstance(sock, ssl.SSLSocket)
+
+
+# ---------------------------------------------------------------------------------- public API
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC32C of ``data`` continuing from ``value`` (as the ``crc32c`` package)."""
+    if available():
+        assert _native is not None
+        return int(_native.crc32c(data, value))
+    return int(_crc32c.crc32c(data, value))
+
+
+def crc32c_parts(buffers: Sequence[Any], value: int = 0) -> int:
+    """CRC32C of ``buffers`` back to back (one native call, GIL released)."""
+    if available():
+        assert _native is not None
+        return int(_native.crc32c_parts(buffers, value))
+    for buf in buffers:
+        value = _crc32c.crc32c(buf, value)
+    return value
+
+
+def load_values(
+    sock: socket.socket,
+    commands: Sequence[bytes | memoryview],
+    targets: Sequence[LoadTarget],
+    timeout_s: float,
+    window: int = DEFAULT_WINDOW,
+) -> list[LoadResult]:
+    """Run a load job on ``sock`` (see the module docstring): ``commands[i]`` asks for the value
+    that goes to ``targets[i]``; at most ``window`` are unanswered at once (0: all sent first).
+    Native unless unavailable or ``sock`` is TLS."""
+    if _native_for(sock):
+        return native_load_values(sock, commands, targets, timeout_s, window)
+    return python_load_values(sock, commands, targets, timeout_s, window)
+
+
+def store_values(
+    sock: socket.socket, values: Sequence[StoreValue], timeout_s: float
+) -> list[StoreResult]:
+    """Run a store job on ``sock`` (see the module docstring): checksum each value into its
+    head, send it with its pages in place, then read one reply per value. Native unless
+    unavailable or ``sock`` is TLS."""
+    if _native_for(sock):
+        return native_store_values(sock, values, timeout_s)
+    return python_store_values(sock, values, timeout_s)
+
+
+def native_load_values(
+    sock: socket.socket,
+    commands: Sequence[bytes | memoryview],
+    targets: Sequence[LoadTarget],
+    timeout_s: float,
+    window: int = DEFAULT_WINDOW,
+) -> list[LoadResult]:
+    """:func:`load_values` on the extension (which must be built; plain sockets only)."""
+    if _native is None:
+        raise RuntimeError(f"the native fast path is not built ({_IMPORT_ERROR})")
+    raw = _native.load_values(sock.fileno(), commands, targets, timeout_s, window)
+    return [
+        LoadResult(
+            LoadStatus(status), value_len, header_len, crc_ok, landed and Landed(landed), error
+        )
+        for status, value_len, header_len, crc_ok, landed, error in raw
+    ]
+
+
+def native_store_values(
+    sock: socket.socket, values: Sequence[StoreValue], timeout_s: float
+) -> list[StoreResult]:
+    """:func:`store_values` on the extension (which must be built; plain sockets only)."""
+    if _native is None:
+        raise RuntimeError(f"the native fast path is not built ({_IMPORT_ERROR})")
+    raw = _native.store_values(sock.fileno(), values, timeout_s)
+    return [StoreResult(StoreStatus(status), error) for status, error in raw]
+
+
+# ---------------------------------------------------------------------------------- pure Python
+
+
+class _Stream:
+    """The reply side of one socket: a small buffer for reply lines, bodies received straight
+    into their destination. Mirrors the C connection step by step."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+        self._scratch: memoryview | None = None
+
+    def leftover(self) -> int:
+        return len(self._buf)
+
+    def _recv(self) -> None:
+        chunk = self._sock.recv(_LINE_READ)
+        if not chunk:
+            raise ConnectionError("connection closed by Redis")
+        self._buf += chunk
+
+    def line(self) -> bytes:
+        """The next reply line without its CRLF."""
+        start = 0
+        while (end := self._buf.find(b"\r\n", start)) < 0:
+            if len(self._buf) > _MAX_LINE:
+                raise ProtocolError("reply line too long")
+            start = max(0, len(self._buf) - 1)
+            self._recv()
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
+        return line
+
+    def crlf(self) -> None:
+        while len(self._buf) < 2:
+            self._recv()
+        if self._buf[:2] != b"\r\n":
+            raise ProtocolError("bulk string not terminated by CRLF")
+        del self._buf[:2]
+
+    def into(self, target: memoryview, crc: int | None = None) -> int | None:
+        """Fill ``target`` from the stream; return the CRC32C continued over it (if given)."""
+        have = min(len(self._buf), target.nbytes)
+        target[:have] = self._buf[:have]
+        del self._buf[:have]
+        while have < target.nbytes:
+            got = self._sock.recv_into(target[have:])
+            if not got:
+                raise ConnectionError("connection closed by Redis")
+            have += got
+        return None if crc is None else _crc32c.crc32c(target, crc)
+
+    def skip(self, nbytes: int, crc: int | None = None) -> int | None:
+        """Drop the next ``nbytes`` (bounded scratch); CRC32C continued over them (if given)."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        while nbytes:
+            piece = min(nbytes, _SCRATCH_BYTES)
+            crc = self.into(self._scratch[:piece], crc)
+            nbytes -= piece
+        return crc
+
+
+def _parse_len(raw: bytes) -> int:
+    """A bulk length as the C code accepts it: optional '-', 1-18 characters, digits only."""
+    digits = raw[1:] if raw[:1] == b"-" else raw
+    if not 0 < len(raw) <= 18 or not digits or not digits.isdigit():
+        raise ProtocolError("bad bulk length")
+    value = int(raw)
+    if value < -1 or value > _MAX_VALUE:
+        raise ProtocolError("bad bulk length")
+    return value
+
+
+def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
+    """One reply's first line: ("bulk", length), ("nil", None), ("error" | "status", text)."""
+    line = stream.line()
+    if not line:
+        raise ProtocolError("empty reply line")
+    kind, rest = line[:1], line[1:]
+    if kind == b"$":
+        length = _parse_len(rest)
+        return ("nil", None) if length < 0 else ("bulk", length)
+    if kind == b"_":
+        if rest:
+            raise ProtocolError("bad RESP3 null")
+        return "nil", None
+    if kind in (b"-", b"+"):
+        return ("error" if kind == b"-" else "status"), rest.decode("utf-8", "replace")
+    raise ProtocolError("unexpected reply type")
+
+
+def _send(sock: socket.socket, parts: Sequence[Any]) -> None:
+    """Send ``parts`` back to back (sendmsg, no joining; TLS piece by piece)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if v.nbytes]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        while sent:
+            size = views[first].nbytes
+            if sent < size:
+                views[first] = views[first][sent:]
+                break
+            sent -= size
+            first += 1
+
+
+def _be32(view: memoryview, offset: int) -> int:
+    return int.from_bytes(view[offset : offset + 4], "big")
+
+
+def _receive_value(stream: _Stream, target: LoadTarget, length: int) -> LoadResult:
+    """The Python twin of the C ``receive_value`` (same rules, same writes)."""
+    head = memoryview(target.head).cast("B")
+    expected = bytes(target.expected_header)
+    got = min(length, PREFIX_BYTES)
+    stream.into(head[:got])
+    header_len = -1
+    crc: int | None = None
+    matched = False
+    if length >= PREFIX_BYTES:
+        header_len = _be32(head, _HLEN_OFFSET)
+        end = PREFIX_BYTES + header_len
+        if end <= length and end <= head.nbytes:
+            crc = stream.into(head[PREFIX_BYTES:end], 0)
+            got = end
+            matched = header_len == len(expected) and head[PREFIX_BYTES:end] == expected
+    body_len = sum(d if isinstance(d, int) else memoryview(d).nbytes for d in target.dests)
+    landed: Landed
+    if matched and length == got + body_len:
+        for dest in target.dests:
+            if isinstance(dest, int):
+                crc = stream.skip(dest, crc)
+            else:
+                crc = stream.into(memoryview(dest).cast("B"), crc)
+        landed = Landed.PAGES
+    elif not matched and target.staging is not None and length <= _nbytes(target.staging):
+        staging = memoryview(target.staging).cast("B")
+        staging[:got] = head[:got]
+        crc = stream.into(staging[got:length], crc)
+        if crc is None and length >= PREFIX_BYTES:
+            crc = _crc32c.crc32c(staging[PREFIX_BYTES:length])
+        landed = Landed.STAGING
+    else:
+        stream.skip(length - got)
+        return LoadResult(LoadStatus.LAYOUT_MISMATCH, length, header_len, False, None, None)
+    crc_ok = length >= PREFIX_BYTES and crc == _be32(head, _CRC_OFFSET)
+    return LoadResult(LoadStatus.OK, length, header_len, crc_ok, landed, None)
+
+
+def _store_head(value: StoreValue) -> memoryview:
+    """The head as a writable byte view (the argument checks the C code makes)."""
+    if len(value) != 4:
+        raise ValueError("a value is (framing, head, pages, tail)")
+    head = memoryview(value.head)
+    if head.readonly:
+        raise TypeError("head must be a writable contiguous buffer")
+    if head.nbytes < PREFIX_BYTES:
+        raise ValueError("head must hold at least the 48-byte prefix")
+    return head.cast("B")
+
+
+def _nbytes(buffer: Any) -> int:
+    return memoryview(buffer).nbytes
+
+
+def _check_target(target: LoadTarget) -> None:
+    """The argument checks the C code makes before touching the socket."""
+    if memoryview(target.head).readonly:
+        raise TypeError("head must be a writable contiguous buffer")
+    if _nbytes(target.head) < PREFIX_BYTES:
+        raise ValueError("head must hold at least the 48-byte prefix")
+    if target.max_len < 0:
+        raise ValueError("max_len must be >= 0")
+    for dest in target.dests:
+        if isinstance(dest, int):
+            if not 0 <= dest <= _MAX_VALUE:
+                raise ValueError("bad skip length")
+        elif memoryview(dest).readonly:
+            raise TypeError("a destination must be a writable contiguous buffer")
+    if target.staging is not None and memoryview(target.staging).readonly:
+        raise TypeError("staging must be a writable contiguous buffer")
+
+
+@contextmanager
+def _timeout(sock: socket.socket, timeout_s: float) -> Iterator[None]:
+    """Bound every wait on ``sock`` by ``timeout_s`` for the block (as the C code's poll)."""
+    if not 0 < timeout_s <= 86400:
+        raise ValueError("timeout_s must be > 0 and at most a day")
+    before = sock.gettimeout()
+    sock.settimeout(timeout_s)
+    try:
+        yield
+    finally:
+        sock.settimeout(before)
+
+
+def python_load_values(
+    sock: socket.socket,
+    commands: Sequence[bytes | memoryview],
+    targets: Sequence[LoadTarget],
+    timeout_s: float,
+    window: int = DEFAULT_WINDOW,
+) -> list[LoadResult]:
+    """:func:`load_values` in pure Python: the oracle of the native path, and its fallback."""
+    if len(commands) != len(targets):
+        raise ValueError("one command per target")
+    if window < 0:
+        raise ValueError("window must be >= 0")
+    for target in targets:
+        _check_target(target)
+    count = len(targets)
+    out: list[LoadResult] = []
+    with _timeout(sock, timeout_s):
+        stream = _Stream(sock)
+        sent = count if window == 0 else min(window, count)
+        _send(sock, commands[:sent])
+        for target in targets:
+            kind, detail = _reply_line(stream)
+            if sent < count:
+                _send(sock, [commands[sent]])
+                sent += 1
+            out.append(_load_reply(stream, target, kind, detail))
+        if stream.leftover():
+            raise ProtocolError("unexpected bytes after the last reply")
+    return out
+
+
+def _load_reply(
+    stream: _Stream, target: LoadTarget, kind: str, detail: int | str | None
+) -> LoadResult:
+    """One GET reply whose first line was read: its value received per ``target``."""
+    if kind == "nil":
+        return LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
+    if kind == "error":
+        assert isinstance(detail, str)
+        return LoadResult(LoadStatus.ERROR, 0, -1, False, None, detail)
+    if kind == "status":
+        raise ProtocolError("status reply to GET")
+    assert isinstance(detail, int)
+    if detail > target.max_len:
+        stream.skip(detail)
+        result = LoadResult(LoadStatus.OVERSIZED, detail, -1, False, None, None)
+    else:
+        result = _receive_value(stream, target, detail)
+    stream.crlf()
+    return result
+
+
+def python_store_values(
+    sock: socket.socket, values: Sequence[StoreValue], timeout_s: float
+) -> list[StoreResult]:
+    """:func:`store_values` in pure Python: the oracle of the native path, and its fallback."""
+    heads = [_store_head(value) for value in values]
+    out: list[StoreResult] = []
+    with _timeout(sock, timeout_s):
+        for value, head in zip(values, heads, strict=True):
+            crc = _crc32c.crc32c(head[PREFIX_BYTES:])
+            for page in value.pages:
+                crc = _crc32c.crc32c(page, crc)
+            head[_CRC_OFFSET : _CRC_OFFSET + 4] = crc.to_bytes(4, "big")
+            _send(sock, [value.framing, head, *value.pages, value.tail])
+        stream = _Stream(sock)
+        for _ in values:
+            kind, detail = _reply_line(stream)
+            if kind == "status":
+                if detail != "OK":
+                    raise ProtocolError("unexpected status reply to SET")
+                out.append(StoreResult(StoreStatus.STORED, None))
+            elif kind == "nil":
+                out.append(StoreResult(StoreStatus.EXISTED, None))
+            elif kind == "error":
+                assert isinstance(detail, str)
+                out.append(StoreResult(StoreStatus.ERROR, detail))
+            else:
+                raise ProtocolError("bulk reply to SET NX")
+        if stream.leftover():
+            raise ProtocolError("unexpected bytes after the last reply")
+    return out

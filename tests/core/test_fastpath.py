@@ -1,0 +1,673 @@
+"""The native fast path against its pure-Python oracle, on a real Redis: every job runs through
+both, and results, exceptions and every byte of every buffer must be the same (and right)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import crc32c as crc32c_package
+import pytest
+import redis
+
+from hma_redis.core import _fastpath as native_module
+from hma_redis.core import codec, fastpath
+from hma_redis.core.codec import BlockHeader
+from hma_redis.core.fastpath import (
+    Landed,
+    LoadResult,
+    LoadStatus,
+    LoadTarget,
+    StoreResult,
+    StoreStatus,
+    StoreValue,
+)
+
+LoadFn = Callable[..., list[LoadResult]]
+StoreFn = Callable[..., list[StoreResult]]
+PATHS: dict[str, tuple[LoadFn, StoreFn]] = {
+    "native": (fastpath.native_load_values, fastpath.native_store_values),
+    "python": (fastpath.python_load_values, fastpath.python_store_values),
+}
+TIMEOUT_S = 5.0
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def resp(*args: bytes | str | int) -> bytes:
+    """One command in RESP framing."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        raw = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+    return b"".join(out)
+
+
+def connect(url: str, resp3: bool = False) -> socket.socket:
+    """A plain socket to ``url``; with ``resp3``, switched by HELLO 3 (replies read off)."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=TIMEOUT_S)
+    if resp3:
+        sock.sendall(resp("HELLO", 3) + resp("PING"))
+        seen = b""
+        while not seen.endswith(b"+PONG\r\n"):
+            chunk = sock.recv(65536)
+            assert chunk, "Redis closed the connection during HELLO 3"
+            seen += chunk
+        assert seen.startswith(b"%"), "HELLO 3 did not answer with a RESP3 map"
+    return sock
+
+
+def pattern(nbytes: int, seed: int) -> bytearray:
+    """Deterministic junk: a buffer's content before a job writes into it."""
+    return bytearray(random.Random(seed).randbytes(nbytes))
+
+
+@dataclass
+class Cache:
+    """A CPU KV cache of one group: per layer, ``num_blocks`` rows of ``row_bytes`` (pages of
+    ``page_bytes``, the rest padding), as the worker sees it."""
+
+    layers: list[bytearray]
+    page_bytes: int
+    row_bytes: int
+
+    @classmethod
+    def make(cls, num_layers: int, num_blocks: int, page: int, row: int, seed: int) -> Cache:
+        layers = [pattern(num_blocks * row, seed + i) for i in range(num_layers)]
+        return cls(layers, page, row)
+
+    def spans(self, block_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(offset in a layer, bytes) of the blocks' pages in order: one span per run of
+        consecutive ids where rows are unpadded, else one per page (as the worker's _spans)."""
+        if self.row_bytes != self.page_bytes:
+            return [(b * self.row_bytes, self.page_bytes) for b in block_ids]
+        spans: list[tuple[int, int]] = []
+        for block in block_ids:
+            if spans and spans[-1][0] + spans[-1][1] == block * self.row_bytes:
+                spans[-1] = (spans[-1][0], spans[-1][1] + self.page_bytes)
+            else:
+                spans.append((block * self.row_bytes, self.page_bytes))
+        return spans
+
+    def dests(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """Destination views of a chunk's body: layer-major, the blocks' pages in order."""
+        return [
+            memoryview(layer)[at : at + nbytes]
+            for layer in self.layers
+            for at, nbytes in self.spans(block_ids)
+        ]
+
+    def pages(self, block_ids: Sequence[int]) -> list[bytes]:
+        return [bytes(view) for view in self.dests(block_ids)]
+
+
+def header_for(key: str, num_blocks: int, cache: Cache, group: int = 0) -> BlockHeader:
+    return BlockHeader(
+        key=key,
+        group=group,
+        first_block=0,
+        num_blocks=num_blocks,
+        page_bytes=(cache.page_bytes,) * len(cache.layers),
+        kv_dtype="float16",
+    )
+
+
+def body_of(header: BlockHeader, seed: int) -> bytes:
+    return bytes(pattern(header.body_bytes, seed))
+
+
+@dataclass
+class Job:
+    """A load job, rebuilt identically for each path: fresh buffers with the same junk."""
+
+    keys: list[str]
+    make: Callable[[int], tuple[list[LoadTarget], list[bytearray]]]
+
+    def commands(self) -> list[bytes]:
+        return [resp("GET", key) for key in self.keys]
+
+
+def run_both(
+    url: str, job: Job, window: int = 0, resp3: bool = False
+) -> tuple[list[LoadResult], list[bytearray]]:
+    """Run ``job`` through both paths on fresh connections; assert identical results and
+    identical bytes in every buffer; return the native results and buffers."""
+    outcome: dict[str, tuple[list[LoadResult], list[bytes]]] = {}
+    native_buffers: list[bytearray] = []
+    for name, (load, _) in PATHS.items():
+        targets, buffers = job.make(0)
+        with connect(url, resp3) as sock:
+            results = load(sock, job.commands(), targets, TIMEOUT_S, window)
+            # The connection is still in step: a PING answers PONG.
+            sock.sendall(resp("PING"))
+            assert sock.recv(100) == b"+PONG\r\n"
+        outcome[name] = (results, [bytes(b) for b in buffers])
+        if name == "native":
+            native_buffers = buffers
+    assert outcome["native"][0] == outcome["python"][0]
+    for idx, (a, b) in enumerate(zip(outcome["native"][1], outcome["python"][1], strict=True)):
+        assert a == b, f"buffer {idx} differs between the native and the Python path"
+    return outcome["native"][0], native_buffers
+
+
+def page_job(
+    client: redis.Redis, cache_seed: int, chunks: list[tuple[str, list[int]]], cache: Cache
+) -> tuple[Job, dict[str, bytes]]:
+    """Store one value per chunk (random body) and build a job that loads them into a copy of
+    ``cache``; returns the job and each key's body."""
+    bodies: dict[str, bytes] = {}
+    headers: dict[str, BlockHeader] = {}
+    for idx, (key, ids) in enumerate(chunks):
+        headers[key] = header_for(key, len(ids), cache)
+        bodies[key] = body_of(headers[key], cache_seed * 1000 + idx)
+        client.set(key, bytes(codec.encode(headers[key], bodies[key])))
+
+    def make(_: int) -> tuple[list[LoadTarget], list[bytearray]]:
+        fresh = Cache(
+            [bytearray(layer) for layer in cache.layers], cache.page_bytes, cache.row_bytes
+        )
+        targets: list[LoadTarget] = []
+        buffers: list[bytearray] = list(fresh.layers)
+        for idx, (key, ids) in enumerate(chunks):
+            head = pattern(codec.PREFIX_BYTES + 200, 7 + idx)
+            buffers.append(head)
+            expected = headers[key].to_msgpack()
+            targets.append(LoadTarget(head, expected, fresh.dests(ids), None, 64 << 20))
+        return targets, buffers
+
+    return Job([key for key, _ in chunks], make), bodies
+
+
+def expected_layers(
+    cache: Cache, chunks: list[tuple[str, list[int]]], bodies: dict[str, bytes]
+) -> list[bytes]:
+    """The cache's layers after a correct load of ``chunks``."""
+    layers = [bytearray(layer) for layer in cache.layers]
+    for key, ids in chunks:
+        body = memoryview(bodies[key])
+        spans = cache.spans(ids)
+        offset = 0
+        for layer in layers:
+            for at, nbytes in spans:
+                layer[at : at + nbytes] = body[offset : offset + nbytes]
+                offset += nbytes
+    return [bytes(layer) for layer in layers]
+
+
+def raw_key(url: str, key: str, value: bytes) -> None:
+    with redis.Redis.from_url(url) as client:
+        client.set(key, value)
+
+
+# ------------------------------------------------------------------------------------- tests
+
+
+def test_native_extension_is_built_and_chosen(caplog: pytest.LogCaptureFixture) -> None:
+    """The install built the extension; plain sockets use it and say so once."""
+    assert fastpath.available(), fastpath.unavailable_reason()
+    caplog.set_level("INFO", logger="hma_redis.core.fastpath")
+    fastpath._announced = False
+    sock = socket.socket()
+    try:
+        assert fastpath._native_for(sock)
+        assert fastpath._native_for(sock)
+    finally:
+        sock.close()
+    lines = [r.getMessage() for r in caplog.records if "transfer data path" in r.getMessage()]
+    assert len(lines) == 1 and "native" in lines[0], lines
+
+
+@pytest.mark.parametrize(("page", "row"), [(4096, 4096), (3000, 4096)], ids=["dense", "padded"])
+@pytest.mark.parametrize("window", [0, 2])
+def test_values_land_in_their_pages(
+    redis_url: str, redis_client: redis.Redis, page: int, row: int, window: int
+) -> None:
+    """Values of several sizes land exactly in their blocks' pages (random block ids, runs and
+    padded rows), the rest of the cache untouched, CRC checked, identically on both paths."""
+    rng = random.Random(page + window)
+    cache = Cache.make(num_layers=8, num_blocks=400, page=page, row=row, seed=1)
+    free = list(range(400))
+    rng.shuffle(free)
+    # Blocks per value: up to 4.8 MiB values of 1200 pages (more than one recvmsg's iovecs).
+    sizes = [1, 3, 16, 64, 7, 150]
+    chunks: list[tuple[str, list[int]]] = []
+    for idx, size in enumerate(sizes):
+        ids, free = free[:size], free[size:]
+        if idx % 2:  # some chunks with consecutive ids (runs)
+            ids = sorted(ids)
+        chunks.append((f"k{idx}", ids))
+    job, bodies = page_job(redis_client, 3, chunks, cache)
+    results, buffers = run_both(redis_url, job, window=window)
+    assert [r.status for r in results] == [LoadStatus.OK] * len(chunks)
+    assert all(r.landed is Landed.PAGES and r.crc_ok for r in results)
+    assert [bytes(b) for b in buffers[: len(cache.layers)]] == expected_layers(
+        cache, chunks, bodies
+    )
+    for idx, (key, ids) in enumerate(chunks):
+        head = buffers[len(cache.layers) + idx]
+        header = header_for(key, len(ids), cache)
+        stored = bytes(codec.encode(header, bodies[key]))
+        end = codec.PREFIX_BYTES + len(header.to_msgpack())
+        assert head[:end] == stored[:end]
+        assert results[idx].value_len == len(stored)
+        assert results[idx].header_len == end - codec.PREFIX_BYTES
+
+
+def test_many_small_values_in_one_job(redis_url: str, redis_client: redis.Redis) -> None:
+    """Hundreds of small values: several replies arrive in one receive and are split right."""
+    cache = Cache.make(num_layers=2, num_blocks=600, page=64, row=64, seed=5)
+    chunks = [(f"s{i}", [i]) for i in range(600)]
+    job, bodies = page_job(redis_client, 11, chunks, cache)
+    results, buffers = run_both(redis_url, job)
+    assert all(r.status is LoadStatus.OK and r.crc_ok for r in results)
+    assert [bytes(b) for b in buffers[:2]] == expected_layers(cache, chunks, bodies)
+
+
+def test_skipped_blocks_are_checksummed_but_not_written(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """An int in ``dests`` drops that many body bytes (a value holding more blocks than the
+    load needs) and still checksums them."""
+    cache = Cache.make(num_layers=2, num_blocks=8, page=1024, row=1024, seed=9)
+    header = header_for("wide", 4, cache)
+    body = body_of(header, 99)
+    redis_client.set("wide", bytes(codec.encode(header, body)))
+    big = header_for("huge", 600, Cache.make(2, 1, 1024, 1024, 0))
+    big_body = body_of(big, 98)
+    redis_client.set("huge", bytes(codec.encode(big, big_body)))
+
+    def make(_: int) -> tuple[list[LoadTarget], list[bytearray]]:
+        layers = [pattern(8 * 1024, 40 + i) for i in range(2)]
+        heads = [pattern(300, 50), pattern(300, 51)]
+        huge_dest = bytearray(1024)
+        # Per layer: skip block 0, take blocks 1-2 into cache blocks 5 and 2, skip block 3.
+        dests: list[Any] = []
+        for layer in layers:
+            dests += [1024, memoryview(layer)[5 * 1024 : 6 * 1024]]
+            dests += [memoryview(layer)[2 * 1024 : 3 * 1024], 1024]
+        # A skip longer than the scratch buffer, then the last page.
+        huge_dests: list[Any] = [big.body_bytes - 1024, memoryview(huge_dest)]
+        targets = [
+            LoadTarget(heads[0], header.to_msgpack(), dests, None, 1 << 20),
+            LoadTarget(heads[1], big.to_msgpack(), huge_dests, None, 2 << 20),
+        ]
+        return targets, [*layers, *heads, huge_dest]
+
+    results, buffers = run_both(redis_url, Job(["wide", "huge"], make))
+    assert all(r.status is LoadStatus.OK and r.landed is Landed.PAGES and r.crc_ok for r in results)
+    for idx in range(2):
+        layer = buffers[idx]
+        base = idx * 4 * 1024
+        assert layer[5 * 1024 : 6 * 1024] == body[base + 1024 : base + 2048]
+        assert layer[2 * 1024 : 3 * 1024] == body[base + 2048 : base + 3072]
+        untouched = pattern(8 * 1024, 40 + idx)
+        assert layer[:2048] == untouched[:2048] and layer[6144:] == untouched[6144:]
+    assert buffers[4] == big_body[-1024:]
+
+
+def test_missing_keys_and_error_replies(redis_url: str, redis_client: redis.Redis) -> None:
+    """A missing key is ``missing``, an error reply (GET of a list) is ``error`` with Redis'
+    message, the values around them land, and the connection stays in step."""
+    cache = Cache.make(num_layers=1, num_blocks=4, page=512, row=512, seed=2)
+    job, bodies = page_job(redis_client, 5, [("a", [0]), ("b", [1])], cache)
+    redis_client.rpush("a-list", "x")
+    inner = job.make
+
+    def make(seed: int) -> tuple[list[LoadTarget], list[bytearray]]:
+        targets, buffers = inner(seed)
+        head = pattern(100, 3)
+        spare = LoadTarget(head, b"", [], None, 1000)
+        return [targets[0], spare, spare, targets[1]], [*buffers, head]
+
+    job = Job(["a", "nope", "a-list", "b"], make)
+    results, buffers = run_both(redis_url, job, window=1)
+    assert [r.status for r in results] == [
+        LoadStatus.OK,
+        LoadStatus.MISSING,
+        LoadStatus.ERROR,
+        LoadStatus.OK,
+    ]
+    assert results[2].error is not None and results[2].error.startswith("WRONGTYPE")
+    assert results[1] == LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
+    assert bytes(buffers[0]) == expected_layers(cache, [("a", [0]), ("b", [1])], bodies)[0]
+
+
+@pytest.mark.parametrize("resp3", [False, True], ids=["resp2", "resp3"])
+def test_oversized_value_is_drained_and_the_connection_stays_usable(
+    redis_url: str, redis_client: redis.Redis, resp3: bool
+) -> None:
+    """A value over ``max_len`` is dropped as it arrives (nothing of it lands past the
+    prefix-free head), the next value on the same connection lands, RESP2 and RESP3 alike
+    (RESP3: a missing key is ``_``)."""
+    cache = Cache.make(num_layers=2, num_blocks=40, page=16384, row=16384, seed=3)
+    job, bodies = page_job(redis_client, 8, [("big", list(range(32))), ("after", [35])], cache)
+    inner = job.make
+
+    def make(seed: int) -> tuple[list[LoadTarget], list[bytearray]]:
+        targets, buffers = inner(seed)
+        head = pattern(200, 77)
+        missing = LoadTarget(head, b"", [], None, 10)
+        return [targets[0]._replace(max_len=1000), targets[1], missing], [*buffers, head]
+
+    results, buffers = run_both(redis_url, Job(["big", "after", "gone"], make), resp3=resp3)
+    assert results[0].status is LoadStatus.OVERSIZED and results[0].landed is None
+    assert results[0].value_len > 1 << 20
+    assert results[1].status is LoadStatus.OK and results[1].crc_ok
+    assert results[2].status is LoadStatus.MISSING
+    untouched = Cache.make(num_layers=2, num_blocks=40, page=16384, row=16384, seed=3)
+    for idx in range(2):
+        layer, before = buffers[idx], untouched.layers[idx]
+        assert layer[: 32 * 16384] == before[: 32 * 16384]  # the oversized value wrote nothing
+        offset = idx * 16384
+        assert layer[35 * 16384 : 36 * 16384] == bodies["after"][offset : offset + 16384]
+
+
+def test_another_header_goes_to_staging_or_is_refused(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A value whose header is not the expected one lands whole in ``staging`` (or, without
+    one, is drained as ``layout-mismatch``); a value with the expected header but another
+    length is ``layout-mismatch``; a short or non-hma value goes to staging too; a header of
+    the same length and layout but another key is not the expected one; a staging buffer
+    shorter than the value is not used; a corrupted body lands with ``crc_ok`` False."""
+    cache = Cache.make(num_layers=2, num_blocks=8, page=2048, row=2048, seed=4)
+    header = header_for("mine", 2, cache)
+    other = header_for("theirs", 3, cache)
+    twin = header_for("mime", 2, cache)  # same header length, same body length
+    body, other_body = body_of(header, 1), body_of(other, 2)
+    values = {
+        "theirs": bytes(codec.encode(other, other_body)),
+        "truncated": bytes(codec.encode(header, body))[:-100],
+        "short": b"not a block",
+        "empty": b"",
+        "corrupt": bytearray(codec.encode(header, body)),
+        "mime": bytes(codec.encode(twin, body)),
+    }
+    values["corrupt"][-5] ^= 0xFF
+    for key, value in values.items():
+        redis_client.set(key, bytes(value))
+    keys = ["theirs", "theirs", "truncated", "short", "short", "empty", "corrupt", "mime", "theirs"]
+    staging_sizes = [65536, None, 65536, 65536, None, 65536, None, 65536, 1000]
+
+    def make(_: int) -> tuple[list[LoadTarget], list[bytearray]]:
+        targets: list[LoadTarget] = []
+        buffers: list[bytearray] = []
+        for idx, staging_size in enumerate(staging_sizes):
+            layers = [pattern(8 * 2048, 100 * idx + i) for i in range(2)]
+            dests = [
+                memoryview(layer)[2048 * b : 2048 * (b + 1)] for layer in layers for b in (3, 6)
+            ]
+            head = pattern(codec.PREFIX_BYTES + 120, idx)
+            staging = None if staging_size is None else pattern(staging_size, 1000 + idx)
+            targets.append(LoadTarget(head, header.to_msgpack(), dests, staging, 1 << 20))
+            buffers += [*layers, head] + ([staging] if staging is not None else [])
+        return targets, buffers
+
+    results, buffers = run_both(redis_url, Job(keys, make))
+    statuses = [(r.status, r.landed) for r in results]
+    assert statuses == [
+        (LoadStatus.OK, Landed.STAGING),
+        (LoadStatus.LAYOUT_MISMATCH, None),
+        (LoadStatus.LAYOUT_MISMATCH, None),
+        (LoadStatus.OK, Landed.STAGING),
+        (LoadStatus.LAYOUT_MISMATCH, None),
+        (LoadStatus.OK, Landed.STAGING),
+        (LoadStatus.OK, Landed.PAGES),
+        (LoadStatus.OK, Landed.STAGING),
+        (LoadStatus.LAYOUT_MISMATCH, None),
+    ]
+    assert results[0].crc_ok and not results[6].crc_ok
+    assert results[3].header_len == -1 and results[5].value_len == 0
+    # The staged values are byte for byte what Redis holds, and decode as usual.
+    staging_theirs = buffers[3]
+    assert staging_theirs[: len(values["theirs"])] == values["theirs"]
+    assert codec.decode(staging_theirs[: len(values["theirs"])], "theirs").header == other
+    staging_short = next(b for b in buffers if len(b) == 64 * 1024 and b.startswith(b"not a"))
+    assert staging_short[:11] == b"not a block"
+    staging_twin = buffers[-5]
+    assert staging_twin[: len(values["mime"])] == values["mime"]
+    assert buffers[-1] == pattern(1000, 1008)  # too short for the value: untouched
+
+
+def test_zero_byte_bodies_land(redis_url: str, redis_client: redis.Redis) -> None:
+    """A value with an empty body (no blocks) lands as ``pages`` with nothing to write."""
+    cache = Cache.make(num_layers=3, num_blocks=1, page=64, row=64, seed=6)
+    header = header_for("nothing", 0, cache)
+    redis_client.set("nothing", bytes(codec.encode(header, b"")))
+
+    def make(_: int) -> tuple[list[LoadTarget], list[bytearray]]:
+        head = pattern(150, 1)
+        return [LoadTarget(head, header.to_msgpack(), [], None, 1000)], [head]
+
+    results, _ = run_both(redis_url, Job(["nothing"], make))
+    assert results[0].status is LoadStatus.OK and results[0].landed is Landed.PAGES
+    assert results[0].crc_ok
+
+
+def test_stores_fill_the_checksum_and_send_pages_in_place(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """SET NX of values given as (framing, head, pages, tail): the CRC32C field is filled
+    (header ‖ pages), Redis then holds exactly the codec's encoding, and stored, existed and
+    error replies are reported alike by both paths."""
+    cache = Cache.make(num_layers=3, num_blocks=64, page=8192, row=9000, seed=12)
+    outcome: dict[str, list[StoreResult]] = {}
+    for name, (_, store) in PATHS.items():
+        redis_client.flushall()
+        redis_client.set(f"{name}-there", b"old")
+        values: list[StoreValue] = []
+        expected: dict[str, bytes] = {}
+        for idx, ids in enumerate([[1, 2, 3], [10], list(range(20, 60)), [0], []]):
+            key = f"{name}-{idx}" if idx != 1 else f"{name}-there"
+            header = header_for(key, len(ids), cache)
+            pages = cache.dests(ids)
+            encoded = codec.encode_parts(header, pages)
+            head = bytearray(encoded[0])
+            head[12:16] = b"\xa5" * 4  # the CRC field: to be filled by the job
+            size = len(head) + header.body_bytes
+            framing = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key.encode(), size)
+            values.append(StoreValue(framing, head, pages, b"\r\n$2\r\nNX\r\n"))
+            expected[key] = b"".join(bytes(p) for p in encoded)
+        # A syntax error (NX with XX).
+        bad = b"*5\r\n$3\r\nSET\r\n$3\r\nbad\r\n$48\r\n"
+        values.append(StoreValue(bad, bytearray(48), [], b"\r\n$2\r\nNX\r\n$2\r\nXX\r\n"))
+        with connect(redis_url) as sock:
+            outcome[name] = store(sock, values, TIMEOUT_S)
+            sock.sendall(resp("PING"))
+            assert sock.recv(100) == b"+PONG\r\n"
+        for key, value in expected.items():
+            if key.endswith("-there"):
+                assert redis_client.get(key) == b"old"
+            else:
+                assert redis_client.get(key) == value
+    assert outcome["native"] == outcome["python"]
+    statuses = [r.status for r in outcome["native"]]
+    assert statuses == [
+        StoreStatus.STORED,
+        StoreStatus.EXISTED,
+        StoreStatus.STORED,
+        StoreStatus.STORED,
+        StoreStatus.STORED,
+        StoreStatus.ERROR,
+    ]
+    assert outcome["native"][5].error is not None and "syntax" in outcome["native"][5].error
+
+
+class CuttingProxy:
+    """One connection to a real Redis through a proxy that forwards the request, then only the
+    first ``limit`` bytes of the reply, and then closes the connection (shutdown: an EOF the
+    client sees at once)."""
+
+    def __init__(self, upstream: tuple[str, int], limit: int) -> None:
+        self._upstream = upstream
+        self._limit = limit
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self._listener.getsockname()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        client, _ = self._listener.accept()
+        with client, socket.create_connection(self._upstream) as server:
+            server.sendall(client.recv(65536))  # the test's one small GET
+            sent = 0
+            while sent < self._limit:
+                chunk = server.recv(min(65536, self._limit - sent))
+                if not chunk:
+                    break
+                client.sendall(chunk)
+                sent += len(chunk)
+            client.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+        self._thread.join(10)
+
+
+def test_server_closing_mid_value_raises(redis_url: str, redis_client: redis.Redis) -> None:
+    """An EOF in the middle of a value raises ConnectionError (not a timeout, not a protocol
+    error) on both paths."""
+    cache = Cache.make(num_layers=1, num_blocks=64, page=65536, row=65536, seed=0)
+    header = header_for("cut", 64, cache)
+    redis_client.set("cut", bytes(codec.encode(header, body_of(header, 5))))
+    parts = urlsplit(redis_url)
+    for name, (load, _) in PATHS.items():
+        proxy = CuttingProxy((parts.hostname or "127.0.0.1", parts.port or 6379), 1 << 20)
+        try:
+            head, layer = bytearray(200), bytearray(64 * 65536)
+            target = LoadTarget(head, header.to_msgpack(), [memoryview(layer)], None, 8 << 20)
+            with (
+                socket.create_connection(proxy.address, timeout=TIMEOUT_S) as sock,
+                pytest.raises(ConnectionError) as info,
+            ):
+                load(sock, [resp("GET", "cut")], [target], TIMEOUT_S)
+            assert not isinstance(info.value, fastpath.ProtocolError), name
+            assert not isinstance(info.value, TimeoutError), name
+        finally:
+            proxy.close()
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["socket-timeout", "blocking-socket"])
+def test_stalled_server_times_out_within_the_bound(local_redis: Any, blocking: bool) -> None:
+    """A server that stops answering (SIGSTOP) mid-job raises TimeoutError after about
+    ``timeout_s`` on both paths, loads and stores, whatever the socket's own mode."""
+    client = redis.Redis(port=local_redis.port)
+    cache = Cache.make(num_layers=1, num_blocks=4, page=1024, row=1024, seed=0)
+    header = header_for("k", 1, cache)
+    client.set("k", bytes(codec.encode(header, body_of(header, 1))))
+    bound = 0.4
+    socks = {name: connect(local_redis.url) for name in PATHS}
+    local_redis.pause()
+    try:
+        for name, (load, store) in PATHS.items():
+            sock = socks[name]
+            if blocking:
+                sock.settimeout(None)
+            head, layer = bytearray(200), bytearray(4096)
+            target = LoadTarget(head, header.to_msgpack(), [memoryview(layer)[:1024]], None, 10_000)
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                load(sock, [resp("GET", "k")], [target], bound)
+            assert bound * 0.9 <= time.monotonic() - started < bound + 1.0, name
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                value = StoreValue(
+                    b"*4\r\n$3\r\nSET\r\n$1\r\nx\r\n$48\r\n", bytearray(48), [], b"\r\n$2\r\nNX\r\n"
+                )
+                store(sock, [value], bound)
+            assert bound * 0.9 <= time.monotonic() - started < bound + 1.0, name
+    finally:
+        local_redis.resume()
+        for sock in socks.values():
+            sock.close()
+        client.close()
+
+
+def test_native_wait_releases_the_gil(local_redis: Any) -> None:
+    """While a native load waits on a stalled server, other Python threads run."""
+    cache = Cache.make(num_layers=1, num_blocks=1, page=64, row=64, seed=0)
+    header = header_for("k", 1, cache)
+    sock = connect(local_redis.url)
+    local_redis.pause()
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        target = LoadTarget(bytearray(200), header.to_msgpack(), [bytearray(64)], None, 1000)
+        try:
+            fastpath.native_load_values(sock, [resp("GET", "k")], [target], 3.0)
+        except TimeoutError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=load)
+    try:
+        thread.start()
+        time.sleep(0.2)  # the load is now inside its wait
+        started = time.monotonic()
+        count = 0
+        while count < 200_000:
+            count += 1
+        elapsed = time.monotonic() - started
+        assert thread.is_alive(), "the load should still be waiting"
+        assert elapsed < 1.5, f"a Python loop took {elapsed:.2f}s: the GIL was held"
+    finally:
+        local_redis.resume()
+        thread.join(10)
+        sock.close()
+
+
+def test_protocol_errors_raise_on_both_paths() -> None:
+    """Bytes that are not a RESP reply raise ProtocolError (a ConnectionError) on both paths."""
+    for reply in [b"*1\r\n$1\r\nx\r\n", b"$abc\r\n", b"$5\r\nhelloXX", b"+OK\r\n"]:
+        for name, (load, _) in PATHS.items():
+            server, client = socket.socketpair()
+            with server, client:
+                server.sendall(reply)
+                target = LoadTarget(bytearray(100), b"", [], bytearray(100), 100)
+                with pytest.raises(fastpath.ProtocolError):
+                    load(client, [b""], [target], 1.0)
+            assert issubclass(fastpath.ProtocolError, ConnectionError), name
+
+
+def test_crc32c_equals_the_crc32c_package() -> None:
+    """crc32c (hardware and portable table) and crc32c_parts give the package's result on
+    random buffers of many sizes, alignments and start values."""
+    rng = random.Random(0)
+    base = bytearray(os.urandom(300_000))
+    view = memoryview(base)
+    sizes = [0, 1, 2, 7, 8, 9, 15, 16, 63, 64, 1000, 8191, 8192, 24575, 24576, 24577, 49153]
+    sizes += [rng.randrange(1, 300_000 - 16) for _ in range(20)]
+    for size in sizes:
+        for offset in (0, 1, 3, 8, 13):
+            if offset + size > len(base):
+                continue
+            data = view[offset : offset + size]
+            start = rng.getrandbits(32)
+            want = crc32c_package.crc32c(data, start)
+            assert native_module.crc32c(data, start) == want, (size, offset)
+            assert native_module._crc32c_portable(data, start) == want, (size, offset)
+            cuts = sorted(rng.randrange(0, size + 1) for _ in range(3))
+            parts = [
+                data[: cuts[0]],
+                data[cuts[0] : cuts[1]],
+                data[cuts[1] : cuts[2]],
+                data[cuts[2] :],
+            ]
+            assert native_module.crc32c_parts(parts, start) == want, (size, offset)
+            assert fastpath.crc32c_parts(parts, start) == want
+    assert native_module.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+
+
+@pytest.fixture(autouse=True)
+def _native_required() -> Iterator[None]:
+    """Every test here compares the two paths: the extension must be built."""
+    assert fastpath.available(), f"native fast path unavailable: {fastpath.unavailable_reason()}"
+    yield
