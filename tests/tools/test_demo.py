@@ -1,0 +1,58 @@
+"""The demo's verdict and its default model, without an engine (tests/engine/test_demo.py runs
+the demo itself)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hma_redis.tools.demo.demo import DEFAULT_PROMPT_TOKENS, PromptRun, report
+from hma_redis.tools.demo.tiny_models import DEMO_SHAPE, HEAD_DIM
+
+# What the engines here may hold: VLLM_CPU_KVCACHE_SPACE=1 (GiB) in the CPU engine defaults.
+CPU_KV_CACHE_BYTES = 2**30
+
+
+def _run(cached: int, ttft_s: float, tokens: list[int]) -> PromptRun:
+    return PromptRun(4097, cached, ttft_s, tokens)
+
+
+def test_default_demo_model_makes_the_prefill_worth_skipping() -> None:
+    # A tiny model's prefill takes milliseconds and shows no gain from Redis (issue 14 part 4):
+    # the default must be a few hundred million parameters over a 4k-token prompt.
+    hidden, kv_width = DEMO_SHAPE.hidden_size, DEMO_SHAPE.num_kv_heads * HEAD_DIM
+    attention = 2 * hidden * hidden + 2 * hidden * kv_width  # q, o; k, v
+    params_per_layer = attention + 3 * hidden * DEMO_SHAPE.intermediate_size
+    assert DEMO_SHAPE.num_layers * params_per_layer >= 300_000_000
+    assert DEFAULT_PROMPT_TOKENS >= 4096
+    # ... while the prompt's KV cache fits an engine's CPU KV cache several times over.
+    assert DEMO_SHAPE.kv_bytes_per_token() * DEFAULT_PROMPT_TOKENS <= CPU_KV_CACHE_BYTES // 4
+
+
+def test_verdict_names_tokens_from_redis_and_the_speedup(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert report(_run(0, 7.9, [5, 6]), _run(4096, 0.31, [5, 6])) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (
+        "engine B: 4096 of 4097 prompt tokens from Redis, time to first token 0.31 s vs 7.90 s "
+        "cold (25× faster), tokens identical"
+    )
+
+
+def test_verdict_fails_when_engine_b_generates_other_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert report(_run(0, 7.9, [5, 6]), _run(4096, 0.31, [5, 7])) == 1
+    assert "tokens DIFFER" in capsys.readouterr().out
+
+
+def test_verdict_fails_when_nothing_came_from_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    assert report(_run(0, 7.9, [5, 6]), _run(0, 7.7, [5, 6])) == 1
+    out = capsys.readouterr().out
+    assert "(1.0× faster)" in out
+    assert "engine B loaded nothing from Redis" in out
+
+
+def test_verdict_says_when_engine_a_was_not_cold(capsys: pytest.CaptureFixture[str]) -> None:
+    assert report(_run(2048, 3.9, [5, 6]), _run(4096, 0.31, [5, 6])) == 0
+    assert "its time is not a cold one" in capsys.readouterr().out
