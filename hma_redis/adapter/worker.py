@@ -58,7 +58,11 @@ class RedisOffloadingWorker(OffloadingWorker):
         shutdown_timeout_s: float,
         auth_key: bytes | None = None,
         kv_cache_layout: str = "",
+        connections_per_job: int | None = None,
+        native: bool | None = None,
     ) -> None:
+        """``connections_per_job`` (default: the store's config) and ``native`` (None: where
+        it can run) choose the transfer engine's data path (:class:`TransferEngine`)."""
         self._store = store
         self._keyspace = keyspace
         self._rank = rank
@@ -72,6 +76,8 @@ class RedisOffloadingWorker(OffloadingWorker):
             io_threads=io_threads,
             max_inflight_bytes=max_inflight_bytes,
             shutdown_timeout_s=shutdown_timeout_s,
+            connections_per_job=connections_per_job,
+            native=native,
         )
         # Load jobs whose failure get_finished has returned, until take_failed_load_jobs.
         # Both run on the worker's step thread (the connector's get_transfer_results).
@@ -125,6 +131,11 @@ class RedisOffloadingWorker(OffloadingWorker):
         (vLLM 0.32 asserts it). Without this call it says failure, so a connector that cannot
         recompute stops loudly instead of serving the destination blocks' stale contents."""
         self._failures_reported = True
+
+    @property
+    def data_path(self) -> str:
+        """Which data path the transfer engine runs (as its start-up INFO line says)."""
+        return self._engine.data_path
 
     @property
     def peak_buffer_bytes(self) -> int:

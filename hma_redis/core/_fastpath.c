@@ -506,6 +506,7 @@ typedef struct {
     Py_buffer command;
     Py_buffer head;
     Py_buffer expected;
+    Py_buffer prefix; /* optional: the bytes a matching value's prefix starts with */
     Py_buffer staging;
     int has_staging;
     seg_t *dests; /* body destinations in order; scratch segments are skipped bytes */
@@ -549,7 +550,8 @@ static int receive_value(conn_t *c, target_t *t, long long len) {
             if (conn_recv_segments(c, &seg, 1, &acc) < 0) return -1;
             got += (size_t)hlen;
             matched = hlen == (long long)t->expected.len &&
-                      memcmp(head + PREFIX_BYTES, t->expected.buf, (size_t)hlen) == 0;
+                      memcmp(head + PREFIX_BYTES, t->expected.buf, (size_t)hlen) == 0 &&
+                      (!t->prefix.obj || memcmp(head, t->prefix.buf, (size_t)t->prefix.len) == 0);
         }
     }
     if (matched && len == (long long)got + t->body_len) {
@@ -694,6 +696,7 @@ static void target_release(target_t *t) {
     if (t->command.obj) PyBuffer_Release(&t->command);
     if (t->head.obj) PyBuffer_Release(&t->head);
     if (t->expected.obj) PyBuffer_Release(&t->expected);
+    if (t->prefix.obj) PyBuffer_Release(&t->prefix);
     if (t->staging.obj) PyBuffer_Release(&t->staging);
     for (size_t i = 0; i < t->nviews; i++) PyBuffer_Release(&t->dest_views[i]);
     PyMem_Free(t->dest_views);
@@ -749,14 +752,17 @@ static int target_dests(target_t *t, PyObject *list) {
     return 0;
 }
 
-/* Parse one (head, expected_header, dests, staging, max_len) target and its command. */
+/* Parse one (head, expected_header, dests, staging, max_len[, expected_prefix]) target and its
+ * command. */
 static int target_parse(target_t *t, PyObject *command, PyObject *spec) {
     PyObject *seq = PySequence_Fast(spec, "a target must be a sequence");
     if (!seq) return -1;
     int rc = -1;
-    if (PySequence_Fast_GET_SIZE(seq) != 5) {
+    Py_ssize_t nitems = PySequence_Fast_GET_SIZE(seq);
+    if (nitems != 5 && nitems != 6) {
         PyErr_SetString(PyExc_ValueError,
-                        "a target is (head, expected_header, dests, staging, max_len)");
+                        "a target is (head, expected_header, dests, staging, max_len"
+                        "[, expected_prefix])");
         goto done;
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -778,6 +784,13 @@ static int target_parse(target_t *t, PyObject *command, PyObject *spec) {
     if (t->max_len < 0) {
         PyErr_SetString(PyExc_ValueError, "max_len must be >= 0");
         goto done;
+    }
+    if (nitems == 6 && items[5] != Py_None) {
+        if (PyObject_GetBuffer(items[5], &t->prefix, PyBUF_SIMPLE) < 0) goto done;
+        if (t->prefix.len > PREFIX_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "expected_prefix must be at most 48 bytes");
+            goto done;
+        }
     }
     rc = 0;
 done:

@@ -29,7 +29,9 @@ from hma_redis.core.config import RedisTierConfig, endpoint_url
 RedisClient = redis.Redis | RedisCluster
 
 
-def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> RedisClient:
+def make_client(
+    cfg: RedisTierConfig, zero_copy: bool = False, max_connections: int | None = None
+) -> RedisClient:
     """A redis-py client with bounded timeouts and no hidden retries.
 
     ``redis://``, ``rediss://`` and ``unix://`` give one ``redis.Redis``; ``redis+cluster://``
@@ -42,6 +44,9 @@ def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> RedisClient:
     values (memoryviews) as their own chunks, so a value is never copied on send; the default
     hiredis packer copies every argument into one buffer but packs many small arguments (a
     lookup's keys) much faster. Replies are parsed by hiredis either way.
+
+    ``max_connections`` (per node) replaces ``cfg.pool_size`` when larger: the transfer
+    engine's jobs may each hold several connections (``connections_per_job``).
     """
     kwargs: dict[str, Any] = {
         "username": cfg.username,
@@ -53,7 +58,7 @@ def make_client(cfg: RedisTierConfig, zero_copy: bool = False) -> RedisClient:
     }
     # Wait (bounded) for a free connection rather than fail when all are busy.
     pool_kwargs = {
-        "max_connections": cfg.pool_size,
+        "max_connections": max(cfg.pool_size, max_connections or 0),
         "timeout": cfg.connect_timeout_s + cfg.read_timeout_s,
     }
     topo = cfg.topology

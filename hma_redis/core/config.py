@@ -45,6 +45,11 @@ _SENTINEL_PORT = 26379
 _SERVICE_RE = re.compile(r"^[^\s/]{1,256}$")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,32}$")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+# connections_per_job: more connections than this per job only add Redis clients.
+MAX_CONNECTIONS_PER_JOB = 64
+# Admission policies (option ``admission``): store every computed chunk, or only one that some
+# instance of the deployment already looked up (the second sighting).
+ADMISSION_POLICIES = ("always", "second_sighting")
 
 # Keys of kv_connector_extra_config that belong to vLLM's OffloadingConnector, not to us.
 VLLM_OWNED_KEYS = frozenset(
@@ -155,6 +160,9 @@ class RedisTierConfig:
     retry_interval_s: float = 2.0
     # Worker: threads doing Redis I/O, and how long shutdown waits for scheduled stores.
     io_threads: int = 4
+    # Worker: connections one transfer job's chunks are split over, each driven by its own
+    # thread running the native fast path (more for many cores, Redis io-threads).
+    connections_per_job: int = 1
     shutdown_timeout_s: float = 30.0
     # Lower Python's GIL switch interval to this in the worker's process (0: leave it).
     gil_switch_interval_ms: float = 0.5
@@ -172,6 +180,14 @@ class RedisTierConfig:
     auth_key: bytes | None = field(default=None, repr=False)
     # A file whose content (one trailing newline stripped) is the auth_key.
     auth_key_file: str | None = None
+    # Scheduler, with vLLM's KV events on: watch Redis' keyspace notifications and emit removal
+    # events for chunks Redis evicted, expired or deleted (turns the notify-keyspace-events
+    # flags it needs on with CONFIG SET where allowed, keeping the others).
+    removal_events: bool = True
+    # Which computed chunks are stored: "always", or "second_sighting" (only a chunk some
+    # instance of the deployment already looked up within admission_window_s).
+    admission: str = "always"
+    admission_window_s: int = 3600
 
     def __post_init__(self) -> None:
         # A secret file is read once, when the secret itself is not set: a copy made with
@@ -460,7 +476,7 @@ def endpoint_url(url: str) -> str:
     """
     parts = _split_url(url)
     if parts.scheme == "unix":
-        return urlunsplit(("unix", "", parts.path, "", ""))
+        return f"unix://{parts.path}"  # urlunsplit would drop the empty authority: unix:/path
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
@@ -506,6 +522,12 @@ def _validate(cfg: RedisTierConfig) -> None:
     _positive(cfg.store_pending_timeout_s, "store_pending_timeout_s")
     _positive(cfg.pool_size, "pool_size")
     _positive(cfg.io_threads, "io_threads")
+    _positive(cfg.connections_per_job, "connections_per_job")
+    if cfg.connections_per_job > MAX_CONNECTIONS_PER_JOB:
+        raise ValueError(
+            f"hma_redis: connections_per_job must be between 1 and {MAX_CONNECTIONS_PER_JOB}, "
+            f"got {cfg.connections_per_job}"
+        )
     _positive(cfg.max_inflight_bytes, "max_inflight_bytes")
     if not 0 <= cfg.db <= 10_000:
         raise ValueError(f"hma_redis: db must be between 0 and 10000, got {cfg.db}")
@@ -532,6 +554,11 @@ def _validate(cfg: RedisTierConfig) -> None:
     if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
         raise ValueError("hma_redis: tls_cert_file and tls_key_file must be given together")
     _validate_auth_key(cfg.auth_key)
+    if cfg.admission not in ADMISSION_POLICIES:
+        raise ValueError(
+            f"hma_redis: admission must be one of {list(ADMISSION_POLICIES)}, got {cfg.admission!r}"
+        )
+    _positive(cfg.admission_window_s, "admission_window_s")
 
 
 def _validate_auth_key(key: object) -> None:

@@ -11,7 +11,8 @@ caller's buffers:
   socket: TLS sockets always take this path (the native code needs a plain fd; encryption
   stays in Python's ``ssl``).
 
-One INFO line at first use says which path runs and why.
+One INFO line says which path runs and why: the transfer engine's at start-up (:func:`announce`),
+or this module's at first use.
 
 A load job (:func:`load_values`) sends one command per target (a ``GET``; at most ``window``
 unanswered at once) and reads one reply per target: RESP2 ``$len``/``$-1``, RESP3 ``_``, or an
@@ -21,19 +22,22 @@ error. Each value of ``len`` bytes lands by these rules, in this order:
 2. Its first ``min(len, 48)`` bytes (the codec's prefix) go to ``head[0:]``. If ``len >= 48``
    the prefix's header length ``H`` is read and, if ``48 + H`` fits both the value and
    ``head``, the next ``H`` bytes (the msgpack header) go to ``head[48:48 + H]``.
-3. The header equals ``expected_header`` and ``len == 48 + H + sum(dests)``: the body goes to
-   ``dests`` in order (an ``int`` in ``dests`` is that many bytes checksummed and dropped),
-   ``ok`` / ``pages``.
-4. The header equals ``expected_header`` but the length does not: drained, ``layout-mismatch``.
-5. Anything else (another header, a value too short for a prefix, a header that does not fit
-   ``head``): with a ``staging`` buffer of at least ``len`` bytes the whole value is copied or
-   received into ``staging[0:len]`` for Python to decode, ``ok`` / ``staging``; without one,
-   drained, ``layout-mismatch``.
+3. The header equals ``expected_header`` (and the prefix starts with ``expected_prefix``, when
+   one is given: magic, version, flags and header length) and ``len == 48 + H + sum(dests)``:
+   the body goes to ``dests`` in order (an ``int`` in ``dests`` is that many bytes checksummed
+   and dropped), ``ok`` / ``pages``.
+4. The header (and prefix) are the expected ones but the length is not: drained,
+   ``layout-mismatch``.
+5. Anything else (another header or prefix, a value too short for a prefix, a header that does
+   not fit ``head``): with a ``staging`` buffer of at least ``len`` bytes the whole value is
+   copied or received into ``staging[0:len]`` for Python to decode, ``ok`` / ``staging``;
+   without one, drained, ``layout-mismatch``.
 
 ``crc_ok`` says, for values that landed (``pages`` or ``staging``) and are at least 48 bytes,
 whether CRC32C of the bytes after the prefix (header ‖ body) equals the prefix's CRC field. It
-is only the checksum: magic, version, flags, MAC, key echo and layout are the caller's to check
-(the header bytes being equal to the expected ones covers key, group and layout).
+is only the checksum: the MAC, and magic, version and flags unless ``expected_prefix`` holds
+them, are the caller's to check (the header bytes being equal to the expected ones covers key,
+group and layout).
 
 A timeout (no progress for ``timeout_s``), an EOF or a malformed reply raises
 (``TimeoutError``, ``ConnectionError``, :class:`ProtocolError`): the stream is then at an
@@ -123,6 +127,8 @@ class LoadTarget(NamedTuple):
     dests: Sequence[Any]  # writable buffers (or ints: bytes to skip) for the body, in order
     staging: Any | None  # writable buffer for values that do not match, or None
     max_len: int  # longer values are drained and reported oversized
+    # The first bytes (at most 48) a matching value's prefix must have, or None for any.
+    expected_prefix: bytes | memoryview | None = None
 
 
 class LoadResult(NamedTuple):
@@ -182,6 +188,20 @@ def describe() -> str:
     assert _native is not None
     crc = "SSE4.2" if _native.hardware_crc() else "portable table"
     return f"native, GIL released (CRC32C: {crc}; TLS connections use pure Python)"
+
+
+def hardware_crc() -> bool:
+    """Whether the native CRC32C runs on CRC instructions (False without the extension)."""
+    return _native is not None and bool(_native.hardware_crc())
+
+
+def announce(line: str) -> None:
+    """Log ``line`` (which data path a transfer engine runs) at INFO; the generic line of the
+    first job (:func:`describe`) is then left out."""
+    global _announced
+    with _announce_lock:
+        _announced = True
+    logger.info("%s", line)
 
 
 def _announce() -> None:
@@ -407,6 +427,9 @@ def _receive_value(stream: _Stream, target: LoadTarget, length: int) -> LoadResu
             crc = stream.into(head[PREFIX_BYTES:end], 0)
             got = end
             matched = header_len == len(expected) and head[PREFIX_BYTES:end] == expected
+            prefix = target.expected_prefix
+            if prefix is not None:
+                matched = matched and head[: len(prefix)] == bytes(prefix)
     body_len = sum(d if isinstance(d, int) else memoryview(d).nbytes for d in target.dests)
     landed: Landed
     if matched and length == got + body_len:
@@ -462,6 +485,8 @@ def _check_target(target: LoadTarget) -> None:
             raise TypeError("a destination must be a writable contiguous buffer")
     if target.staging is not None and memoryview(target.staging).readonly:
         raise TypeError("staging must be a writable contiguous buffer")
+    if target.expected_prefix is not None and _nbytes(target.expected_prefix) > PREFIX_BYTES:
+        raise ValueError("expected_prefix must be at most 48 bytes")
 
 
 @contextmanager

@@ -21,6 +21,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import InvalidResponse, RedisError, ResponseError
 
+from hma_redis.core import fastpath
 from hma_redis.core.breaker import CircuitBreaker, ErrorKind, RateLimitedLog, classify, refusal_of
 from hma_redis.core.client import RedisClient, make_client
 from hma_redis.core.config import RedisTierConfig
@@ -32,6 +33,7 @@ __all__ = [
     "PutResult",
     "RedisBlockStore",
     "RedisUnavailableError",
+    "Sighting",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,28 @@ return out
 """
 # Keep single commands moderate so Redis never blocks long on one of them.
 _EXISTS_BATCH = 4096
+# Admission lookups (RedisBlockStore.exists_and_mark): per chunk its shards' keys, then its
+# sighting marker. 1: every shard exists; else SET NX EX on the marker: 0 when this set it
+# (first sighting), 2 when it was there (seen before).
+_MARK_SCRIPT = """#!lua flags=allow-cross-slot-keys
+local ttl, ranks = ARGV[1], tonumber(ARGV[2])
+local out = {}
+for c = 1, #KEYS / (ranks + 1) do
+  local base = (c - 1) * (ranks + 1)
+  local present = 1
+  for r = 1, ranks do
+    if redis.call('EXISTS', KEYS[base + r]) == 0 then present = 0 end
+  end
+  if present == 1 then
+    out[c] = 1
+  elseif redis.call('SET', KEYS[base + ranks + 1], '1', 'NX', 'EX', ttl) then
+    out[c] = 0
+  else
+    out[c] = 2
+  end
+end
+return out
+"""
 # GETs in flight on a bulk read (see RedisBlockStore.get_into).
 _GET_WINDOW = 2
 # A refusal of each kind is logged at most once per this many seconds (the rest are counted).
@@ -57,6 +81,21 @@ class PutResult(Enum):
     STORED = "stored"  # newly written by this call
     EXISTED = "existed"  # already there (content-addressed: same bytes)
     FAILED = "failed"  # not written (Redis down, OOM, timeout, ...)
+
+
+class Sighting(Enum):
+    """An admission lookup's answer for one chunk (:meth:`RedisBlockStore.exists_and_mark`)."""
+
+    PRESENT = "present"  # every shard is in Redis
+    FIRST = "first"  # not in Redis, and no instance saw it within the marker TTL
+    AGAIN = "again"  # not in Redis, but seen before: admitted for storing
+
+
+_SIGHTINGS = {0: Sighting.FIRST, 1: Sighting.PRESENT, 2: Sighting.AGAIN}
+
+
+def _first_or_again(first: bool) -> Sighting:
+    return Sighting.FIRST if first else Sighting.AGAIN
 
 
 class RedisUnavailableError(ConnectionError):
@@ -79,7 +118,11 @@ class RedisBlockStore:
         self.cfg = cfg
         self.client = client if client is not None else make_client(cfg)
         # Values go through their own pool whose packer never copies them.
-        self._bulk = self.client if client is not None else make_client(cfg, zero_copy=True)
+        self._bulk = (
+            self.client
+            if client is not None
+            else make_client(cfg, zero_copy=True, max_connections=bulk_connections(cfg))
+        )
         self.breaker = CircuitBreaker(cfg.redacted_url, cfg.retry_interval_s)
         self._is_cluster = isinstance(self.client, RedisCluster)
         self._stats_lock = threading.Lock()
@@ -141,6 +184,62 @@ class RedisBlockStore:
             return flags
 
         return self._guarded("EXISTS", keys, run, collect, default=False)
+
+    def exists_and_mark(
+        self, chunks: Sequence[Sequence[str]], markers: Sequence[str], marker_ttl_s: int
+    ) -> list[Sighting]:
+        """Admission lookups (``admission: second_sighting``), in ONE round trip (per node).
+
+        ``chunks[i]`` are the keys of one chunk (every rank's shard); ``markers[i]`` its
+        sighting marker. A chunk whose keys all exist is PRESENT; otherwise its marker is set
+        with ``SET NX EX marker_ttl_s``: FIRST when this set it, AGAIN when it was there (some
+        instance saw the chunk before, within the TTL). Redis down or refusing: FIRST for every
+        chunk (nothing is admitted on a guess). Added by the admission work (issue 14), apart
+        from :meth:`exists` so the plain lookup path is unchanged.
+        """
+        if not chunks:
+            return []
+        flat = [key for keys in chunks for key in keys]
+        ranks = len(chunks[0])
+        ttl = str(marker_ttl_s)
+
+        def run(pipe: Any, batch: Sequence[str]) -> None:
+            if self._is_cluster:
+                # Per-key commands (see exists()); the markers ride in the same pipeline.
+                for key in flat:
+                    pipe.exists(key)
+                for marker in markers:
+                    pipe.set(marker, b"1", nx=True, ex=marker_ttl_s)
+                return
+            step = max(1, _EXISTS_BATCH // (ranks + 1))
+            for start in range(0, len(chunks), step):
+                keys: list[str] = []
+                for idx in range(start, min(start + step, len(chunks))):
+                    keys += [*chunks[idx], markers[idx]]
+                pipe.eval(_MARK_SCRIPT, len(keys), *keys, ttl, str(ranks))
+
+        def collect(replies: list[Any], batch: Sequence[str]) -> list[Sighting]:
+            if self._is_cluster:
+                found = [self._exists_flag(r) for r in replies[: len(flat)]]
+                sets = replies[len(flat) :]
+                out = []
+                for idx, reply in enumerate(sets):
+                    there = all(found[idx * ranks : (idx + 1) * ranks])
+                    first = self._refusal("SET", reply) or bool(reply)
+                    out.append(Sighting.PRESENT if there else _first_or_again(first))
+                return out
+            codes: list[Sighting] = []
+            step = max(1, _EXISTS_BATCH // (ranks + 1))
+            for idx, reply in enumerate(replies):
+                if self._refusal("EVAL", reply):
+                    size = len(chunks[idx * step : (idx + 1) * step])
+                    codes.extend([Sighting.FIRST] * size)
+                else:
+                    codes.extend(_SIGHTINGS[int(v)] for v in reply)
+            return codes
+
+        # The guard's default is per key of ``batch``: pass one pseudo-key per chunk.
+        return self._guarded("EVAL", markers, run, collect, default=Sighting.FIRST)
 
     def _exists_flag(self, reply: Any) -> bool:
         """One cluster EXISTS reply as a flag (refusals are misses, outages raise)."""
@@ -346,6 +445,95 @@ class RedisBlockStore:
 
         return self._guard("UNLINK", unlink, 0)
 
+    # ------------------------------------------------------------------ native fast path
+
+    def native_unavailable_reason(self) -> str | None:
+        """Why :meth:`load_native` / :meth:`put_native` cannot serve this store, or None.
+
+        They need the built extension (not disabled by ``HMA_REDIS_NATIVE=0``) and plain
+        connections to one server (standalone, unix socket or Sentinel's master): TLS stays in
+        Python's ``ssl``, and a Cluster goes through redis-py's cluster pipeline.
+        """
+        reason = fastpath.unavailable_reason()
+        if reason is not None:
+            return reason
+        if self.cfg.tls:
+            return "TLS connections stay in Python's ssl"
+        if self._is_cluster:
+            return "Redis Cluster uses redis-py's cluster pipeline"
+        return None
+
+    def load_native(
+        self, keys: Sequence[str], targets: Sequence[fastpath.LoadTarget]
+    ) -> list[fastpath.LoadResult] | None:
+        """``GET`` every key into its target, the whole job in one native call on one
+        connection with the GIL released (:func:`fastpath.load_values`: values land where the
+        targets say, CRC32C computed as they arrive; nothing is validated beyond that).
+
+        An error reply is a refusal (counted and logged; its result stays ``ERROR``) unless it
+        is an outage. None when Redis failed (outage: the breaker opens) or the breaker is
+        open. Counters pending delivery go first on the same connection, one round trip of
+        their own. Only where :meth:`native_unavailable_reason` is None.
+        """
+        if not keys:
+            return []
+        commands = [_get_command(key) for key in keys]
+
+        def body(sock: Any) -> list[fastpath.LoadResult]:
+            results = fastpath.load_values(sock, commands, targets, self.cfg.read_timeout_s)
+            for result in results:
+                if result.status is fastpath.LoadStatus.ERROR:
+                    self._refusal("GET", ResponseError(result.error or ""))
+            return results
+
+        return self._guard("GET", lambda: self._on_native_connection(body), None)
+
+    def put_native(
+        self,
+        keys: Sequence[str],
+        heads: Sequence[Any],
+        bodies: Sequence[Sequence[Any]],
+        ttl_s: int | None = None,
+    ) -> list[PutResult]:
+        """``SET key value NX [EX ttl]`` for every key, in one native call on one connection
+        with the GIL released (:func:`fastpath.store_values`).
+
+        A value is ``heads[i]`` (the codec's prefix and header, every field filled but the
+        CRC32C, which is computed over header and body and written into the head here) then
+        ``bodies[i]``'s pieces, sent in place by ``sendmsg``. Results as
+        :meth:`put_if_absent`. Only where :meth:`native_unavailable_reason` is None.
+        """
+        if not keys:
+            return []
+        ttl = ttl_s if ttl_s is not None else self.cfg.ttl_s
+        tail = b"\r\n$2\r\nNX\r\n"
+        if ttl:
+            tail += b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
+        values = []
+        for key, head, body in zip(keys, heads, bodies, strict=True):
+            raw_key = key.encode()
+            size = memoryview(head).nbytes + sum(memoryview(piece).nbytes for piece in body)
+            framing = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                6 if ttl else 4,
+                len(raw_key),
+                raw_key,
+                size,
+            )
+            values.append(fastpath.StoreValue(framing, head, body, tail))
+
+        def send(sock: Any) -> list[PutResult]:
+            results = fastpath.store_values(sock, values, self.cfg.read_timeout_s)
+            return [self._store_result(result) for result in results]
+
+        default = [PutResult.FAILED] * len(keys)
+        return self._guard("SET", lambda: self._on_native_connection(send), default)
+
+    def _store_result(self, result: fastpath.StoreResult) -> PutResult:
+        if result.status is fastpath.StoreStatus.ERROR:
+            return self._put_result(ResponseError(result.error or ""))
+        stored = result.status is fastpath.StoreStatus.STORED
+        return PutResult.STORED if stored else PutResult.EXISTED
+
     # ------------------------------------------------------------------ metadata
 
     def write_info(self, info_key: str, fields: Mapping[str, str]) -> bool:
@@ -485,6 +673,45 @@ class RedisBlockStore:
             if conn is not None:
                 pool.release(conn)
 
+    def _on_native_connection(self, body: Callable[[Any], _T]) -> _T:
+        """Run ``body(socket)`` on one connection of the bulk pool, which nothing else reads
+        while it runs. Pending counter deltas are delivered first, in a round trip of their
+        own (a native job reads only the replies to its own commands). A connection holding
+        bytes nobody asked for (a push message) is reconnected first, so the job starts at a
+        reply boundary. Any exception drops the connection (the stream may stop inside a
+        reply) and propagates."""
+        self._count_round_trip()
+        assert isinstance(self._bulk, redis.Redis)
+        pool = self._bulk.connection_pool
+        conn = pool.get_connection()
+        try:
+            if conn.can_read(timeout=0):
+                conn.disconnect()
+                conn.connect()
+            self._deliver_counters_on(conn)
+            return body(conn._sock)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    def _deliver_counters_on(self, conn: Any) -> None:
+        """Pending counter deltas as HINCRBYs on ``conn``, their replies read (an outage in
+        one raises; refusals are logged); restored for later unless every reply arrived."""
+        pending = self.counters.take() if self.stats_key is not None else {}
+        if not pending:
+            return
+        try:
+            counters = [("HINCRBY", self.stats_key, n, d) for n, d in pending.items()]
+            conn.send_packed_command(conn.pack_commands(counters), check_health=False)
+            replies = RawReplies(conn)
+            for _ in counters:
+                self._check_counter_replies([replies.read(no_bulk)])
+        except BaseException:
+            self.counters.restore(pending)
+            raise
+
     def _guarded(
         self,
         command: str,
@@ -536,6 +763,18 @@ class RedisBlockStore:
         out = collect(replies[:split], keys)
         self._check_counter_replies(replies[split:])
         return out
+
+
+def bulk_connections(cfg: RedisTierConfig) -> int:
+    """Connections the bulk pool may need at once: every load and store thread of a transfer
+    engine built from ``cfg``, each with ``connections_per_job`` connections, and one more."""
+    threads = cfg.io_threads + max(1, cfg.io_threads // 2)
+    return threads * cfg.connections_per_job + 1
+
+
+def _get_command(key: str) -> bytes:
+    raw = key.encode()
+    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw)
 
 
 def _text(value: bytes | str) -> str:

@@ -11,6 +11,23 @@ into pooled, pinned buffers), encode and put them with SET NX; loads get, valida
 into the given block ids. Bytes held in buffers are bounded (:class:`_ByteBudget`); on CUDA
 every transfer is ordered after the work the caller queued before submitting it.
 
+Two data paths move the bytes (one INFO line at start-up says which runs):
+
+* native (:mod:`hma_redis.core.fastpath`, where the extension is built and the connection is a
+  plain TCP or unix socket to one server): a job's sockets, RESP parsing and CRC32C run in C
+  with the GIL released, its chunks split over ``connections_per_job`` connections, each on a
+  thread of its own. A load's values are received straight into the KV cache's pages when it
+  is host memory and values carry no MAC (else into pooled buffers, copied once valid); a
+  store sends the pages in place (CPU) or from pooled buffers (other devices);
+* Python (TLS, Redis Cluster, ``HMA_REDIS_NATIVE=0``, no extension): redis-py connections,
+  :class:`~hma_redis.core.resp.RawReplies` and ``codec``.
+
+Either way a load reports success only once every value was checked: checksum, prefix (magic,
+version, flags), header (key echo, group, dtype, layout, page sizes, blocks) and length, and
+the MAC with an ``auth_key``. On the native path pages may land before their value's checksum
+is known; a job with any bad or missing value fails, so its blocks are recomputed before any
+request reads them (vLLM frees the blocks of a failed load without caching them).
+
     engine = TransferEngine(store, [[LayerSource.of(t, page_bytes) for t in tensors]],
                             ValueFormat(kv_dtype="float16"), blocks_per_chunk=16)
     engine.submit_store(1, [ChunkTransfer(key, group=0, group_pos=0, start=0, block_ids=ids)])
@@ -20,21 +37,25 @@ every transfer is ordered after the work the caller queued before submitting it.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
-from hma_redis.core import codec
+from hma_redis import FORMAT_VERSION
+from hma_redis.core import codec, fastpath
 from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore
 
@@ -53,6 +74,13 @@ _PUT_BATCH = 16
 _PUT_BATCH_IN_PLACE = 64
 # Room in a value's bound for header fields whose msgpack width varies with their value.
 _HEADER_SLACK = 64
+# The codec's prefix (hma_redis.core.codec): magic, version, flags, header length (the fields
+# its MAC covers), then CRC32C at 12 and the MAC at 16. Native stores fill every field but the
+# CRC, which the native job computes as it sends; native loads compare the first 12 bytes.
+_SIGNED = struct.Struct(">4sHHI")
+_MAC_AT = 16
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -169,6 +197,38 @@ class _Job:
     chunks_counted: int = 0  # store: chunks counted as stored, skipped or failed so far
 
 
+@dataclass(frozen=True)
+class _Expected:
+    """What a value written by this engine for a chunk starts with: its header (and that
+    header as msgpack), and the prefix fields before the CRC (magic, version, flags, header
+    length). A load's value must be exactly this (and its body) to land natively."""
+
+    header: BlockHeader
+    packed: bytes
+    signed: bytes
+
+    @property
+    def head_bytes(self) -> int:
+        return codec.PREFIX_BYTES + len(self.packed)
+
+    @property
+    def value_bytes(self) -> int:
+        return self.head_bytes + self.header.body_bytes
+
+
+@dataclass
+class _Received:
+    """What a load job's values turned out to be: valid values still to copy from buffers
+    (``blocks``, by chunk index; valid values that landed in the KV cache's pages need
+    nothing more), invalid values (by key) and missing keys; ``nbytes``: bytes of the values
+    received."""
+
+    blocks: dict[int, DecodedBlock] = field(default_factory=dict)
+    invalid: dict[str, CorruptBlockError] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
 class _ByteBudget:
     """Bounds the bytes held in transfer buffers, fairly.
 
@@ -181,6 +241,7 @@ class _ByteBudget:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._used = 0
+        self.peak = 0  # the most bytes held at once
         self._cond = threading.Condition()
         # Tickets of the requests waiting, in arrival order: loads, stores.
         self._waiting: dict[bool, deque[object]] = {True: deque(), False: deque()}
@@ -194,6 +255,7 @@ class _ByteBudget:
             try:
                 self._cond.wait_for(lambda: self._may_take(ticket, nbytes, load))
                 self._used += nbytes
+                self.peak = max(self.peak, self._used)
             finally:
                 line.remove(ticket)
                 self._cond.notify_all()  # the next in line may go now
@@ -310,6 +372,11 @@ class TransferEngine:
     load accepts). Loads run on ``io_threads`` threads, stores on half as many; the bytes the
     jobs hold in buffers stay under ``max_inflight_bytes`` (a larger job runs alone).
 
+    ``connections_per_job`` (default: the store's config) splits each job's chunks over that
+    many connections on the native path. ``native``: None runs the native path wherever the
+    store allows it (:meth:`RedisBlockStore.native_unavailable_reason`), False the Python
+    path; True requires the native path (``ValueError`` where it cannot run).
+
     Thread safety: ``submit_*``, :meth:`finished`, :meth:`wait` and :meth:`shutdown` are
     called from one thread (the caller's step loop); the jobs run on the engine's threads.
     """
@@ -324,6 +391,8 @@ class TransferEngine:
         io_threads: int = 4,
         max_inflight_bytes: int = 256 * 1024 * 1024,
         shutdown_timeout_s: float = 10.0,
+        connections_per_job: int | None = None,
+        native: bool | None = None,
     ) -> None:
         self._store = store
         self._blocks_per_chunk = blocks_per_chunk
@@ -346,11 +415,32 @@ class TransferEngine:
         self._loads = ThreadPoolExecutor(
             io_threads, thread_name_prefix="hma-load", initializer=self._streams.init_thread
         )
+        store_threads = max(1, io_threads // 2)
         self._stores = ThreadPoolExecutor(
-            max(1, io_threads // 2),
+            store_threads,
             thread_name_prefix="hma-store",
             initializer=self._streams.init_thread,
         )
+        reason = store.native_unavailable_reason()
+        if native is False:
+            reason = "the Python path was asked for"
+        elif native and reason is not None:
+            raise ValueError(f"hma_redis: the native data path cannot run: {reason}")
+        self._native = reason is None
+        # Loads land in the KV cache's pages only where it is host memory and values carry no
+        # MAC: a keyed value's MAC is checked before any of its bytes reach a page.
+        self._land_in_place = self._native and self._in_place and self._mac_key is None
+        connections = connections_per_job or store.cfg.connections_per_job
+        self._connections = connections if self._native else 1
+        # Threads that run the other connections' parts of a job (its own thread runs one).
+        self._parts: ThreadPoolExecutor | None = None
+        if self._connections > 1:
+            self._parts = ThreadPoolExecutor(
+                (self._connections - 1) * (io_threads + store_threads),
+                thread_name_prefix="hma-conn",
+            )
+        self.data_path = self._describe_path(reason)
+        fastpath.announce(f"hma_redis: transfer data path: {self.data_path}")
         self._jobs: dict[int, _Job] = {}
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._closed = False
@@ -395,6 +485,23 @@ class TransferEngine:
                 job.released.wait()
 
     @property
+    def native(self) -> bool:
+        """Whether jobs run on the native path (see the module docstring)."""
+        return self._native
+
+    @property
+    def loads_land_in_place(self) -> bool:
+        """Whether loads receive values straight into the KV cache's pages (native path, CPU
+        KV cache, no auth_key): a failed load may then have written its own blocks."""
+        return self._land_in_place
+
+    @property
+    def peak_budget_bytes(self) -> int:
+        """The most bytes of ``max_inflight_bytes`` jobs have held at once (a load takes its
+        values' bound before it receives anything, whether or not it uses buffers)."""
+        return self._budget.peak
+
+    @property
     def peak_buffer_bytes(self) -> int:
         """The most bytes this engine's transfers have held in value buffers at once (bounded
         by ``max_inflight_bytes``, unless a single job is larger and ran alone)."""
@@ -416,7 +523,47 @@ class TransferEngine:
             )
         self._stores.shutdown(wait=False, cancel_futures=True)
         self._loads.shutdown(wait=False, cancel_futures=True)
+        if self._parts is not None:
+            self._parts.shutdown(wait=False)
         self._store.flush_counters()
+
+    def _describe_path(self, reason: str | None) -> str:
+        if reason is not None:
+            return f"pure Python ({reason})"
+        where = (
+            "loads land in the KV cache's pages"
+            if self._land_in_place
+            else "loads received into buffers, copied once valid"
+        )
+        crc = "SSE4.2" if fastpath.hardware_crc() else "a portable table"
+        return (
+            f"native, GIL released (CRC32C by {crc}); {where}; "
+            f"{self._connections} connection(s) per job"
+        )
+
+    def _in_parts(
+        self, sizes: Sequence[int], run: Callable[[slice], list[_T] | None]
+    ) -> list[_T] | None:
+        """``run`` over the job's items cut into at most ``connections_per_job`` consecutive
+        slices of about equal ``sizes``, each on its own connection and thread (this thread
+        runs the first); the results in item order, None if any part gave None. Returns (or
+        raises the first part's exception) only once every part has finished, so no part is
+        still writing into the job's pages."""
+        cuts = _split(sizes, self._connections)
+        if len(cuts) == 1 or self._parts is None:
+            return run(cuts[0])
+        others = [self._parts.submit(run, cut) for cut in cuts[1:]]
+        try:
+            first = run(cuts[0])
+        finally:
+            wait(others)
+        parts = [first, *(future.result() for future in others)]
+        out: list[_T] = []
+        for part in parts:
+            if part is None:
+                return None
+            out += part
+        return out
 
     # ------------------------------------------------------------------ stores
 
@@ -450,6 +597,8 @@ class TransferEngine:
             self._finished.put(JobResult(job.job_id, True, True, stored_bytes, elapsed))
 
     def _store_batch(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
+        if self._native:
+            return self._store_batch_native(job, chunks)
         headers = [self._header(c) for c in chunks]
         if self._in_place:
             # The checksum is computed over the pages in place and the kernel copies them from
@@ -481,6 +630,85 @@ class TransferEngine:
             self._buffers.give(taken)
             self._budget.release(sum(sizes))
         return self._count_stored(job, sizes, results)
+
+    def _store_batch_native(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
+        """Put a batch on the native path: every value's head (prefix and header, MAC with an
+        auth_key, the CRC32C left to the native job) and body, sent by ``sendmsg`` over
+        ``connections_per_job`` connections. A CPU KV cache's pages are sent in place (the job
+        holds its blocks until sent); other devices' are gathered into pooled buffers first."""
+        layouts = [self._expected(chunk) for chunk in chunks]
+        sizes = [layout.value_bytes for layout in layouts]
+        keys = [chunk.redis_key for chunk in chunks]
+        if self._in_place:
+            bodies = [self._pages_in_place(chunk) for chunk in chunks]
+            heads = [self._value_head(lay, body) for lay, body in zip(layouts, bodies, strict=True)]
+            results = self._put_in_parts(sizes, keys, heads, bodies)
+            return self._count_stored(job, sizes, results)
+        self._budget.acquire(sum(sizes), load=False)
+        taken = [self._buffers.take(size) for size in sizes]
+        try:
+            views = [
+                (buf[: lay.head_bytes], buf[lay.head_bytes :])
+                for buf, lay in zip(taken, layouts, strict=True)
+            ]
+            # Every page is in its buffer when this block ends (CUDA: its copies completed).
+            with self._streams.ordered(job.ready):
+                for chunk, (_, body) in zip(chunks, views, strict=True):
+                    self._gather(chunk, body)
+            for layout, (head, body) in zip(layouts, views, strict=True):
+                head[:] = self._value_head(layout, [body])
+            results = self._put_in_parts(
+                sizes, keys, [head for head, _ in views], [[body] for _, body in views]
+            )
+        finally:
+            self._buffers.give(taken)
+            self._budget.release(sum(sizes))
+        return self._count_stored(job, sizes, results)
+
+    def _put_in_parts(
+        self,
+        sizes: Sequence[int],
+        keys: Sequence[str],
+        heads: Sequence[memoryview | bytearray],
+        bodies: Sequence[Sequence[memoryview]],
+    ) -> list[PutResult]:
+        def put(part: slice) -> list[PutResult]:
+            return self._store.put_native(keys[part], heads[part], bodies[part])
+
+        results = self._in_parts(sizes, put)
+        assert results is not None  # a put degrades to FAILED, never to None
+        return results
+
+    def _expected(self, chunk: ChunkTransfer) -> _Expected:
+        header = self._header(chunk)
+        packed = header.to_msgpack()
+        flags = codec.FLAG_MAC if self._mac_key is not None else 0
+        return _Expected(
+            header, packed, _SIGNED.pack(codec.MAGIC, FORMAT_VERSION, flags, len(packed))
+        )
+
+    def _value_head(self, layout: _Expected, body: Sequence[memoryview]) -> bytearray:
+        """A value's prefix and header, every field but the CRC32C (zero: the native job
+        writes it): magic, version, flags, header length, and with an auth_key the MAC over
+        ``body`` (the value's body pieces in order), header and those fields, as the codec
+        computes it. ValueError if the body's size is not the header's (a block id past the
+        end of the KV cache gives a short view), so such a value is never sent."""
+        size = sum(piece.nbytes for piece in body)
+        if size != layout.header.body_bytes:
+            raise ValueError(
+                f"body pieces hold {size} bytes, the header says {layout.header.body_bytes}"
+            )
+        head = bytearray(layout.head_bytes)
+        head[: _SIGNED.size] = layout.signed
+        head[codec.PREFIX_BYTES :] = layout.packed
+        if self._mac_key is not None:
+            hasher = self._mac_key.hasher()
+            for piece in body:
+                hasher.update(piece)
+            hasher.update(layout.packed)
+            hasher.update(layout.signed)
+            head[_MAC_AT : codec.PREFIX_BYTES] = hasher.digest()
+        return head
 
     def _count_stored(self, job: _Job, sizes: Sequence[int], results: list[PutResult]) -> int:
         """Count a batch's outcome; return the bytes stored."""
@@ -562,27 +790,22 @@ class TransferEngine:
             self._finished.put(JobResult(job.job_id, False, success, loaded, elapsed))
 
     def _load_chunks(self, plan: Sequence[ChunkTransfer], job: _Job) -> int:
-        """Fetch and validate every chunk, then copy them into the KV cache.
+        """Fetch and validate every chunk; copy them into the KV cache; return the bytes
+        received. CorruptBlockError when any chunk is missing or invalid (the request is
+        recomputed whole anyway).
 
         The byte budget is taken before anything is received, for the most bytes each chunk's
         value can hold (:meth:`_value_bound`); a longer value is never received (its bytes are
-        dropped as they arrive) and is corrupt. Each value is validated as it arrives, while
-        Redis sends the next (CRC32C of a value still in the CPU cache, in time the job would
-        otherwise spend waiting for Redis). Nothing is copied unless every chunk is valid (the
-        request is recomputed whole anyway). Invalid values are deleted: SET NX would never
-        replace them, so the recompute's store could not heal them otherwise.
+        dropped as they arrive) and is corrupt. Values are checked as they arrive, while Redis
+        sends the next. Python path: nothing is copied unless every chunk is valid. Native
+        path: values land in the pages (CPU, no auth_key) or in buffers copied once every
+        chunk is valid; a value that does not look like what this engine would have written
+        for its chunk (another header, prefix or length) is never written into a page: it is
+        fetched again and judged by the Python path. Invalid values are deleted: SET NX would
+        never replace them, so the recompute's store could not heal them otherwise.
         """
         if self._test_load_delay_s:
             time.sleep(self._test_load_delay_s)
-        blocks: dict[int, DecodedBlock] = {}
-        invalid: dict[str, CorruptBlockError] = {}
-
-        def check(idx: int, value: memoryview) -> None:
-            try:
-                blocks[idx] = self._validate(plan[idx], value)
-            except CorruptBlockError as exc:
-                invalid[plan[idx].redis_key] = exc
-
         taken: list[memoryview] = []
 
         def take(nbytes: int) -> memoryview:
@@ -592,34 +815,156 @@ class TransferEngine:
         bounds = [self._value_bound(chunk) for chunk in plan]
         self._budget.acquire(sum(bounds), load=True)
         try:
-            keys = [c.redis_key for c in plan]
-            values = self._store.get_into(keys, take, check, max_bytes=bounds)
-            for key, value, bound in zip(keys, values, bounds, strict=True):
-                if isinstance(value, OversizedValue):
-                    invalid[key] = CorruptBlockError(
-                        f"{key} holds {value.nbytes} bytes, its chunk at most {bound}"
-                    )
-            total = sum(len(v) for v in values if isinstance(v, memoryview))
-            missing = [key for key, v in zip(keys, values, strict=True) if v is None]
-            valid = [(chunk, blocks[idx]) for idx, chunk in enumerate(plan) if idx in blocks]
-            if invalid:
-                self._store.delete(list(invalid))
-            if missing or invalid:
-                first = next(iter(invalid.values()), None)
+            if self._native:
+                got = self._receive_native(plan, bounds, take)
+            else:
+                got = self._receive(plan, bounds, take)
+            if got.invalid:
+                self._store.delete(list(got.invalid))
+            if got.missing or got.invalid:
+                first = next(iter(got.invalid.values()), None)
                 raise CorruptBlockError(
-                    f"{len(missing)} chunk(s) missing, {len(invalid)} invalid"
+                    f"{len(got.missing)} chunk(s) missing, {len(got.invalid)} invalid"
                     + (f" (first: {first})" if first else "")
                 )
             # The pages are in the KV cache when this block ends (CUDA: copies completed).
             with self._streams.ordered(job.ready):
-                for chunk, block in valid:
-                    self._scatter(chunk, block)
-            job.chunks_loaded += len(valid)
+                for idx, block in got.blocks.items():
+                    self._scatter(plan[idx], block)
+            job.chunks_loaded += len(plan)
         finally:
             self._buffers.give(taken)
             self._budget.release(sum(bounds))
-        self._store.counters.add(loaded_chunks=len(plan), loaded_bytes=total)
-        return total
+        self._store.counters.add(loaded_chunks=len(plan), loaded_bytes=got.nbytes)
+        return got.nbytes
+
+    def _receive(
+        self,
+        plan: Sequence[ChunkTransfer],
+        bounds: Sequence[int],
+        take: Callable[[int], memoryview],
+    ) -> _Received:
+        """The Python path: every value received into a buffer from ``take`` and decoded."""
+        got = _Received()
+
+        def check(idx: int, value: memoryview) -> None:
+            try:
+                got.blocks[idx] = self._validate(plan[idx], value)
+            except CorruptBlockError as exc:
+                got.invalid[plan[idx].redis_key] = exc
+
+        keys = [c.redis_key for c in plan]
+        values = self._store.get_into(keys, take, check, max_bytes=bounds)
+        for key, value, bound in zip(keys, values, bounds, strict=True):
+            if value is None:
+                got.missing.append(key)
+            elif isinstance(value, OversizedValue):
+                got.invalid[key] = CorruptBlockError(
+                    f"{key} holds {value.nbytes} bytes, its chunk at most {bound}"
+                )
+            else:
+                got.nbytes += len(value)
+        return got
+
+    def _receive_native(
+        self,
+        plan: Sequence[ChunkTransfer],
+        bounds: Sequence[int],
+        take: Callable[[int], memoryview],
+    ) -> _Received:
+        """The native path: each value must be exactly what this engine would have written
+        for its chunk (prefix fields, header, length) to land, in the KV cache's pages or in
+        a buffer; its checksum (and MAC) is checked once it has. Values that do not look like
+        that were dropped unwritten; they go through :meth:`_receive` (a second round trip)."""
+        layouts = [self._expected(chunk) for chunk in plan]
+        targets, bodies = self._native_targets(plan, layouts, bounds, take)
+        keys = [chunk.redis_key for chunk in plan]
+
+        def load(part: slice) -> list[fastpath.LoadResult] | None:
+            return self._store.load_native(keys[part], targets[part])
+
+        results = self._in_parts(bounds, load)
+        got = _Received()
+        if results is None:  # Redis failed: every chunk is missing
+            got.missing = keys
+            return got
+        again: list[int] = []
+        for idx, result in enumerate(results):
+            key = keys[idx]
+            status = result.status
+            if status is fastpath.LoadStatus.LAYOUT_MISMATCH:
+                again.append(idx)
+            elif status is fastpath.LoadStatus.OVERSIZED:
+                got.invalid[key] = CorruptBlockError(
+                    f"{key} holds {result.value_len} bytes, its chunk at most {bounds[idx]}"
+                )
+            elif status is not fastpath.LoadStatus.OK:
+                got.missing.append(key)  # missing, or refused (counted by the store)
+            elif not result.crc_ok:
+                got.invalid[key] = CorruptBlockError(f"{key}: checksum mismatch")
+            elif not self._mac_ok(targets[idx].head, bodies[idx]):
+                got.invalid[key] = CorruptBlockError(
+                    f"{key}: MAC mismatch: written with another auth_key, or tampered with"
+                )
+            else:
+                got.nbytes += result.value_len
+                received = bodies[idx]
+                if received is not None:  # in a buffer (else already in its pages)
+                    got.blocks[idx] = DecodedBlock(layouts[idx].header, received)
+        if again:
+            self._merge(
+                got,
+                again,
+                self._receive([plan[i] for i in again], [bounds[i] for i in again], take),
+            )
+        return got
+
+    def _native_targets(
+        self,
+        plan: Sequence[ChunkTransfer],
+        layouts: Sequence[_Expected],
+        bounds: Sequence[int],
+        take: Callable[[int], memoryview],
+    ) -> tuple[list[fastpath.LoadTarget], list[memoryview | None]]:
+        """Where each chunk's value lands: its head in a small buffer and its body in the
+        chunk's pages (in place), or head and body in one pooled buffer; the bodies in
+        buffers (None for in place)."""
+        targets: list[fastpath.LoadTarget] = []
+        bodies: list[memoryview | None] = []
+        for chunk, layout, bound in zip(plan, layouts, bounds, strict=True):
+            if self._land_in_place:
+                head: memoryview | bytearray = bytearray(layout.head_bytes)
+                dests = self._pages_in_place(chunk)
+                bodies.append(None)
+            else:
+                buffer = take(layout.value_bytes)
+                head, body = buffer[: layout.head_bytes], buffer[layout.head_bytes :]
+                bodies.append(body)
+                dests = [body]
+            targets.append(
+                fastpath.LoadTarget(head, layout.packed, dests, None, bound, layout.signed)
+            )
+        return targets, bodies
+
+    def _mac_ok(self, head: memoryview | bytearray, body: memoryview | None) -> bool:
+        """Whether a value that landed in a buffer carries the MAC of this engine's key (True
+        without a key: the prefix's flags, compared on arrival, say it has no MAC)."""
+        if self._mac_key is None:
+            return True
+        assert body is not None  # keyed values always land in buffers
+        hasher = self._mac_key.hasher()
+        hasher.update(body)
+        hasher.update(head[codec.PREFIX_BYTES :])
+        hasher.update(head[: _SIGNED.size])
+        return hmac.compare_digest(hasher.digest(), bytes(head[_MAC_AT : codec.PREFIX_BYTES]))
+
+    @staticmethod
+    def _merge(got: _Received, indices: Sequence[int], more: _Received) -> None:
+        """Add ``more`` (received for the chunks at ``indices``) to ``got``."""
+        got.blocks.update({indices[idx]: block for idx, block in more.blocks.items()})
+        got.invalid.update(more.invalid)
+        got.missing += more.missing
+        got.nbytes += more.nbytes
 
     def _value_bound(self, chunk: ChunkTransfer) -> int:
         """The most bytes a valid value under ``chunk``'s key can hold: every block of the
@@ -716,6 +1061,26 @@ def _spans(layer: LayerSource, runs: Sequence[tuple[int, int, int]]) -> list[tup
         for pos, first, count in runs
         for i in range(count)
     ]
+
+
+def _split(sizes: Sequence[int], parts: int) -> list[slice]:
+    """Consecutive slices of ``sizes``' indices, at most ``parts`` and none empty (one empty
+    slice for no items), each about ``sum(sizes) / parts``."""
+    count = len(sizes)
+    parts = max(1, min(parts, count))
+    if parts == 1:
+        return [slice(0, count)]
+    total = sum(sizes)
+    cuts: list[slice] = []
+    start, acc = 0, 0
+    for idx, size in enumerate(sizes):
+        acc += size
+        left = parts - len(cuts) - 1  # cuts still to make after this one
+        if left and acc * parts >= total * (len(cuts) + 1) and count - idx - 1 >= left:
+            cuts.append(slice(start, idx + 1))
+            start = idx + 1
+    cuts.append(slice(start, count))
+    return cuts
 
 
 def _num_chunks(chunks: JobChunks) -> int:

@@ -198,9 +198,9 @@ def worker(redis_url: str, redis_client: redis.Redis) -> Iterator[RedisOffloadin
 
 
 @contextmanager
-def _worker(url: str) -> Iterator[RedisOffloadingWorker]:
+def _worker(url: str, native: bool | None = None) -> Iterator[RedisOffloadingWorker]:
     """One KV group of two layers of unpadded pages over CPU tensors (``.tensors``), its
-    store's counters as ``.counters``."""
+    store's counters as ``.counters``; ``native`` picks the data path (None: the default)."""
     gen = torch.Generator().manual_seed(3)
     tensors = [
         torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen)
@@ -222,6 +222,7 @@ def _worker(url: str) -> Iterator[RedisOffloadingWorker]:
         io_threads=2,
         max_inflight_bytes=1 << 22,
         shutdown_timeout_s=1.0,
+        native=native,
     )
     w.tensors = tensors  # type: ignore[attr-defined]
     w.counters = store.counters  # type: ignore[attr-defined]
@@ -312,16 +313,37 @@ def test_value_holding_exactly_the_blocks_needed_is_loaded(
 
 
 def test_missing_chunk_in_the_middle_fails_the_load_before_any_page_is_written(
-    worker: RedisOffloadingWorker, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis
 ) -> None:
-    """Validate-before-copy (second test; the first corrupts the last chunk): a load of three
-    chunks whose middle one is gone writes nothing, not even the valid first chunk."""
-    _put_value(redis_client, worker, 1, 0, BPC)
-    _put_value(redis_client, worker, 3, 0, BPC)
-    before = _snapshot(worker)
-    keys = [_key(1), _key(2), _key(3)]
-    assert not _load(worker, 1, keys, _spec(list(range(12))))
-    assert _unchanged(worker, before)
+    """Validate-before-copy (second test; the first corrupts the last chunk), on the Python
+    path: a load of three chunks whose middle one is gone writes nothing, not even the valid
+    first chunk."""
+    with _worker(redis_url, native=False) as worker:
+        _put_value(redis_client, worker, 1, 0, BPC)
+        _put_value(redis_client, worker, 3, 0, BPC)
+        before = _snapshot(worker)
+        keys = [_key(1), _key(2), _key(3)]
+        assert not _load(worker, 1, keys, _spec(list(range(12))))
+        assert _unchanged(worker, before)
+
+
+def test_native_load_with_a_missing_chunk_fails_and_touches_only_its_own_blocks(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """The native path receives values straight into the job's pages, so a failed job may
+    leave bytes there: it must then be reported failed (vLLM frees those blocks uncached and
+    recomputes the request) and never write a page outside the job's destination blocks."""
+    with _worker(redis_url, native=True) as worker:
+        assert worker.data_path.startswith("native")  # type: ignore[attr-defined]
+        _put_value(redis_client, worker, 1, 0, BPC)
+        _put_value(redis_client, worker, 3, 0, BPC)
+        before = _snapshot(worker)
+        keys = [_key(1), _key(2), _key(3)]
+        destination = list(range(4, 16))
+        assert not _load(worker, 1, keys, _spec(destination))
+        others = [b for b in range(NUM_BLOCKS) if b not in destination]
+        now = worker.tensors  # type: ignore[attr-defined]
+        assert all(torch.equal(a[others], b[others]) for a, b in zip(before, now, strict=True))
 
 
 def test_failed_loads_are_reported_once_and_good_loads_never(local_redis: LocalRedis) -> None:

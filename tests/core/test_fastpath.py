@@ -438,6 +438,45 @@ def test_another_header_goes_to_staging_or_is_refused(
     assert buffers[-1] == pattern(1000, 1008)  # too short for the value: untouched
 
 
+def test_a_value_whose_prefix_is_not_the_expected_one_never_reaches_the_pages(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """With ``expected_prefix``, a value whose header is the expected one but whose prefix is
+    not (here: flagged as MAC'd) goes to staging, or without one is drained; the matching
+    value lands; identically on both paths."""
+    cache = Cache.make(num_layers=2, num_blocks=4, page=1024, row=1024, seed=21)
+    header = header_for("p", 2, cache)
+    value = bytes(codec.encode(header, body_of(header, 3)))
+    flagged = bytearray(value)
+    flagged[7] |= codec.FLAG_MAC
+    redis_client.set("plain", value)
+    redis_client.set("flagged", bytes(flagged))
+    prefix = value[:12]
+
+    def make(_: int) -> tuple[list[LoadTarget], list[bytearray]]:
+        layers = [pattern(4 * 1024, 60 + i) for i in range(2)]
+        staging = pattern(len(value), 61)
+        dests = [memoryview(layer)[:2048] for layer in layers]
+        targets = [
+            LoadTarget(pattern(300, 62), header.to_msgpack(), dests, None, 1 << 20, prefix),
+            LoadTarget(pattern(300, 63), header.to_msgpack(), dests, staging, 1 << 20, prefix),
+            LoadTarget(pattern(300, 64), header.to_msgpack(), dests, None, 1 << 20, prefix),
+        ]
+        return targets, [*layers, staging]
+
+    results, buffers = run_both(redis_url, Job(["flagged", "flagged", "plain"], make))
+    assert [(r.status, r.landed) for r in results] == [
+        (LoadStatus.LAYOUT_MISMATCH, None),
+        (LoadStatus.OK, Landed.STAGING),
+        (LoadStatus.OK, Landed.PAGES),
+    ]
+    assert results[1].crc_ok and results[2].crc_ok
+    assert bytes(buffers[2]) == bytes(flagged)
+    body = body_of(header, 3)
+    assert bytes(buffers[0][:2048]) == body[:2048]  # only the plain value reached the pages
+    assert bytes(buffers[1][:2048]) == body[2048:]
+
+
 def test_zero_byte_bodies_land(redis_url: str, redis_client: redis.Redis) -> None:
     """A value with an empty body (no blocks) lands as ``pages`` with nothing to write."""
     cache = Cache.make(num_layers=3, num_blocks=1, page=64, row=64, seed=6)

@@ -1,7 +1,9 @@
 """The transfer engine on CPU KV pages against a real Redis (no vLLM): pages land where they
-belong and nothing else changes, a bad job writes nothing and counts its chunks,
-``max_inflight_bytes`` bounds loads as well as stores, fairly, and a value longer than its chunk
-can be is refused without ever being held."""
+belong and nothing else changes, a bad job fails, writes nothing outside its blocks (nothing at
+all on the Python path) and counts its chunks, ``max_inflight_bytes`` bounds loads as well as
+stores, fairly, and a value longer than its chunk can be is refused without ever being held.
+
+Every test of a job runs on both data paths (native and ``HMA_REDIS_NATIVE=0``)."""
 
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ import pytest
 import torch
 
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import (
     TEST_LOAD_DELAY_ENV,
     LayoutMismatch,
     _block_runs,
     _ByteBudget,
+    _split,
     group_chunks,
 )
-from tests.support.kv_pages import DST, NUM_BLOCKS, SRC, Pages, chunks, make_pages
+from tests.support.kv_pages import DST, NUM_BLOCKS, PAGES, SRC, Pages, chunks, make_pages
 
 
 def _store(url: str) -> RedisBlockStore:
@@ -32,13 +36,42 @@ def _stored_keys(client) -> list[str]:
     return sorted(k.decode() for k in client.scan_iter("hma:worker-test:g*"))
 
 
+@pytest.fixture(params=["native", "python"])
+def path(request, monkeypatch) -> str:
+    """The data path engines built in the test run (``HMA_REDIS_NATIVE=0`` for Python)."""
+    if request.param == "python":
+        monkeypatch.setenv(NATIVE_ENV, "0")
+    return request.param
+
+
 @pytest.fixture(params=[False, True], ids=["in-place", "buffered"])
-def pages(request, redis_client, redis_url):
+def pages(request, path, redis_client, redis_url):
     store = _store(redis_url)
     rig = make_pages(store, strided=request.param)
+    assert rig.engine.native == (path == "native")
     yield rig
     rig.close()
     store.close()
+
+
+def _changed_only_in(before: list[torch.Tensor], pages: Pages, blocks) -> bool:
+    """Whether every byte outside the pages of ``blocks`` (per group) is as ``before``."""
+    for idx, (old, new) in enumerate(zip(before, pages.tensors, strict=True)):
+        group = 0 if idx < 3 else 1
+        changed = torch.zeros_like(old, dtype=torch.bool)
+        changed[blocks[group], : PAGES[group]] = True
+        if not torch.equal(old[~changed], new[~changed]):
+            return False
+    return True
+
+
+def _unchanged_unless_landed(before: list[torch.Tensor], pages: Pages, blocks) -> bool:
+    """A failed load wrote nothing, except that on the native path into a CPU KV cache values
+    land in their pages before the job knows it fails: there only the job's own blocks may
+    have changed (vLLM frees them uncached and the request is recomputed)."""
+    if pages.engine.loads_land_in_place:
+        return _changed_only_in(before, pages, blocks)
+    return all(torch.equal(a, b) for a, b in zip(before, pages.tensors, strict=True))
 
 
 def test_block_runs_groups_consecutive_ids():
@@ -56,12 +89,7 @@ def test_store_then_load_moves_every_page_and_nothing_else(pages: Pages) -> None
     assert loaded.ok and not loaded.is_store and loaded.nbytes == stored.nbytes
     assert pages.moved(SRC, DST)
     # Only the destination pages changed: padding bytes and every other block are as before.
-    for idx, (old, new) in enumerate(zip(before, pages.tensors, strict=True)):
-        group = 0 if idx < 3 else 1
-        page = 2500 if group == 0 else 1000
-        changed = torch.zeros_like(old, dtype=torch.bool)
-        changed[DST[group], :page] = True
-        assert torch.equal(old[~changed], new[~changed])
+    assert _changed_only_in(before, pages, DST)
 
 
 def test_wait_returns_once_a_store_no_longer_reads_its_pages(pages: Pages) -> None:
@@ -101,7 +129,7 @@ def test_store_job_that_raises_counts_every_chunk_as_failed(pages: Pages) -> Non
     assert totals["store_failed_chunks"] >= 1
 
 
-def test_corrupt_chunk_fails_the_load_before_any_page_is_written(pages: Pages, redis_client):
+def test_corrupt_chunk_fails_the_load_and_is_dropped(pages: Pages, redis_client):
     assert pages.store_job(1, chunks(SRC)).ok
     keys = _stored_keys(redis_client)
     assert len(keys) == 4
@@ -112,7 +140,7 @@ def test_corrupt_chunk_fails_the_load_before_any_page_is_written(pages: Pages, r
 
     before = [t.clone() for t in pages.tensors]
     assert not pages.load_job(2, chunks(DST)).ok
-    assert all(torch.equal(a, b) for a, b in zip(before, pages.tensors, strict=True))
+    assert _unchanged_unless_landed(before, pages, DST)
     assert redis_client.exists(victim) == 0  # dropped, so the recompute can store a good copy
     assert redis_client.exists(*keys[:-1]) == 3
 
@@ -120,12 +148,15 @@ def test_corrupt_chunk_fails_the_load_before_any_page_is_written(pages: Pages, r
 # ---------------------------------------------------------------------------------- bounds
 
 
-def test_concurrent_loads_never_hold_more_than_the_budget(redis_client, redis_url, monkeypatch):
+@pytest.mark.parametrize("strided", [False, True], ids=["in-place", "buffered"])
+def test_concurrent_loads_never_hold_more_than_the_budget(
+    redis_client, redis_url, monkeypatch, path: str, strided: bool
+):
     # Every load pauses before its GETs, so the four loads reach Redis together.
     monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "0.3")
     budget = 100_000  # one load (~77 kB of values) fits, two do not
     store = _store(redis_url)
-    rig = make_pages(store, max_inflight_bytes=budget, io_threads=4)
+    rig = make_pages(store, strided=strided, max_inflight_bytes=budget, io_threads=4)
     try:
         assert rig.store_job(1, chunks(SRC)).ok
         values = sum(redis_client.strlen(k) for k in _stored_keys(redis_client))
@@ -141,13 +172,20 @@ def test_concurrent_loads_never_hold_more_than_the_budget(redis_client, redis_ur
             finished |= {r.job_id: r.ok for r in rig.engine.finished()}
             time.sleep(0.01)
         assert all(finished.values())
-        assert values <= rig.engine.peak_buffer_bytes <= budget
+        # Each load took its values' bound before receiving; never two at once.
+        assert values <= rig.engine.peak_budget_bytes <= budget
+        if rig.engine.loads_land_in_place:
+            assert rig.engine.peak_buffer_bytes == 0  # the values landed in the pages
+        else:
+            assert values <= rig.engine.peak_buffer_bytes <= budget
     finally:
         rig.close()
         store.close()
 
 
-def test_a_value_longer_than_its_chunk_is_refused_unread_and_deleted(redis_client, redis_url):
+def test_a_value_longer_than_its_chunk_is_refused_unread_and_deleted(
+    redis_client, redis_url, path: str
+):
     store = _store(redis_url)
     rig = make_pages(store)
     try:
@@ -158,9 +196,14 @@ def test_a_value_longer_than_its_chunk_is_refused_unread_and_deleted(redis_clien
         before = [t.clone() for t in rig.tensors]
 
         assert not rig.load_job(2, chunks(DST)).ok
-        # Refused as corrupt: the request is recomputed, nothing was written, the value is gone
-        # (so the recompute's store can put a good one there).
-        assert all(torch.equal(a, b) for a, b in zip(before, rig.tensors, strict=True))
+        # Refused as corrupt: the request is recomputed, nothing was written (the other, valid
+        # chunks may have landed in their pages on the native path), the value is gone (so the
+        # recompute's store can put a good one there).
+        assert _unchanged_unless_landed(before, rig, DST)
+        victim_blocks = (DST[0][:4], [])  # the victim's chunk: group 0's first
+        assert _changed_only_in(
+            before, rig, ([b for b in DST[0] if b not in victim_blocks[0]], DST[1])
+        )
         assert redis_client.exists(victim) == 0
         assert redis_client.exists(*keys[1:]) == len(keys) - 1
         assert store.counters.snapshot()["load_failed_jobs"] == 1
@@ -235,6 +278,19 @@ def test_a_load_larger_than_the_budget_is_not_starved_by_steady_stores():
         stop.set()
         for thread in threads:
             thread.join(2)
+
+
+def test_a_job_is_split_into_consecutive_parts_of_about_equal_bytes() -> None:
+    assert _split([10, 10, 10, 10], 2) == [slice(0, 2), slice(2, 4)]
+    assert _split([10, 10, 10], 4) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert _split([30, 10, 10, 10], 2) == [slice(0, 1), slice(1, 4)]
+    assert _split([5, 5], 1) == [slice(0, 2)]
+    assert _split([], 3) == [slice(0, 0)]
+    for sizes in ([1] * 7, [3, 1, 4, 1, 5, 9, 2, 6], [100, 1, 1, 1]):
+        for parts in range(1, 6):
+            cuts = _split(sizes, parts)
+            assert 1 <= len(cuts) <= parts and all(c.stop > c.start for c in cuts)
+            assert [i for c in cuts for i in range(c.start, c.stop)] == list(range(len(sizes)))
 
 
 def test_a_groups_blocks_are_cut_into_chunks_from_its_first_index() -> None:

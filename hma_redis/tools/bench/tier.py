@@ -2,7 +2,7 @@
 Redis connectors, in one run.
 
     hma-redis bench [--quick | --smoke] [--url URL] [--reps N] [--plot PNG] [--json FILE]
-                    [--lmcache-python PYTHON]
+                    [--lmcache-python PYTHON] [--connections N] [--python-path]
     python benchmarks/tier_bench.py ...              (the same)
 
 Without ``--url`` it starts its own ``redis-server`` on a free loopback port (persistence off) and
@@ -16,12 +16,14 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
   in CI), ``batched_put`` and ``batched_get`` of a job's worth of values, every byte checked;
 - the real worker (:class:`~hma_redis.adapter.worker.RedisOffloadingWorker`) on CPU KV-cache
   tensors (8 layers of ``(num_blocks, 16 KiB)`` int8, ``blocks_per_chunk`` 4 / 16 / 64 for the
-  three sizes): one ``submit_store`` job (EXISTS check -> CRC32C over the pages at scattered
-  block ids, in place -> SET NX sent from the KV cache by ``sendmsg``) and one ``submit_load``
-  job (GET received into pooled buffers -> ``codec.decode`` with CRC32C -> copy into other block
-  ids), timed
-  from submit until ``get_finished`` reports the job; the loaded blocks are compared with the
-  stored ones byte for byte.
+  three sizes), on the data path the transfer engine picks (native where it can: the header
+  line says which; ``--connections N`` sets ``connections_per_job``): one ``submit_store`` job
+  (EXISTS check -> CRC32C over the pages at scattered block ids, in place -> SET NX sent from
+  the KV cache by ``sendmsg``) and one ``submit_load`` job (GETs whose values are received
+  straight into the pages at other block ids, CRC32C as they arrive; Python path: into pooled
+  buffers -> ``codec.decode`` -> copy), timed from submit until ``get_finished`` reports the
+  job; the loaded blocks are compared with the stored ones byte for byte. ``--python-path``
+  measures the Python path too (column ``hma-python``).
 
 Then lookups for a 32k-token prompt over 3 KV groups (256 chunks of 128 tokens each, half of them
 present): one ``PING``, one :meth:`~hma_redis.core.store.RedisBlockStore.exists` of the 768
@@ -33,7 +35,9 @@ Every figure is a median over repetitions that interleave all measurements, so l
 processes hits each column alike. GB/s = 10^9 payload bytes per second (the KV bytes for the
 worker, the value bytes for the others). ``--smoke`` runs every measured path once on small jobs
 and checks what it measures is correct (bytes round-trip equal, lookups answer right, one round
-trip per step), with ``redis-benchmark`` run on a few requests per size only.
+trip per step), with ``redis-benchmark`` run on a few requests per size only; it runs the worker
+on both data paths (native and Python) and checks every value each stored byte for byte against
+the codec's encoding of the pages.
 
 The connection (``--url``; with ``hma-redis bench`` also ``--password``, ``--username`` and the
 TLS options, as for the other commands) reaches every client as a config, never on a command
@@ -51,8 +55,9 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +94,14 @@ KV_DTYPE = "bench-int8"
 PROMPT_TOKENS = 32768
 CHUNK_TOKENS = 128
 GROUPS = 3
-CLIENTS = ("redis-benchmark", "redis-py", "lmcache-redis", "lmcache-resp", "hma_redis")
+CLIENTS = (
+    "redis-benchmark",
+    "redis-py",
+    "lmcache-redis",
+    "lmcache-resp",
+    "hma-python",
+    "hma_redis",
+)
 OPS = ("load", "store")
 # benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
 LMCACHE_PEER = Path(__file__).resolve().parents[3] / "benchmarks" / "lmcache_peer.py"
@@ -230,7 +242,15 @@ class TierBench:
     the cache and loaded back into random ids of the second half, then compared.
     """
 
-    def __init__(self, target: str | RedisTierConfig, plan: TierPlan, namespace: str) -> None:
+    def __init__(
+        self,
+        target: str | RedisTierConfig,
+        plan: TierPlan,
+        namespace: str,
+        native: bool | None = None,
+        name: str = "hma_redis",
+        check_values: bool = False,
+    ) -> None:
         from vllm.v1.kv_offload.base import (
             CanonicalKVCacheRef,
             CanonicalKVCaches,
@@ -241,6 +261,8 @@ class TierBench:
         from hma_redis.core.store import RedisBlockStore
 
         self.plan = plan
+        self.name = name
+        self.check_values = check_values
         cfg = RedisTierConfig(url=target) if isinstance(target, str) else target
         self.cfg = dataclasses.replace(cfg, read_timeout_s=60.0)
         self.store = RedisBlockStore(self.cfg)
@@ -270,9 +292,11 @@ class TierBench:
                 max_inflight_bytes=self.cfg.max_inflight_bytes,
                 shutdown_timeout_s=1.0,
                 auth_key=self.cfg.auth_key,
+                native=native,
             )
             for size in plan.sizes
         }
+        self.data_path = next(iter(self.workers.values())).data_path
         self.rng = random.Random(2)
         self._serial = 0
         self._job_id = 0
@@ -285,8 +309,12 @@ class TierBench:
         """Bytes of one stored value (envelope included) of this size."""
         from hma_redis.core import codec
 
-        key = self.keyspace.block_key(0, bytes(32))
-        header = codec.BlockHeader(
+        return codec.value_size(self._header(self.keyspace.block_key(0, bytes(32)), size))
+
+    def _header(self, key: str, size: int) -> Any:
+        from hma_redis.core import codec
+
+        return codec.BlockHeader(
             key=key,
             group=0,
             first_block=0,
@@ -294,7 +322,24 @@ class TierBench:
             page_bytes=(PAGE_BYTES,) * LAYERS,
             kv_dtype=KV_DTYPE,
         )
-        return codec.value_size(header)
+
+    def _check_stored(self, keys: Sequence[bytes], src_ids: Sequence[int], size: int) -> None:
+        """Every value the store job wrote is, byte for byte, the codec's encoding of its
+        pages (with the auth_key's MAC where there is one)."""
+        from hma_redis.core import codec
+
+        mac_key = codec.MacKey.derive(self.cfg.auth_key) if self.cfg.auth_key else None
+        bpc = self.blocks_per_chunk(size)
+        for idx, offload_key in enumerate(keys):
+            key = self.keyspace.block_key(0, offload_key[:-4])
+            ids = src_ids[idx * bpc : (idx + 1) * bpc]
+            body = b"".join(array[ids].tobytes() for array in self.arrays)
+            want = bytes(codec.encode(self._header(key, size), body, mac_key))
+            check(
+                self.store.get([key])[0] == want,
+                f"{self.name}: the value stored under {key} is not the codec's encoding of its "
+                f"pages ({size} B values)",
+            )
 
     def _offload_keys(self, count: int) -> list[bytes]:
         from vllm.v1.kv_offload.base import make_offload_key
@@ -341,6 +386,8 @@ class TierBench:
             result.transfer_size == expected,
             f"store job stored {result.transfer_size} of {expected} bytes ({size} B values)",
         )
+        if self.check_values:
+            self._check_stored(keys, src_ids, size)
 
         self._job_id += 1
         trips = self.store.round_trips
@@ -364,8 +411,8 @@ class TierBench:
                 f"loaded blocks differ from stored ones (layer {layer}, {size} B values)",
             )
         self.store.delete([self.keyspace.block_key(0, k[:-4]) for k in keys])
-        samples.add(f"hma_redis store {size}", store_s, store_trips)
-        samples.add(f"hma_redis load {size}", load_s, load_trips)
+        samples.add(f"{self.name} store {size}", store_s, store_trips)
+        samples.add(f"{self.name} load {size}", load_s, load_trips)
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -452,6 +499,7 @@ class Report:
     seconds: float = 0.0
     lmcache_version: str | None = None
     notes: tuple[str, ...] = ()
+    data_path: str = ""
 
     @property
     def clients(self) -> list[str]:
@@ -472,6 +520,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {
             "redis_version": self.redis_version,
+            "data_path": self.data_path,
             "lmcache_version": self.lmcache_version,
             "load_average": [self.load_before, self.load_after],
             "plan": dataclasses.asdict(self.plan),
@@ -487,16 +536,28 @@ class Report:
 
 
 def measure(
-    cfg: RedisTierConfig, plan: TierPlan, where: str, lmcache_python: str | None = None
+    cfg: RedisTierConfig,
+    plan: TierPlan,
+    where: str,
+    lmcache_python: str | None = None,
+    python_path: bool = False,
+    smoke: bool = False,
 ) -> Report:
-    """Every measurement, interleaved, against the Redis ``cfg`` names."""
+    """Every measurement, interleaved, against the Redis ``cfg`` names. The worker runs on the
+    data path its transfer engine picks; with ``python_path`` (always with ``smoke``) also
+    on the Python path, and ``smoke`` checks every stored value byte for byte."""
     namespace = f"bench-{os.getpid()}"
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     require_single_server(cfg)
     rb_args, notes = redis_benchmark_plan(cfg, plan)
     peer = LMCachePeer(lmcache_python, cfg, plan) if lmcache_python else None
-    tier = TierBench(cfg, plan, namespace)
+    tier = TierBench(cfg, plan, namespace, check_values=smoke)
+    tiers = [tier]
+    if (python_path or smoke) and tier.data_path.startswith("native"):
+        tiers.append(
+            TierBench(cfg, plan, f"{namespace}-py", False, "hma-python", check_values=smoke)
+        )
     plain = RedisPyBench(cfg, plan, f"{tier.cfg.key_prefix}:{namespace}")
     lookups = LookupBench(tier.store, tier.keyspace)
     try:
@@ -504,19 +565,20 @@ def measure(
         version = str(tier.store.client.info("server")["redis_version"])
         warmup = Samples()
         for size in plan.sizes:  # first touch of every buffer and connection
-            tier.run(size, warmup)
+            for bench in tiers:
+                bench.run(size, warmup)
             plain.run(size, warmup)
         lookups.run(warmup)
         samples = Samples()
         for rep in range(plan.reps):
             for size in plan.sizes:
                 # Alternate who goes first so neither always runs right after redis-benchmark.
-                runners = [
-                    lambda s=size: tier.run(s, samples),
-                    lambda s=size: plain.run(s, samples),
+                runners: list[Callable[[], None]] = [
+                    partial(bench.run, size, samples) for bench in tiers
                 ]
+                runners.append(partial(plain.run, size, samples))
                 if peer is not None:
-                    runners.insert(1, lambda s=size: peer.run(s, samples))
+                    runners.insert(1, partial(peer.run, size, samples))
                 if rep % 2:
                     runners.reverse()
                 if rb_args:
@@ -539,11 +601,13 @@ def measure(
             seconds=time.perf_counter() - started,
             lmcache_version=peer.version if peer is not None else None,
             notes=notes,
+            data_path=tier.data_path,
         )
     finally:
         lookups.close()
         plain.close()
-        tier.close()
+        for bench in tiers:
+            bench.close()
 
 
 # ---------------------------------------------------------------------------------- report
@@ -573,6 +637,7 @@ def format_report(report: Report) -> str:
         f"{report.value_bytes[plan.sizes[0]] - plan.sizes[0]} B header",
         f"each hma_redis job and each redis-py batch moves {plan.job_bytes // MIB} MiB; redis-py "
         f"and redis-benchmark pipeline {plan.depth} deep; GB/s = 10^9 payload bytes per second",
+        f"hma_redis data path: {report.data_path}",
     ]
     lines += report_lines(report.rb_args, report.notes)
     if report.lmcache_version is not None:
@@ -582,6 +647,7 @@ def format_report(report: Report) -> str:
         )
     lmcache = report.lmcache_version is not None
     short = {
+        "hma-python": "hma-py",
         "redis-benchmark": "redis-bench",
         "lmcache-redis": "lmc-redis",
         "lmcache-resp": "lmc-resp",
@@ -626,10 +692,11 @@ def format_report(report: Report) -> str:
         )
     lines += [
         "",
-        "load = GET -> codec.decode (CRC32C) -> copy into the KV cache at the job's block ids; "
-        "store = EXISTS check",
-        "-> CRC32C over the pages in place -> SET NX sent from the KV cache; timed from submit_* "
-        "until get_finished reports the job.",
+        "load = GETs -> values received into the KV cache at the job's block ids, CRC32C as they "
+        "arrive, checked (Python path:",
+        "into buffers -> codec.decode -> copy); store = EXISTS check -> CRC32C over the pages in "
+        "place -> SET NX sent from the KV cache;",
+        "timed from submit_* until get_finished reports the job.",
     ]
     return "\n".join(lines)
 
@@ -654,6 +721,7 @@ def draw_plot(report: Report, path: str) -> bool:
         "redis-py": (31, 119, 180),
         "lmcache-redis": (148, 103, 189),
         "lmcache-resp": (44, 160, 44),
+        "hma-python": (255, 127, 14),
         "hma_redis": (214, 39, 40),
     }
     sizes = report.plan.sizes
@@ -727,6 +795,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="PNG", help="draw GB/s by value size into this file")
     parser.add_argument("--json", metavar="FILE", help="write the medians as JSON")
     parser.add_argument(
+        "--connections",
+        type=int,
+        metavar="N",
+        help="connections_per_job of the worker (default: the config's, 1)",
+    )
+    parser.add_argument(
+        "--python-path",
+        action="store_true",
+        help="also measure the worker on the Python data path (column hma-py)",
+    )
+    parser.add_argument(
         "--lmcache-python",
         metavar="PYTHON",
         help="also measure LMCache's redis:// and resp:// connectors with this interpreter "
@@ -746,11 +825,21 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
     if cfg is None and args.url is not None:
         cfg = RedisTierConfig(url=args.url)
     plan = chosen_plan(parser, args, FULL, QUICK, SMOKE)
+    if args.connections is not None and args.connections < 1:
+        parser.error("--connections must be at least 1")
     with server_config(cfg) as (target, where):
-        report = measure(target, plan, where, args.lmcache_python)
+        if args.connections is not None:
+            target = dataclasses.replace(target, connections_per_job=args.connections)
+        report = measure(
+            target, plan, where, args.lmcache_python, args.python_path, smoke=args.smoke
+        )
     print(format_report(report))
     if args.smoke:
-        print("\nsmoke: every measured path round-tripped its bytes and answered right")
+        paths = "native and Python data paths" if "hma-python" in report.clients else "data path"
+        print(
+            "\nsmoke: every measured path round-tripped its bytes and answered right "
+            f"(worker on the {paths}; every stored value equals the codec's encoding)"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report.to_json(), fh, indent=2)

@@ -1,0 +1,430 @@
+"""The tier inside a running vLLM engine (issue 12, targets 2-4), on the CPU.
+
+    .venv/bin/python benchmarks/in_engine_bench.py            # the full run, ~10-15 min here
+    .venv/bin/python benchmarks/in_engine_bench.py --quick    # smoke check, ~2-3 min
+    .venv/bin/python benchmarks/in_engine_bench.py --tier-option gil_switch_interval_ms=0
+
+The model is e2e_bench's (random-weight Llama shape: hidden 1024, 8 layers, 16 query / 8 KV
+heads of 64, fp32: 32 KiB of KV per token); a private ``redis-server`` is started. Each round
+runs three fresh engines, each in its own process with the CPU defaults of
+:mod:`hma_redis.tools.demo.engine`, one after the other, Redis emptied first:
+
+- ``off`` (no tier): the prompt P (cold prefill, the engine's first request), the repeat
+  prompts R1..Rn, then the decode prompts (new, short: decode tokens/s);
+- ``on`` (tier on, empty Redis): the same requests (cold prefills, stored for the next engine;
+  decode at 0 % hits);
+- ``load`` (tier on, a new engine): P (its KV comes from Redis: the engine's first request),
+  P again (now in the engine's own prefix cache), then each Ri twice the same way (repeats).
+
+Printed, per round and as the median over rounds:
+
+- effective load bandwidth inside the engine = KV bytes loaded / (TTFT from Redis - TTFT of
+  the same request from the engine's own prefix cache), for the first request and the repeats
+  (target 2: >= 0.8x the standalone GB/s at the same value size, measured at the end with the
+  transfer engine alone, same layout, same Redis);
+- TTFT from Redis / cold prefill, first request of a fresh engine (target 3: <= 0.03);
+- cold prefill tier on / off (target 4: <= 1.05) and decode tokens/s tier on / off (>= 0.97).
+
+Progress goes to stderr, the table to stdout (``--json FILE`` writes every sample). The greedy
+tokens of every request from Redis must equal the cold run's: the run fails otherwise.
+Not a test: speed is never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+import torch
+from e2e_bench import build_model  # type: ignore[import-not-found]
+
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.keys import KeySpace
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.transfer import (
+    ChunkTransfer,
+    JobResult,
+    LayerSource,
+    TransferEngine,
+    ValueFormat,
+)
+from hma_redis.tools.demo import engine
+from hma_redis.tools.demo.local_redis import LocalRedis
+
+VOCAB = 32000
+GB = 1e9
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    rounds: int  # fresh engine triples; every figure is a median over them
+    prompt_tokens: int
+    repeats: int  # repeat prompts per round (requests from Redis after the first)
+    decode_prompts: int
+    decode_tokens: int
+    standalone_reps: int
+
+
+FULL = Plan(
+    rounds=3,
+    prompt_tokens=4096,
+    repeats=2,
+    decode_prompts=3,
+    decode_tokens=96,
+    standalone_reps=7,
+)
+QUICK = Plan(
+    rounds=1,
+    prompt_tokens=1024,
+    repeats=1,
+    decode_prompts=1,
+    decode_tokens=16,
+    standalone_reps=3,
+)
+
+
+@dataclass
+class Round:
+    """What one round of three engines measured (seconds; tok/s; bytes)."""
+
+    cold_off_s: float
+    cold_on_s: float
+    decode_off: float
+    decode_on: float
+    first_redis_s: float
+    first_own_s: float
+    repeat_redis_s: list[float]
+    repeat_own_s: list[float]
+    loaded_bytes: int  # KV bytes of the first request's tokens from Redis
+    tokens_from_redis: list[int]
+    value_bytes: int  # bytes of one value (header included)
+    layout: dict[str, Any] = field(default_factory=dict)
+    data_path: str = ""
+
+    def first_gbps(self) -> float:
+        return _gbps(self.loaded_bytes, self.first_redis_s - self.first_own_s)
+
+    def repeat_gbps(self) -> float:
+        gaps = [r - o for r, o in zip(self.repeat_redis_s, self.repeat_own_s, strict=True)]
+        return _gbps(self.loaded_bytes, statistics.median(gaps))
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    """GB/s, or NaN when the TTFT gap is not positive (noise larger than the load itself)."""
+    return nbytes / seconds / GB if seconds > 0 else math.nan
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------- engines
+
+
+def run_job(
+    model: str, prompts: list[list[int]], max_tokens: list[int], tier: dict[str, Any] | None
+) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """One fresh engine over ``prompts`` in order (its own prefix cache is never reset); each
+    request's result, the engine's KV cache layout and its log."""
+    longest = max(len(p) for p in prompts)
+    job = {
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "max_model_len": longest + 512,
+        "dtype": "float32",
+        "kv_transfer_config": tier,
+        "reset_prefix_cache_between": False,
+    }
+    result, output = engine.run_engine(job)
+    return result["results"], result["kv_cache"], output
+
+
+def kv_bytes_per_token(kv_cache: dict[str, Any]) -> int:
+    """KV bytes one token takes in the engine's cache, over every group's layers."""
+    return sum(
+        g["page_size_bytes"] * len(g["layers"]) // g["block_size"] for g in kv_cache["groups"]
+    )
+
+
+def worker_totals(output: str) -> dict[str, int]:
+    """The counters the worker logs at shutdown (``hma_redis: worker rank 0 totals {...}``)."""
+    lines = [ln for ln in output.splitlines() if "worker rank 0 totals" in ln]
+    if not lines:
+        raise SystemExit("in_engine_bench: the tier-on engine logged no worker totals")
+    return dict(json.loads(lines[-1].split("totals", 1)[1]))
+
+
+def data_path(output: str) -> str:
+    lines = [ln for ln in output.splitlines() if "transfer data path:" in ln]
+    return lines[-1].split("transfer data path:", 1)[1].strip() if lines else "?"
+
+
+def tok_s(result: dict[str, Any]) -> float:
+    return (len(result["token_ids"]) - 1) / max(1e-9, result["wall_s"] - result["ttft_s"])
+
+
+def run_round(
+    idx: int, plan: Plan, model: str, server: LocalRedis, tier: dict[str, Any], seed: int
+) -> Round:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(4, VOCAB) for _ in range(plan.prompt_tokens)]
+    repeats = [
+        [rng.randrange(4, VOCAB) for _ in range(plan.prompt_tokens)] for _ in range(plan.repeats)
+    ]
+    decode = [[rng.randrange(4, VOCAB) for _ in range(64)] for _ in range(plan.decode_prompts)]
+    with redis.Redis(port=server.port) as client:
+        client.flushall()
+
+    # Both engines run the same requests: the prompt (the engine's first request), the repeat
+    # prompts, then the decode prompts (whose decode no store of a long prompt overlaps).
+    prompts = [prompt, *repeats, *decode]
+    budgets = [4] * (1 + len(repeats)) + [plan.decode_tokens] * len(decode)
+    log(f"round {idx}: engine 'off' (no tier): cold prefills, then decode")
+    off, _, _ = run_job(model, prompts, budgets, None)
+    log(f"round {idx}: engine 'on' (tier on, empty Redis): cold prefills (stored), then decode")
+    on, _, _ = run_job(model, prompts, budgets, tier)
+    log(f"round {idx}: engine 'load' (tier on, fresh): each prompt from Redis, then again")
+    twice = [p for p in [prompt, *repeats] for _ in range(2)]
+    load, kv_cache, output = run_job(model, twice, [4] * len(twice), tier)
+
+    expected = [r["token_ids"] for r in off[: 1 + len(repeats)] for _ in "ab"]
+    for n, (got, want) in enumerate(zip((r["token_ids"] for r in load), expected, strict=True)):
+        if got != want:
+            raise SystemExit(
+                f"in_engine_bench: request {n} of the loading engine gave other tokens"
+            )
+    totals = worker_totals(output)
+    from_redis = [r["num_cached_tokens"] for r in load[0::2]]
+    if min(from_redis) < plan.prompt_tokens // 2:
+        raise SystemExit(f"in_engine_bench: too few tokens came from Redis: {from_redis}")
+    return Round(
+        cold_off_s=off[0]["ttft_s"],
+        cold_on_s=on[0]["ttft_s"],
+        decode_off=statistics.median(tok_s(r) for r in off[1 + len(repeats) :]),
+        decode_on=statistics.median(tok_s(r) for r in on[1 + len(repeats) :]),
+        first_redis_s=load[0]["ttft_s"],
+        first_own_s=load[1]["ttft_s"],
+        repeat_redis_s=[r["ttft_s"] for r in load[2::2]],
+        repeat_own_s=[r["ttft_s"] for r in load[3::2]],
+        loaded_bytes=from_redis[0] * kv_bytes_per_token(kv_cache),
+        tokens_from_redis=from_redis,
+        value_bytes=totals["loaded_bytes"] // max(1, totals["loaded_chunks"]),
+        layout=kv_cache,
+        data_path=data_path(output),
+    )
+
+
+# ---------------------------------------------------------------------------------- standalone
+
+
+def standalone_load_gbps(url: str, sample: Round, plan: Plan, tier: dict[str, Any]) -> float:
+    """The same load outside vLLM: a transfer engine over CPU tensors of the engine's layout
+    (layers, page size, blocks per chunk, value size), the tier's options, the same Redis;
+    one job of the prompt's blocks stored once, then loaded ``standalone_reps`` times; the
+    median GB/s of KV payload."""
+    (group,) = sample.layout["groups"]  # the benchmark's Llama has one KV group
+    page, layers = group["page_size_bytes"], len(group["layers"])
+    bpc = max(1, round(sample.value_bytes / (page * layers)))
+    blocks = -(-plan.prompt_tokens // group["block_size"]) // bpc * bpc
+    options = {k: v for k, v in tier["kv_connector_extra_config"].items() if k not in _VLLM_KEYS}
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({**options, "redis_url": url}))
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(-128, 128, (2 * blocks, page), dtype=torch.int8, generator=gen)
+        for _ in range(layers)
+    ]
+    transfer = TransferEngine(
+        store,
+        [[LayerSource.of(t, page) for t in tensors]],
+        ValueFormat(kv_dtype="float32"),
+        blocks_per_chunk=bpc,
+        io_threads=store.cfg.io_threads,
+        max_inflight_bytes=store.cfg.max_inflight_bytes,
+    )
+    keyspace = KeySpace("hma", f"standalone-{os.getpid()}")
+
+    def job(base: int) -> list[ChunkTransfer]:
+        return [
+            ChunkTransfer(
+                keyspace.block_key(0, c.to_bytes(32, "big")),
+                0,
+                0,
+                0,
+                tuple(range(base + c * bpc, base + (c + 1) * bpc)),
+            )
+            for c in range(blocks // bpc)
+        ]
+
+    try:
+        if not _run(transfer, 1, job(0), store_job=True).ok:
+            raise SystemExit("in_engine_bench: the standalone store failed")
+        seconds = []
+        for rep in range(plan.standalone_reps):
+            result = _run(transfer, 2 + rep, job(blocks), store_job=False)
+            if not result.ok:
+                raise SystemExit("in_engine_bench: a standalone load failed")
+            seconds.append(result.seconds)
+        if not all(torch.equal(t[:blocks], t[blocks:]) for t in tensors):
+            raise SystemExit("in_engine_bench: the standalone load moved other bytes")
+        return blocks * page * layers / statistics.median(seconds) / GB
+    finally:
+        transfer.shutdown()
+        store.close()
+
+
+_VLLM_KEYS = {"spec_name", "spec_module_path", "redis_url"}
+
+
+def _run(
+    transfer: TransferEngine, job_id: int, chunks: list[ChunkTransfer], store_job: bool
+) -> JobResult:
+    (transfer.submit_store if store_job else transfer.submit_load)(job_id, chunks)
+    while True:
+        for result in transfer.finished():
+            if result.job_id == job_id:
+                return result
+        time.sleep(0.0005)
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def _median(values: Sequence[float]) -> float:
+    """The median of the numbers that are not NaN (NaN if none is)."""
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def report(rounds: list[Round], plan: Plan, standalone: float, seconds: float) -> str:
+    first = rounds[0]
+    ms = 1e3
+
+    def row(label: str, values: Sequence[float], fmt: str = "{:10.1f}", note: str = "") -> str:
+        cells = "".join(fmt.format(v) for v in values)
+        pad = " " * 10 * (plan.rounds - len(values))
+        return f"  {label:<44}{cells}{pad}{fmt.format(_median(values))}  {note}".rstrip()
+
+    cold_ratio = [r.cold_on_s / r.cold_off_s for r in rounds]
+    decode_ratio = [r.decode_on / r.decode_off for r in rounds]
+    redis_ratio = [r.first_redis_s / r.cold_off_s for r in rounds]
+    first_gbps = [r.first_gbps() for r in rounds]
+    repeat_gbps = [r.repeat_gbps() for r in rounds]
+    header = "".join(f"{'round ' + str(i + 1):>10}" for i in range(plan.rounds))
+    lines = [
+        f"in-engine benchmark: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at "
+        f"end, run took {seconds:.0f} s",
+        f"prompt {plan.prompt_tokens} tokens ({first.loaded_bytes / MIB:.1f} MiB of KV from "
+        f"Redis), values of {first.value_bytes / MIB:.2f} MiB, {plan.repeats} repeat(s), decode "
+        f"{plan.decode_tokens} tokens x {plan.decode_prompts}",
+        f"data path: {first.data_path}",
+        "",
+        f"  {'':<44}{header}{'median':>10}",
+        row("cold prefill, tier off: TTFT ms", [r.cold_off_s * ms for r in rounds]),
+        row("cold prefill, tier on, empty Redis: TTFT ms", [r.cold_on_s * ms for r in rounds]),
+        row("  on / off", cold_ratio, "{:10.3f}", "(target <= 1.05)"),
+        row("decode tok/s, tier off", [r.decode_off for r in rounds], "{:10.2f}"),
+        row("decode tok/s, tier on, 0 % hits", [r.decode_on for r in rounds], "{:10.2f}"),
+        row("  on / off", decode_ratio, "{:10.3f}", "(target >= 0.97)"),
+        row("first request, KV from Redis: TTFT ms", [r.first_redis_s * ms for r in rounds]),
+        row("  same request, own prefix cache: TTFT ms", [r.first_own_s * ms for r in rounds]),
+        row("  effective load GB/s", first_gbps, "{:10.2f}"),
+        row(
+            "repeats, KV from Redis: TTFT ms (median)",
+            [_median(r.repeat_redis_s) * ms for r in rounds],
+        ),
+        row("  own prefix cache: TTFT ms (median)", [_median(r.repeat_own_s) * ms for r in rounds]),
+        row("  effective load GB/s", repeat_gbps, "{:10.2f}"),
+        row("TTFT from Redis / cold prefill (first)", redis_ratio, "{:10.3f}", "(target <= 0.03)"),
+        "",
+        f"  standalone load (transfer engine alone, same layout and values): {standalone:.2f} GB/s",
+        f"  in-engine / standalone: first {_median(first_gbps) / standalone:.2f}, repeats "
+        f"{_median(repeat_gbps) / standalone:.2f}  (target >= 0.8)",
+        f"  tokens from Redis per request: {[r.tokens_from_redis for r in rounds]}; every "
+        "request's tokens equal the cold run's",
+    ]
+    if any(math.isnan(v) for v in first_gbps + repeat_gbps):
+        lines.append(
+            "  (nan: the TTFT from Redis was not above the own-prefix-cache TTFT: noise "
+            "exceeded the load; medians skip nan)"
+        )
+    return "\n".join(lines)
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` tier options (numbers as JSON numbers, anything else as text)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"in_engine_bench: --tier-option wants key=value, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one small round (~2-3 min)")
+    parser.add_argument("--rounds", type=int, help="fresh engine rounds (default 3)")
+    parser.add_argument("--prompt-tokens", type=int, help="prompt length (default 4096)")
+    parser.add_argument("--repeats", type=int, help="repeat prompts per round (default 2)")
+    parser.add_argument(
+        "--tier-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a kv_connector_extra_config option of the tier (repeatable), e.g. "
+        "gil_switch_interval_ms=0 or connections_per_job=2",
+    )
+    parser.add_argument("--json", metavar="FILE", help="write every sample as JSON")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    overrides = {
+        "rounds": args.rounds,
+        "prompt_tokens": args.prompt_tokens,
+        "repeats": args.repeats,
+    }
+    plan = Plan(**{**asdict(plan), **{k: v for k, v in overrides.items() if v is not None}})
+    if plan.rounds < 1 or plan.repeats < 1 or plan.prompt_tokens < 64:
+        parser.error("--rounds and --repeats must be >= 1, --prompt-tokens >= 64")
+    options = parse_options(args.tier_option)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hma-in-engine-") as workdir:
+        log("building the model")
+        model = build_model(os.path.join(workdir, "llama-1024x8"))
+        server = LocalRedis().start()
+        try:
+            tier = engine.kv_transfer_config(server.url, **options)
+            rounds = [
+                run_round(i + 1, plan, model, server, tier, seed=i) for i in range(plan.rounds)
+            ]
+            log("standalone load at the same value size")
+            standalone = standalone_load_gbps(server.url, rounds[0], plan, tier)
+        finally:
+            server.stop()
+    print(report(rounds, plan, standalone, time.perf_counter() - started))
+    if args.json:
+        with open(args.json, "w") as fh:
+            data = {"plan": asdict(plan), "options": options, "standalone_gbps": standalone}
+            data["rounds"] = [{**asdict(r), "layout": r.layout} for r in rounds]
+            json.dump(data, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,282 @@
+"""The transfer engine's two data paths against each other and against a real Redis: the same
+jobs through the native path and through ``HMA_REDIS_NATIVE=0`` leave every byte of the KV
+cache and of Redis the same; a job's chunks go over ``connections_per_job`` connections; a
+native job that breaks fails and the tier heals; pending counters go first on a native job's
+connection."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+import torch
+
+from hma_redis.core.breaker import BreakerState
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.fastpath import NATIVE_ENV
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.transfer import ChunkTransfer, group_chunks
+from tests.support.kv_pages import (
+    BPC,
+    DST,
+    FIRST_INDEX,
+    HASHES,
+    KEYSPACE,
+    PAGES,
+    SRC,
+    Pages,
+    chunks,
+    make_pages,
+)
+
+AUTH_KEY = b"transfer-paths-secret-0001"
+# One group-1 block less than DST from its first index on: the first chunk's value holds one
+# block more than this load needs (a sliding window moved on), so on the native path it does
+# not look like what the engine expects and takes the second, Python pass.
+NARROW = (DST[0], DST[1][1:])
+
+
+def _store(url: str, **options: object) -> RedisBlockStore:
+    return RedisBlockStore(
+        RedisTierConfig.from_extra_config({"redis_url": url, **options}, env={}),
+        stats_key=KEYSPACE.stats_key(),
+    )
+
+
+def _values(client: redis.Redis) -> dict[bytes, bytes]:
+    """Every chunk value in Redis, by key."""
+    return {key: client.get(key) or b"" for key in client.scan_iter("hma:worker-test:g*")}
+
+
+def _narrow_chunks() -> list[ChunkTransfer]:
+    """The chunks of a load of :data:`NARROW` (group 1 from one block further on)."""
+    out = [c for c in chunks(DST) if c.group == 0]
+    keys = [KEYSPACE.block_key(1, h) for h in HASHES[1]]
+    cut = group_chunks(1, 1, NARROW[1], FIRST_INDEX[1] + 1, keys, BPC)
+    assert cut is not None and cut[0].start == FIRST_INDEX[1] + 1
+    return out + cut
+
+
+def _run_jobs(
+    rig: Pages, client: redis.Redis
+) -> tuple[dict[bytes, bytes], list[torch.Tensor], list[torch.Tensor]]:
+    """Store SRC, load it into DST, then the narrower load; what Redis holds after the store,
+    and the KV cache after each load."""
+    assert rig.store_job(1, chunks(SRC)).ok
+    stored = _values(client)
+    assert len(stored) == 4
+    assert rig.load_job(2, chunks(DST)).ok
+    assert rig.moved(SRC, DST)
+    after_load = [t.clone() for t in rig.tensors]
+    for tensor in rig.tensors:
+        tensor[DST[0] + DST[1]] = 0  # the narrow load must fill them again
+    assert rig.load_job(3, _narrow_chunks()).ok
+    return stored, after_load, [t.clone() for t in rig.tensors]
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+@pytest.mark.parametrize("auth_key", [None, AUTH_KEY], ids=["unkeyed", "keyed"])
+@pytest.mark.parametrize("strided", [False, True], ids=["in-place", "buffered"])
+def test_both_paths_leave_the_same_bytes_in_the_kv_cache_and_in_redis(
+    redis_client: redis.Redis,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    strided: bool,
+    auth_key: bytes | None,
+    connections: int,
+) -> None:
+    outcome = {}
+    for path in ("native", "python"):
+        if path == "python":
+            monkeypatch.setenv(NATIVE_ENV, "0")
+        redis_client.flushall()
+        store = _store(redis_url, connections_per_job=connections)
+        rig = make_pages(store, strided=strided, auth_key=auth_key)
+        try:
+            assert rig.engine.native == (path == "native"), rig.engine.data_path
+            outcome[path] = _run_jobs(rig, redis_client)
+            assert rig.moved((SRC[0], SRC[1][1:]), NARROW), f"{path}: the narrow load did not land"
+        finally:
+            rig.close()
+            store.close()
+    native, python = outcome["native"], outcome["python"]
+    assert native[0] == python[0], "Redis holds other bytes after a native store"
+    for got, want in zip(native[1] + native[2], python[1] + python[2], strict=True):
+        assert torch.equal(got, want), "the KV cache differs after a native load"
+    # The narrow load left the block before its window alone (zeroed above) on both paths.
+    for layer in (3, 4):
+        assert not native[2][layer][DST[1][0], : PAGES[1]].any()
+
+
+def test_a_job_is_split_over_connections_per_job_connections(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    store = _store(redis_url, connections_per_job=3)
+    rig = make_pages(store)
+    try:
+        assert rig.engine.native and "3 connection(s) per job" in rig.engine.data_path
+        trips = store.round_trips
+        assert rig.store_job(1, chunks(SRC)).ok  # EXISTS, then the 4 values over 3 connections
+        assert store.round_trips - trips == 1 + 3
+        clients = len(redis_client.client_list())
+        trips = store.round_trips
+        assert rig.load_job(2, chunks(DST)).ok
+        assert store.round_trips - trips == 3
+        assert rig.moved(SRC, DST)
+        # The parts ran on connections of their own, which the pool keeps.
+        assert len(redis_client.client_list()) >= clients
+        assert len(redis_client.client_list()) >= 1 + 3
+    finally:
+        rig.close()
+        store.close()
+
+
+def test_connections_per_job_is_validated() -> None:
+    for bad in (0, -1, 65, "two", True):
+        with pytest.raises(ValueError, match="connections_per_job"):
+            RedisTierConfig.from_extra_config({"connections_per_job": bad}, env={})
+    cfg = RedisTierConfig.from_extra_config({"connections_per_job": "4"}, env={})
+    assert cfg.connections_per_job == 4
+
+
+def test_native_loads_deliver_pending_counters_first(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    store = _store(redis_url)
+    rig = make_pages(store)
+    try:
+        assert rig.engine.native
+        assert rig.store_job(1, chunks(SRC)).ok
+        store.flush_counters()
+        assert rig.load_job(2, chunks(DST)).ok  # its loaded_chunks are pending now
+        assert redis_client.hget(KEYSPACE.stats_key(), "loaded_chunks") is None
+        assert rig.load_job(3, chunks(DST)).ok  # delivers them ahead of its GETs
+        assert redis_client.hget(KEYSPACE.stats_key(), "loaded_chunks") == b"4"
+        assert rig.moved(SRC, DST)
+    finally:
+        rig.close()
+        store.close()
+
+
+@pytest.fixture
+def paused_store(local_redis) -> Iterator[tuple[RedisBlockStore, Pages]]:
+    store = _store(local_redis.url, read_timeout_s=0.3, retry_interval_s=0.2)
+    rig = make_pages(store)
+    yield store, rig
+    rig.close()
+    store.close()
+
+
+def test_a_native_job_that_times_out_fails_and_the_tier_heals_with_the_right_bytes(
+    local_redis, paused_store: tuple[RedisBlockStore, Pages]
+) -> None:
+    """A load that times out mid-job fails (its blocks are recomputed) and opens the breaker;
+    its connection, with the late replies still on their way, is dropped: once Redis is back
+    the next load (the breaker's probe) gets the right bytes."""
+    store, rig = paused_store
+    assert rig.engine.native
+    assert rig.store_job(1, chunks(SRC)).ok
+    local_redis.pause()
+    try:
+        assert not rig.load_job(2, chunks(DST)).ok
+    finally:
+        local_redis.resume()
+    assert store.breaker.failures >= 1
+    for tensor in rig.tensors:
+        tensor[DST[0] + DST[1]] = 0
+    time.sleep(0.3)  # past retry_interval_s: the next load is the breaker's probe
+    assert rig.load_job(3, chunks(DST)).ok
+    assert rig.moved(SRC, DST)
+    assert store.breaker.state is BreakerState.CLOSED
+
+
+def test_the_native_path_runs_over_a_unix_socket(tmp_path) -> None:
+    from hma_redis.tools.demo.local_redis import LocalRedis
+
+    path = tmp_path / "redis.sock"
+    server = LocalRedis(extra_args=["--unixsocket", str(path), "--unixsocketperm", "700"])
+    server.start()
+    # The store builds its own client from the URL (unix:///path must stay a unix URL).
+    cfg = RedisTierConfig.from_extra_config({"redis_url": f"unix://{path}"}, env={})
+    store = RedisBlockStore(cfg)
+    rig = make_pages(store)
+    try:
+        assert rig.engine.native, rig.engine.data_path
+        assert rig.store_job(1, chunks(SRC)).ok
+        assert rig.load_job(2, chunks(DST)).ok
+        assert rig.moved(SRC, DST)
+        assert store.counters.snapshot()["loaded_chunks"] == 4
+    finally:
+        rig.close()
+        store.close()
+        server.stop()
+
+
+def test_a_refused_get_on_the_native_path_is_a_miss_not_an_outage(local_redis) -> None:
+    """A user whose ACL covers only group 0's keys: a native load of both groups fails (the
+    refused chunks are misses), each refusal is counted, and the breaker stays closed; a load
+    of group 0 alone succeeds on the same store."""
+    admin = redis.Redis(port=local_redis.port)
+    admin.acl_setuser(
+        "g0", enabled=True, passwords=["+pw"], keys=["hma:worker-test:g0:*"], commands=["+@all"]
+    )
+    writer_store = _store(local_redis.url)
+    writer = make_pages(writer_store)
+    store = _store(f"redis://g0:pw@127.0.0.1:{local_redis.port}/0")
+    reader = make_pages(store)
+    try:
+        assert reader.engine.native
+        assert writer.store_job(1, chunks(SRC)).ok
+        assert not reader.load_job(2, chunks(DST)).ok
+        assert store.counters.snapshot()["refused_noperm"] >= 2  # group 1's two GETs
+        assert store.breaker.state is BreakerState.CLOSED and store.breaker.failures == 0
+        assert admin.exists(*[KEYSPACE.block_key(1, h) for h in HASHES[1]]) == 2  # not deleted
+        group0 = [c for c in chunks(DST) if c.group == 0]
+        assert reader.load_job(3, group0).ok
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(reader.pages(0, DST[0]), writer.pages(0, SRC[0]), strict=True)
+        )
+    finally:
+        for pages, each in ((writer, writer_store), (reader, store)):
+            pages.close()
+            each.close()
+        admin.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "env", "path"),
+    [
+        ("redis://127.0.0.1:1/0", {}, "native, GIL released"),
+        (
+            "redis://127.0.0.1:1/0",
+            {NATIVE_ENV: "0"},
+            "pure Python (disabled by HMA_REDIS_NATIVE=0)",
+        ),
+        ("rediss://127.0.0.1:1/0", {}, "pure Python (TLS connections stay in Python's ssl)"),
+        ("redis+cluster://127.0.0.1:1/", {}, "pure Python (Redis Cluster uses redis-py's"),
+    ],
+    ids=["plain", "disabled", "tls", "cluster"],
+)
+def test_the_start_up_line_says_which_path_runs_and_why(
+    url: str,
+    env: dict[str, str],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    caplog.set_level("INFO", logger="hma_redis.core.fastpath")
+    store = _store(url, connect_timeout_s=0.2)
+    rig = make_pages(store)  # builds the engine only: nothing is sent
+    try:
+        assert rig.engine.native == path.startswith("native")
+        lines = [r.getMessage() for r in caplog.records if "transfer data path" in r.getMessage()]
+        assert lines == [f"hma_redis: transfer data path: {rig.engine.data_path}"]
+        assert rig.engine.data_path.startswith(path)
+    finally:
+        rig.close()
+        store.close()
