@@ -5,6 +5,17 @@ past RETRY. The manager answers from a small cache of recent Redis answers; an u
 queued and answered RETRY. At the end of the step (``on_schedule_end``) every queued key of every
 group and every waiting request goes to Redis in ONE round trip (one EVAL); the next step's
 lookups find the answers. The request simply waits a step, it never fails.
+
+Three more duties ride on the same calls, never on a round trip of their own:
+
+* removals (with vLLM's KV events on): a :class:`~hma_redis.core.notifications.RemovalWatcher`
+  queues the block keys Redis evicted, expired or deleted; each step the manager drains it,
+  forgets its answers for them and emits ``OffloadingEvent(removed=True)`` for the chunk in
+  every KV group (a chunk one group lost is no usable hit in any);
+* the intersection's cost: per request, how far each group's hits reach and how far all of
+  them do (vLLM can use only the latter), counted per group when the request finishes;
+* admission (``admission: second_sighting``): the lookup round trip also sets a sighting
+  marker per missing chunk, and only a chunk seen before is stored.
 """
 
 from __future__ import annotations
@@ -33,14 +44,16 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     get_offload_block_hash,
     get_offload_group_idx,
+    make_offload_key,
 )
 
 from hma_redis import FORMAT_VERSION
-from hma_redis.adapter.metrics import ManagerMetrics
+from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics
 from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
 from hma_redis.core.breaker import BreakerState
-from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.keys import KeySpace, parse_block_key
+from hma_redis.core.notifications import RemovalWatcher
+from hma_redis.core.store import RedisBlockStore, Sighting
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -58,6 +71,35 @@ class _Answer:
     present: bool
     fetched_at: float
     fetched_step: int
+    # second_sighting: the chunk is missing but some instance looked it up before (store it).
+    admitted: bool = False
+    # The request whose lookup fetched the answer (second_sighting: another request asking
+    # for the same missing chunk is a sighting of its own).
+    req_id: str = ""
+
+
+class _RequestHits:
+    """The last answer given to one request for each of its keys, by group and end token
+    (vLLM records each key's end token in the request context)."""
+
+    def __init__(self) -> None:
+        self.by_group: dict[int, dict[int, bool]] = {}
+
+    def record(self, group: int, end_token: int, hit: bool) -> None:
+        self.by_group.setdefault(group, {})[end_token] = hit
+
+    def reach(self, group: int) -> int:
+        """How far ``group``'s hits reach, in tokens: the last hit before the first miss.
+
+        This is what vLLM's scans find: a prefix scan (full attention) stops at the first
+        miss, a window scan (sliding window) walks back from the end to the window below it.
+        """
+        answers = self.by_group.get(group, {})
+        first_miss = min((p for p, hit in answers.items() if not hit), default=None)
+        return max(
+            (p for p, hit in answers.items() if hit and (first_miss is None or p < first_miss)),
+            default=0,
+        )
 
 
 @dataclass
@@ -88,7 +130,16 @@ class RedisOffloadingManager(OffloadingManager):
         lookup_wait_s: float = 0.005,
         emit_events: bool = False,
         store_pending_timeout_s: float = 30.0,
+        removals: RemovalWatcher | None = None,
+        group_chunk_tokens: tuple[int, ...] = (),
+        admission: str = "always",
+        admission_window_s: int = 3600,
     ) -> None:
+        """``removals``: a started watcher of this namespace's block keys (its removals become
+        events when ``emit_events``, and always forget cached answers); the manager closes it.
+        ``group_chunk_tokens``: tokens per chunk of each KV group, in group order (removals
+        fan out to every group; the intersection is counted per group). ``admission`` and
+        ``admission_window_s``: see :class:`~hma_redis.core.config.RedisTierConfig`."""
         self._store = store
         self._keyspace = keyspace
         self._answer_ttl_s = answer_ttl_s
@@ -99,7 +150,11 @@ class RedisOffloadingManager(OffloadingManager):
         self._answers: OrderedDict[OffloadKey, _Answer] = OrderedDict()
         # Keys asked about this step and not yet known (an ordered set).
         self._queued: dict[OffloadKey, None] = {}
-        self._inflight: Future[list[bool]] | None = None
+        # second_sighting: keys answered from the cache whose sighting the next batch marks,
+        # and which request asked for each queued key.
+        self._resight: dict[OffloadKey, None] = {}
+        self._asked_by: dict[OffloadKey, str] = {}
+        self._inflight: Future[list[Sighting]] | None = None
         self._inflight_keys: list[OffloadKey] = []
         self._inflight_set: set[OffloadKey] = set()
         self._storing: dict[OffloadKey, _StoreMark] = {}
@@ -108,9 +163,15 @@ class RedisOffloadingManager(OffloadingManager):
         self._loading: dict[str, list[OffloadKey]] = {}
         self._events: list[OffloadingEvent] = []
         self._step = 0
+        self._removals = removals
+        self._group_chunk_tokens = group_chunk_tokens
+        self._second_sighting = admission == "second_sighting"
+        self._admission_window_s = admission_window_s
+        self._request_hits: dict[str, _RequestHits] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hma-lookup")
         self._lock = threading.Lock()
         self.stats = ManagerStats()
+        self.detail_stats = ManagerDetailStats()
         self._metrics = ManagerMetrics()
 
     # ------------------------------------------------------------------ lookups
@@ -118,14 +179,29 @@ class RedisOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """Answer from the cache; queue unknown keys and answer RETRY (never blocks)."""
         if self._store_pending(key):
+            self._record_answer(key, req_context, hit=True)
             return LookupResult.HIT_PENDING
         self._absorb_finished_batch()
         answer = self._answers.get(key)
         if answer is not None and self._fresh(answer):
+            self._record_answer(key, req_context, hit=answer.present)
+            if self._is_new_sighting(answer, req_context) and key not in self._inflight_set:
+                # Answer at once from the cache, and mark the sighting in the next batch.
+                self._resight[key] = None
             return LookupResult.HIT if answer.present else LookupResult.MISS
         if key not in self._inflight_set:
             self._queued[key] = None
+            self._asked_by[key] = req_context.req_id
         return LookupResult.RETRY
+
+    def _is_new_sighting(self, answer: _Answer, req_context: ReqContext) -> bool:
+        """second_sighting: a cached first-sighting miss asked for by another request."""
+        return (
+            self._second_sighting
+            and not answer.present
+            and not answer.admitted
+            and answer.req_id != req_context.req_id
+        )
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Send every key queued this step to Redis in one round trip.
@@ -134,8 +210,9 @@ class RedisOffloadingManager(OffloadingManager):
         dead Redis never holds the scheduler longer than that.
         """
         self._step += 1
+        self._absorb_removals()
         self._absorb_finished_batch()
-        if self._inflight is None and self._queued:
+        if self._inflight is None and (self._queued or self._resight):
             self._start_batch()
         if self._inflight is not None:
             try:
@@ -145,11 +222,14 @@ class RedisOffloadingManager(OffloadingManager):
             self._absorb_finished_batch()
 
     def has_pending_work(self) -> bool:
-        return bool(self._queued) or self._inflight is not None
+        return bool(self._queued) or bool(self._resight) or self._inflight is not None
 
     def _start_batch(self) -> None:
         keys = [k for k in self._queued if not self._known_fresh(k)]
+        keys += [k for k in self._resight if k not in self._queued]
         self._queued.clear()
+        self._resight.clear()
+        self._asked_by = {k: self._asked_by[k] for k in keys if k in self._asked_by}
         if not keys:
             return
         ranks = self._keyspace.world_size
@@ -165,17 +245,26 @@ class RedisOffloadingManager(OffloadingManager):
         self.stats.lookup_round_trips += 1
         self.stats.keys_looked_up += len(keys)
 
-        def resolve() -> list[bool]:
-            found = self._store.exists(redis_keys)
-            # A chunk is a hit only when every rank's shard is there.
-            hits = [all(found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
+        def resolve() -> list[Sighting]:
+            if self._second_sighting:
+                chunks = [redis_keys[i * ranks : (i + 1) * ranks] for i in range(len(keys))]
+                markers = [
+                    self._keyspace.sighting_key(get_offload_group_idx(k), get_offload_block_hash(k))
+                    for k in keys
+                ]
+                sightings = self._store.exists_and_mark(chunks, markers, self._admission_window_s)
+            else:
+                found = self._store.exists(redis_keys)
+                # A chunk is a hit only when every rank's shard is there.
+                sightings = [
+                    Sighting.PRESENT if all(found[i * ranks : (i + 1) * ranks]) else Sighting.FIRST
+                    for i in range(len(keys))
+                ]
+            hits = sum(s is Sighting.PRESENT for s in sightings)
             self._store.counters.add(
-                lookups=1,
-                lookup_keys=len(keys),
-                hit_chunks=sum(hits),
-                miss_chunks=len(hits) - sum(hits),
+                lookups=1, lookup_keys=len(keys), hit_chunks=hits, miss_chunks=len(keys) - hits
             )
-            return hits
+            return sightings
 
         self._inflight = self._executor.submit(resolve)
 
@@ -184,10 +273,17 @@ class RedisOffloadingManager(OffloadingManager):
         if future is None or not future.done():
             return
         self._inflight = None
-        present = future.result()  # the store never raises: failures are misses
+        sightings = future.result()  # the store never raises: failures are misses
         now = time.monotonic()
-        for key, hit in zip(self._inflight_keys, present, strict=True):
-            self._remember(key, hit, now)
+        for key, sighting in zip(self._inflight_keys, sightings, strict=True):
+            hit = sighting is Sighting.PRESENT
+            self._remember(
+                key,
+                hit,
+                now,
+                admitted=sighting is Sighting.AGAIN,
+                req_id=self._asked_by.pop(key, ""),
+            )
             if hit:
                 self.stats.hit_keys += 1
             else:
@@ -218,8 +314,10 @@ class RedisOffloadingManager(OffloadingManager):
         answer = self._answers.get(key)
         return answer is not None and self._fresh(answer)
 
-    def _remember(self, key: OffloadKey, present: bool, now: float) -> None:
-        self._answers[key] = _Answer(present, now, self._step)
+    def _remember(
+        self, key: OffloadKey, present: bool, now: float, admitted: bool = False, req_id: str = ""
+    ) -> None:
+        self._answers[key] = _Answer(present, now, self._step, admitted, req_id)
         self._answers.move_to_end(key)
         while len(self._answers) > self._max_answers:
             self._answers.popitem(last=False)
@@ -266,14 +364,24 @@ class RedisOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        """Store the chunks Redis is not known to hold and nobody here is storing already."""
+        """Store the chunks Redis is not known to hold and nobody here is storing already
+        (with ``second_sighting``: only those some lookup saw before)."""
+        self._absorb_finished_batch()
         to_store: list[OffloadKey] = []
+        deferred = 0
         for key in keys:
             answer = self._answers.get(key)
             if self._store_pending(key) or (answer is not None and answer.present):
                 self.stats.store_skipped_present += 1
                 continue
+            if self._second_sighting and (answer is None or not answer.admitted):
+                # Seen once (or never looked up): its marker lets the next sighting store it.
+                deferred += 1
+                continue
             to_store.append(key)
+        if self._second_sighting:
+            self.detail_stats.admission_deferred += deferred
+            self._store.counters.add(admission_deferred=deferred, admission_admitted=len(to_store))
         now = time.monotonic()
         for key in to_store:
             mark = self._storing.get(key)
@@ -310,11 +418,89 @@ class RedisOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        """Forget the request; count how far its hits reached per group and together."""
         self._loading.pop(req_context.req_id, None)
+        hits = self._request_hits.pop(req_context.req_id, None)
+        if hits is not None:
+            self._count_intersection(hits)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        """Stored events (from ``complete_store``) and removal events (from Redis'
+        notifications, drained here too so a router hears of them within a step)."""
+        self._absorb_removals()
         events, self._events = self._events, []
         return events
+
+    # ------------------------------------------------------------------ removals
+
+    def _absorb_removals(self) -> None:
+        """Drain the watcher: forget the answers for removed chunks (every group: a chunk one
+        group lost is no usable hit), and queue one removal event for all of them."""
+        if self._removals is None:
+            return
+        removed, overflowed = self._removals.drain()
+        if overflowed:
+            # Some removals were lost (queue full, or a notification connection dropped):
+            # nothing believed present can be trusted, ask Redis again.
+            self._answers.clear()
+            self.detail_stats.removal_overflows += 1
+        keys = self._removed_offload_keys(removed)
+        if not keys:
+            return
+        for key in keys:
+            self._answers.pop(key, None)
+        self.detail_stats.removed_chunks += len(keys)
+        self._store.counters.add(removed_chunks=len(keys))
+        if self._emit_events:
+            self._events.append(
+                OffloadingEvent(
+                    keys=keys, medium=Medium.STORAGE, removed=True, locality=Locality.REMOTE
+                )
+            )
+
+    def _removed_offload_keys(self, redis_keys: Iterable[str]) -> list[OffloadKey]:
+        """The offload keys (every group) of the removed block keys of this namespace, each once."""
+        groups = range(max(1, len(self._group_chunk_tokens)))
+        out: dict[OffloadKey, None] = {}
+        for redis_key in redis_keys:
+            parts = parse_block_key(redis_key)
+            if parts is None or f"{parts.prefix}:{parts.namespace}" != self._keyspace.base:
+                continue
+            block_hash = bytes.fromhex(parts.hash_hex)
+            for group in groups:
+                out[make_offload_key(block_hash, group)] = None
+        return list(out)
+
+    # ------------------------------------------------------------------ intersection
+
+    def _record_answer(self, key: OffloadKey, req_context: ReqContext, hit: bool) -> None:
+        end = req_context.get_offload_key_position(key)
+        if end is None:
+            return
+        hits = self._request_hits.get(req_context.req_id)
+        if hits is None:
+            hits = self._request_hits[req_context.req_id] = _RequestHits()
+        hits.record(get_offload_group_idx(key), end, hit)
+
+    def _count_intersection(self, hits: _RequestHits) -> None:
+        """Per group: the chunks its hits reached, and those inside every group's reach (the
+        only ones vLLM can use)."""
+        groups = sorted(hits.by_group)
+        usable = min(hits.reach(g) for g in groups)
+        deltas: dict[str, int] = {}
+        for group in groups:
+            tokens = self._chunk_tokens(group)
+            reached, used = hits.reach(group) // tokens, usable // tokens
+            self.detail_stats.group_hit_chunks[group] += reached
+            self.detail_stats.group_usable_chunks[group] += used
+            deltas[f"g{group}_hit_chunks"] = reached
+            deltas[f"g{group}_usable_chunks"] = used
+        self._store.counters.add(**deltas)
+
+    def _chunk_tokens(self, group: int) -> int:
+        if group < len(self._group_chunk_tokens):
+            return max(1, self._group_chunk_tokens[group])
+        return 1
 
     def reset_cache(self) -> None:
         """vLLM's ``reset_prefix_cache`` (with the connector): forget every cached answer and
@@ -351,8 +537,11 @@ class RedisOffloadingManager(OffloadingManager):
             errors=breaker.failures,
             available=breaker.state is BreakerState.CLOSED,
             refusals=self._store.counters.snapshot(),
+            detail=self.detail_stats,
         )
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._removals is not None:
+            self._removals.close()
         self._store.flush_counters()

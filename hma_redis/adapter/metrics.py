@@ -16,6 +16,15 @@ scheduler side (the manager's :class:`~hma_redis.adapter.types.ManagerStats`, vi
     ``vllm:kv_offload_redis_load_failures``    requests whose load failed and were recomputed
     ``vllm:kv_offload_redis_errors``           failed Redis calls of the scheduler (timeouts, ...)
     ``vllm:kv_offload_redis_available``        gauge: 1 while the scheduler reaches Redis, else 0
+    ``vllm:kv_offload_redis_removed_chunks``   chunks Redis evicted, expired or deleted (from its
+                                               keyspace notifications; one per KV group)
+    ``vllm:kv_offload_redis_admission_deferred``  chunks not stored: seen once (second_sighting)
+    ``vllm:kv_offload_redis_group_hit_chunks{group="g<N>"}``     per finished request, the
+                                               chunks of group N its hits in Redis reached
+    ``vllm:kv_offload_redis_usable_hit_chunks{group="g<N>"}``    ... of those, the chunks
+                                               every group reached (the intersection: the only
+                                               ones vLLM can load); the difference is what the
+                                               intersection throws away
 
 worker side (the worker store's :class:`~hma_redis.core.counters.PendingCounters`, reported by the
 connector's worker-side ``get_kv_connector_stats``, which vLLM ships to the scheduler with each
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -77,6 +87,50 @@ class RedisMetricName:
     REFUSED_OOM = PREFIX + "refused_oom"
     REFUSED_READONLY = PREFIX + "refused_readonly"
     REFUSED_OTHER = PREFIX + "refused_other"
+    REMOVED_CHUNKS = PREFIX + "removed_chunks"
+    ADMISSION_DEFERRED = PREFIX + "admission_deferred"
+    GROUP_HIT_CHUNKS = PREFIX + "group_hit_chunks"
+    USABLE_HIT_CHUNKS = PREFIX + "usable_hit_chunks"
+
+
+@dataclass
+class ManagerDetailStats:
+    """The scheduler side's cumulative counts of removals, admission and the intersection
+    (kept apart from :class:`ManagerStats`, whose module is shared)."""
+
+    removed_chunks: int = 0
+    # Times the removal queue overflowed (or a notification connection dropped): every cached
+    # answer was forgotten.
+    removal_overflows: int = 0
+    admission_deferred: int = 0
+    # Per KV group: chunks finished requests' hits reached, and those every group reached.
+    group_hit_chunks: Counter[int] = field(default_factory=Counter)
+    group_usable_chunks: Counter[int] = field(default_factory=Counter)
+
+
+# ManagerDetailStats scalar field -> counter, with its help text.
+DETAIL_COUNTERS: dict[str, tuple[str, str]] = {
+    "removed_chunks": (
+        RedisMetricName.REMOVED_CHUNKS,
+        "KV chunks (one per KV-cache group) Redis evicted, expired or deleted.",
+    ),
+    "admission_deferred": (
+        RedisMetricName.ADMISSION_DEFERRED,
+        "KV chunks not stored because no instance had seen them before (second_sighting).",
+    ),
+}
+# ManagerDetailStats per-group field -> counter labelled by group, with its help text.
+GROUP_COUNTERS: dict[str, tuple[str, str]] = {
+    "group_hit_chunks": (
+        RedisMetricName.GROUP_HIT_CHUNKS,
+        "Per finished request: the chunks of this KV group its hits in Redis reached.",
+    ),
+    "group_usable_chunks": (
+        RedisMetricName.USABLE_HIT_CHUNKS,
+        "Per finished request: the chunks of this KV group that every group's hits reached "
+        "(the intersection vLLM can load).",
+    ),
+}
 
 
 # ManagerStats field -> counter, with its help text.
@@ -156,6 +210,10 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             *REFUSAL_COUNTERS.values(),
         )
     }
+    for name, doc in DETAIL_COUNTERS.values():
+        definitions[name] = OffloadingCounterMetadata(documentation=doc)
+    for name, doc in GROUP_COUNTERS.values():
+        definitions[name] = OffloadingCounterMetadata(documentation=doc, labelnames=("group",))
     definitions[RedisMetricName.ERRORS] = OffloadingCounterMetadata(documentation=_ERRORS_HELP)
     definitions[RedisMetricName.AVAILABLE] = OffloadingGaugeMetadata(documentation=_AVAILABLE_HELP)
     return definitions
@@ -182,6 +240,7 @@ class ManagerMetrics:
 
     def __init__(self) -> None:
         self._reported: Counter[str] = Counter()
+        self._reported_groups: Counter[tuple[str, int]] = Counter()
         self._available: bool | None = None
 
     def collect(
@@ -191,8 +250,12 @@ class ManagerMetrics:
         errors: int = 0,
         available: bool = True,
         refusals: Mapping[str, int] | None = None,
+        detail: ManagerDetailStats | None = None,
     ) -> OffloadingConnectorStats | None:
         """What changed since the last call, or None if nothing did.
+
+        ``detail``: removals, admission and the per-group intersection counts (the last as
+        counters labelled ``group="g<N>"``).
 
         ``errors`` is the scheduler store's cumulative count of failed Redis calls, ``available``
         whether it reaches Redis now, ``refusals`` its counters' totals
@@ -201,13 +264,26 @@ class ManagerMetrics:
         totals = {name: getattr(stats, field) for field, (name, _) in MANAGER_COUNTERS.items()}
         totals.update(_named(refusals or {}, REFUSAL_COUNTERS))
         totals[RedisMetricName.ERRORS] = errors
+        if detail is not None:
+            totals.update({name: getattr(detail, f) for f, (name, _) in DETAIL_COUNTERS.items()})
         out = OffloadingConnectorStats()
         for name, delta in _deltas(totals, self._reported).items():
             out.increase_counter(name, delta)
+        if detail is not None:
+            self._collect_groups(detail, out)
         if available != self._available:
             self._available = available
             out.set_gauge(RedisMetricName.AVAILABLE, 1 if available else 0)
         return None if out.is_empty() else out
+
+    def _collect_groups(self, detail: ManagerDetailStats, out: OffloadingConnectorStats) -> None:
+        for field_name, (name, _) in GROUP_COUNTERS.items():
+            counts: Counter[int] = getattr(detail, field_name)
+            for group, value in counts.items():
+                delta = value - self._reported_groups[(name, group)]
+                if delta > 0:
+                    out.increase_counter(name, delta, (f"g{group}",))
+                    self._reported_groups[(name, group)] = value
 
 
 class WorkerMetrics:

@@ -38,6 +38,7 @@ from hma_redis.adapter.metrics import metric_definitions
 from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import GroupLayout, KeySpace, NamespaceFingerprint
+from hma_redis.core.notifications import RemovalWatcher
 from hma_redis.core.store import RedisBlockStore
 
 if TYPE_CHECKING:
@@ -195,11 +196,23 @@ class RedisOffloadingSpec(OffloadingSpec):
             self.tier_config.redacted_url,
         )
         _warn_if_failed_loads_fail_requests(self.vllm_config)
+        cfg = self.tier_config
+        emit_events = self.kv_events_config.enable_kv_cache_events
+        removals = None
+        if emit_events and cfg.removal_events:
+            # Removal events for routers (docs/operations.md): Redis' keyspace notifications.
+            removals = RemovalWatcher(cfg, self.keyspace.block_pattern()).start()
         return RedisOffloadingManager(
             store,
             self.keyspace,
-            emit_events=self.kv_events_config.enable_kv_cache_events,
-            store_pending_timeout_s=self.tier_config.store_pending_timeout_s,
+            emit_events=emit_events,
+            store_pending_timeout_s=cfg.store_pending_timeout_s,
+            removals=removals,
+            group_chunk_tokens=tuple(
+                group.tokens_per_block * self.blocks_per_chunk for group in self.config.groups
+            ),
+            admission=cfg.admission,
+            admission_window_s=cfg.admission_window_s,
         )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -30,6 +30,12 @@ FIELDS = (
     "refused_oom",
     "refused_readonly",
     "refused_other",
+    # Chunks Redis evicted, expired or deleted (from its keyspace notifications, every group).
+    "removed_chunks",
+    # admission "second_sighting": chunks left unstored (first sighting) and stored.
+    "admission_deferred",
+    "admission_admitted",
+    # Per KV group N (not listed): g<N>_hit_chunks, g<N>_usable_chunks (see adapter/metrics).
 )
 
 

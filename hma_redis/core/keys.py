@@ -5,6 +5,7 @@ Layout (readable in ``redis-cli --scan``)::
     <prefix>:<ns>:info                         hash: the fingerprint fields, plain text
     <prefix>:<ns>:g<group>:<block-hash-hex>    one chunk of one KV-cache group (single worker)
     <prefix>:<ns>:g<group>:<block-hash-hex>:r<rank>   the same, for worker ``rank`` of several
+    <prefix>:<ns>:seen:g<group>:<block-hash-hex>      admission marker (second_sighting only)
 
 ``<ns>`` is a short id derived from everything that makes KV bytes incompatible, so two
 deployments can share one Redis only where their bytes are interchangeable.
@@ -123,6 +124,11 @@ class KeySpace:
     def block_keys_all_ranks(self, group: int, block_hash: bytes) -> list[RedisKey]:
         """The keys every rank stores for one chunk (a chunk is a hit only if all exist)."""
         return [self.block_key(group, block_hash, r) for r in range(self.world_size)]
+
+    def sighting_key(self, group: int, block_hash: bytes) -> RedisKey:
+        """The admission marker of one chunk of ``group`` (``admission: second_sighting``):
+        set by the first lookup that missed it, it lets the second one store it."""
+        return RedisKey(f"{self.base}:seen:g{group}:{block_hash.hex()}")
 
     def block_pattern(self, group: int | None = None) -> str:
         """A SCAN MATCH pattern for this namespace's block keys (all groups or one)."""

@@ -119,6 +119,24 @@ class PrefixUsage:
 
 
 @dataclass(frozen=True)
+class GroupOrphans:
+    """A sample of one KV group's values, and those no lookup can use: the same chunk has no
+    value in some other group, and vLLM loads a chunk only where every group has it (the
+    intersection). Exact when the sample is every key of the group."""
+
+    group: int
+    sampled_keys: int
+    sampled_bytes: int
+    orphaned_keys: int
+    orphaned_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        """The orphaned share of the sampled value bytes (0 when nothing was sampled)."""
+        return self.orphaned_bytes / self.sampled_bytes if self.sampled_bytes else 0.0
+
+
+@dataclass(frozen=True)
 class PurgeResult:
     """How many keys a purge unlinked (or, dry, would unlink), in total and per node."""
 
@@ -460,6 +478,70 @@ class RedisAdmin:
         merged.namespaces = dict(sorted(merged.namespaces.items()))
         return merged
 
+    # ------------------------------------------------------------------ the intersection
+
+    def namespace_infos(self) -> dict[str, dict[str, str]]:
+        """Every namespace with an info hash, and its fields (one SCAN per node)."""
+        out: dict[str, dict[str, str]] = {}
+        for node in self.nodes():
+            for keys in node.scan(f"{glob_escape(self.prefix)}:*:info"):
+                for key in keys:
+                    parts = _text(key).split(":")
+                    if len(parts) == 3 and node.client.type(key) in (b"hash", "hash"):
+                        out[parts[1]] = node.read_hash(_text(key))
+        return dict(sorted(out.items()))
+
+    def orphans(
+        self, namespace: str, groups: Sequence[int], sample: int = 1000
+    ) -> dict[int, GroupOrphans]:
+        """For each of ``groups``: at least ``sample`` of its keys (all when it has fewer; the
+        start of a SCAN on each node in turn), and which of them lack a value for the same
+        chunk (and rank) in another of ``groups``. The lookups of the matching keys are
+        pipelined (the cluster client routes them by slot). Only meaningful when the groups
+        have the same tokens per chunk (their chunks then share block hashes)."""
+        out: dict[int, GroupOrphans] = {}
+        for group in groups:
+            entries = self._sample_group(namespace, group, sample)
+            others = [g for g in groups if g != group]
+            missing = self._missing_in_others(entries, group, others)
+            orphaned = [e for e, gone in zip(entries, missing, strict=True) if gone]
+            out[group] = GroupOrphans(
+                group=group,
+                sampled_keys=len(entries),
+                sampled_bytes=sum(e.value_bytes or 0 for e in entries),
+                orphaned_keys=len(orphaned),
+                orphaned_bytes=sum(e.value_bytes or 0 for e in orphaned),
+            )
+        return out
+
+    def _sample_group(self, namespace: str, group: int, sample: int) -> list[KeyEntry]:
+        entries: list[KeyEntry] = []
+        for node in self.nodes():
+            if len(entries) >= sample:
+                break
+            found = node.sample(self.pattern(namespace, group), sample - len(entries))
+            entries += [e for e in found if e.type == "string" and parse_block_key(e.key)]
+        return entries
+
+    def _missing_in_others(
+        self, entries: Sequence[KeyEntry], group: int, others: Sequence[int]
+    ) -> list[bool]:
+        """Per entry: True when some group of ``others`` has no value for its chunk."""
+        if not others or not entries:
+            return [False] * len(entries)
+        missing: list[bool] = []
+        for start in range(0, len(entries), BATCH):
+            batch = entries[start : start + BATCH]
+            pipe = self.client.pipeline(transaction=False)
+            for entry in batch:
+                for other in others:
+                    pipe.exists(_same_chunk(entry.key, group, other))
+            replies = pipe.execute()
+            for i in range(len(batch)):
+                found = replies[i * len(others) : (i + 1) * len(others)]
+                missing.append(not all(found))
+        return missing
+
     # ------------------------------------------------------------------ deleting keys
 
     def purge(self, namespace: str | None, dry_run: bool = False) -> PurgeResult:
@@ -477,6 +559,14 @@ class RedisAdmin:
         owned = f"{self.prefix}:".encode()
         by_node = {node.name: node.purge(pattern, owned, dry_run) for node in nodes}
         return PurgeResult(sum(by_node.values()), by_node)
+
+
+def _same_chunk(key: str, group: int, other: int) -> str:
+    """The key of ``key``'s chunk (and rank) in group ``other``."""
+    parts = key.split(":")
+    assert parts[2] == f"g{group}"
+    parts[2] = f"g{other}"
+    return ":".join(parts)
 
 
 def glob_escape(text: str) -> str:

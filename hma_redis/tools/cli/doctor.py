@@ -20,12 +20,17 @@ from redis.exceptions import RedisError, ResponseError
 
 from hma_redis.core.config import RedisTierConfig, strip_userinfo
 from hma_redis.core.keys import parse_block_key
-from hma_redis.tools.cli.admin import CLUSTER_SLOTS, NodeAdmin, RedisAdmin
+from hma_redis.core.notifications import NEEDED_FLAGS, missing_flags
+from hma_redis.tools.cli.admin import CLUSTER_SLOTS, GroupOrphans, NodeAdmin, RedisAdmin
 from hma_redis.tools.cli.text import redis_error_message, scrub, size
 
 MIN_REDIS_VERSION = (7, 0)
 # A median PING above this makes the once-per-step lookup round trip show in scheduling time.
 SLOW_PING_S = 0.005
+# Keys sampled per KV group to estimate what the intersection over groups leaves unusable.
+INTERSECTION_SAMPLE = 1000
+# Above this share of sampled bytes unusable, doctor recommends a prefix-cache retention interval.
+INTERSECTION_LOSS_WARN = 0.25
 
 
 class Verdict(Enum):
@@ -62,6 +67,8 @@ def doctor_checks(admin: RedisAdmin, env: Mapping[str, str]) -> list[Check]:
     for node in nodes:
         label = None if admin.kind == "single" else node.name
         checks += [dataclasses.replace(c, node=label) for c in _node_checks(admin, node)]
+    if all(c.name != "connectivity" or c.verdict is not Verdict.FAIL for c in checks):
+        checks += _intersection_checks(admin)
     return checks
 
 
@@ -91,6 +98,7 @@ def _node_checks(admin: RedisAdmin, node: NodeAdmin) -> list[Check]:
         _check_policy(admin, node, str(memory.get("maxmemory_policy", "?"))),
         _check_evictions(node.info("stats"), node.info("errorstats")),
         _check_persistence(node),
+        _check_notifications(node),
     ]
     return checks
 
@@ -295,6 +303,90 @@ def _check_persistence(node: NodeAdmin) -> Check:
             " and ".join(on) + ": persisting a cache tier costs disk I/O and fork time",
         )
     return Check("persistence", Verdict.OK, "off (right for a cache)")
+
+
+def _check_notifications(node: NodeAdmin) -> Check:
+    """Removal events (routers) need keyspace notifications for evicted, expired, deleted keys."""
+    flags = node.config_get("notify-keyspace-events")
+    if flags is None:
+        return Check(
+            "notifications",
+            Verdict.WARN,
+            "CONFIG GET refused: cannot tell whether keyspace notifications are on; removal "
+            f"events need notify-keyspace-events to include {NEEDED_FLAGS!r}",
+        )
+    missing = missing_flags(flags)
+    if missing:
+        return Check(
+            "notifications",
+            Verdict.WARN,
+            f"notify-keyspace-events is {flags!r}, without {missing!r}: routers get no removal "
+            "events (evicted, expired chunks) unless the tier may CONFIG SET them at start-up; "
+            f"else set: CONFIG SET notify-keyspace-events {flags + missing}",
+        )
+    return Check("notifications", Verdict.OK, f"notify-keyspace-events {flags!r}: removals seen")
+
+
+def namespace_groups(info: Mapping[str, str]) -> tuple[list[int], int] | str:
+    """The KV groups of a namespace and their common tokens per chunk, from its info hash; a
+    reason (text) when the intersection cannot be estimated from key names."""
+    if not info:
+        return "no info hash (fingerprint unknown)"
+    groups = list(range(int(info.get("num_groups", "0") or 0)))
+    if len(groups) < 2:
+        return "one KV group: every hit is usable"
+    chunks = {info.get(f"g{g}.tokens_per_chunk") for g in groups}
+    if len(chunks) != 1 or None in chunks:
+        return "groups with different chunk sizes (their chunks do not share keys)"
+    return groups, int(next(iter(chunks)) or 0)
+
+
+def intersection_orphans(
+    admin: RedisAdmin, namespace: str, info: Mapping[str, str], sample: int
+) -> dict[int, GroupOrphans] | str:
+    """Per group, a sample of its values and those no lookup can use (another group lacks
+    their chunk); a reason (text) when not estimated."""
+    found = namespace_groups(info)
+    if isinstance(found, str):
+        return found
+    return admin.orphans(namespace, found[0], sample)
+
+
+def _intersection_checks(admin: RedisAdmin) -> list[Check]:
+    """One check per hybrid namespace: how much of what it stores no lookup can use."""
+    checks = []
+    for namespace, info in admin.namespace_infos().items():
+        found = namespace_groups(info)
+        if isinstance(found, str):
+            continue
+        orphans = admin.orphans(namespace, found[0], INTERSECTION_SAMPLE)
+        checks.append(_check_intersection(namespace, orphans, info, found[1]))
+    return checks
+
+
+def _check_intersection(
+    namespace: str, orphans: Mapping[int, GroupOrphans], info: Mapping[str, str], chunk: int
+) -> Check:
+    sampled = sum(o.sampled_bytes for o in orphans.values())
+    lost = sum(o.orphaned_bytes for o in orphans.values())
+    keys = sum(o.sampled_keys for o in orphans.values())
+    if not sampled:
+        return Check("intersection", Verdict.OK, f"{namespace}: no values yet")
+    share = lost / sampled
+    worst = max(orphans.values(), key=lambda o: o.fraction)
+    kind = info.get(f"g{worst.group}.kind", "?")
+    detail = (
+        f"{namespace}: {share:.0%} of the sampled value bytes ({keys} keys) no lookup can use "
+        f"(another KV group lacks the chunk); worst g{worst.group} ({kind}) {worst.fraction:.0%}"
+    )
+    if share < INTERSECTION_LOSS_WARN:
+        return Check("intersection", Verdict.OK, detail)
+    return Check(
+        "intersection",
+        Verdict.WARN,
+        detail + f": start vLLM with --prefix-cache-retention-interval {chunk} (the tier's "
+        "tokens per chunk) so sliding-window layers keep a checkpoint at every chunk",
+    )
 
 
 def _is_local(cfg: RedisTierConfig) -> bool:

@@ -36,13 +36,19 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.keys import parse_block_key
 from hma_redis.tools.cli.admin import (
+    GroupOrphans,
     GroupUsage,
     KeyEntry,
     NamespaceUsage,
     PurgeResult,
     RedisAdmin,
 )
-from hma_redis.tools.cli.doctor import Verdict, doctor_checks
+from hma_redis.tools.cli.doctor import (
+    INTERSECTION_SAMPLE,
+    Verdict,
+    doctor_checks,
+    intersection_orphans,
+)
 from hma_redis.tools.cli.text import printable, redis_error_message, scrub, size, table
 
 PROG = "hma-redis"
@@ -121,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = command("info", "namespaces: fingerprint, keys and bytes per group, counters")
     info.add_argument("--by-node", action="store_true", help="each node's share (Redis Cluster)")
+    info.add_argument(
+        "--sample",
+        type=_positive,
+        default=INTERSECTION_SAMPLE,
+        help="keys sampled per KV group for the bytes no lookup can use (default: "
+        f"{INTERSECTION_SAMPLE}; a group with fewer keys is counted exactly)",
+    )
     info.set_defaults(handler=cmd_info)
 
     ls = command("ls", "keys with size and TTL, one SCAN page at a time")
@@ -249,6 +262,10 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> RedisTierC
 def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
     usage = admin.usage()
     deployment = admin.deployment()
+    orphans = {
+        name: intersection_orphans(admin, name, ns.info, args.sample)
+        for name, ns in usage.namespaces.items()
+    }
     if args.json:
         _print_json(
             {
@@ -256,7 +273,10 @@ def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
                 "deployment": deployment,
                 "nodes": usage.nodes,
                 "prefix": admin.prefix,
-                "namespaces": [_namespace_json(ns) for ns in usage.namespaces.values()],
+                "namespaces": [
+                    {**_namespace_json(ns), "unusable": _unusable_json(ns, orphans[name])}
+                    for name, ns in usage.namespaces.items()
+                ],
                 "unrecognized_keys": usage.unrecognized_keys,
             }
         )
@@ -268,8 +288,8 @@ def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
     )
     if usage.unrecognized_keys:
         _emit(f"({usage.unrecognized_keys} other keys under '{admin.prefix}:' are not hma_redis's)")
-    for ns in usage.namespaces.values():
-        _emit("", *namespace_report(ns, usage.nodes if args.by_node else None))
+    for name, ns in usage.namespaces.items():
+        _emit("", *namespace_report(ns, usage.nodes if args.by_node else None, orphans[name]))
     return EXIT_OK
 
 
@@ -299,11 +319,15 @@ _EMPTY_TEXT = {"auth_key_id": "none (values carry no MAC)"}
 _LAYERS_SHOWN = 4
 
 
-def namespace_report(ns: NamespaceUsage, nodes: Sequence[str] | None = None) -> list[str]:
+def namespace_report(
+    ns: NamespaceUsage,
+    nodes: Sequence[str] | None = None,
+    orphans: Mapping[int, GroupOrphans] | str | None = None,
+) -> list[str]:
     """``info``'s text for one namespace: the fingerprint in a fixed order (model, revision,
     dtype, layout, parallel layout, hash, format, one line per group, then any field this
-    version does not know), the sizes table, each node's share (``nodes`` given) and the
-    counters."""
+    version does not know), the sizes table, the bytes no lookup can use (``orphans`` given:
+    per group, or why not estimated), each node's share (``nodes`` given) and the counters."""
     lines = [f"namespace {ns.namespace}"]
     lines += (
         _fingerprint_lines(ns.info)
@@ -312,6 +336,8 @@ def namespace_report(ns: NamespaceUsage, nodes: Sequence[str] | None = None) -> 
     )
     lines.append("")
     lines += _sizes_table(ns)
+    if isinstance(orphans, Mapping) and orphans:
+        lines += ["", *_unusable_table(ns, orphans)]
     if ns.other_keys:
         lines.append(f"  ({ns.other_keys} other keys in this namespace)")
     if nodes is not None:
@@ -407,6 +433,44 @@ def _sizes_table(ns: NamespaceUsage) -> list[str]:
     rows.append(["total", "", *_size_cells(ns.total)])
     header = ["group", "attention", "keys", "value bytes", "size", "memory"]
     return table(header, rows, right={2, 3, 4, 5}, indent="  ")
+
+
+def unusable_bytes(usage: GroupUsage, orphans: GroupOrphans) -> int:
+    """The group's value bytes no lookup can use: exact when every key was sampled, else the
+    sample's share scaled to the group."""
+    if orphans.sampled_keys >= usage.keys:
+        return orphans.orphaned_bytes
+    return round(usage.value_bytes * orphans.fraction)
+
+
+def _unusable_table(ns: NamespaceUsage, orphans: Mapping[int, GroupOrphans]) -> list[str]:
+    rows: list[list[object]] = []
+    for group, found in sorted(orphans.items()):
+        usage = ns.groups.get(group, GroupUsage())
+        lost = unusable_bytes(usage, found)
+        sampled = "all" if found.sampled_keys >= usage.keys else f"{found.sampled_keys}"
+        share = f"{lost / usage.value_bytes:.0%}" if usage.value_bytes else "-"
+        rows.append([f"g{group}", lost, size(lost), share, f"{sampled} of {usage.keys} keys"])
+    header = ["group", "unusable bytes", "size", "share", "sampled"]
+    title = "  unusable: values whose chunk another group lacks (no lookup can use them)"
+    return [title, *table(header, rows, right={1, 2, 3}, indent="  ")]
+
+
+def _unusable_json(
+    ns: NamespaceUsage, orphans: Mapping[int, GroupOrphans] | str
+) -> dict[str, Any] | str:
+    if isinstance(orphans, str):
+        return orphans
+    out: dict[str, Any] = {}
+    for group, found in sorted(orphans.items()):
+        usage = ns.groups.get(group, GroupUsage())
+        out[str(group)] = {
+            "unusable_bytes": unusable_bytes(usage, found),
+            "sampled_keys": found.sampled_keys,
+            "keys": usage.keys,
+            "sampled_unusable_keys": found.orphaned_keys,
+        }
+    return out
 
 
 def _nodes_table(by_node: Mapping[str, GroupUsage], nodes: Sequence[str]) -> list[str]:
