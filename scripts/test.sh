@@ -9,6 +9,15 @@ cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
 
+# A container engine (podman where no Docker answers): the suite's shared Redis then comes from
+# testcontainers and tests/tools/test_compose_redis.py runs docker/compose.yaml's redis service.
+# In CI (CI=true) a Redis that is not a container fails the tests instead of falling back.
+if [ "${CI:-}" = true ]; then
+    export HMA_REDIS_EXPECT_CONTAINERS=1
+fi
+# shellcheck source=scripts/container_engine.sh
+source scripts/container_engine.sh || [ "${CI:-}" != true ]
+
 with_033=1
 [ "${HMA_SKIP_VLLM_033:-0}" != 1 ] || with_033=0
 

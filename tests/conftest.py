@@ -13,6 +13,30 @@ from tests.support.redis_server import LocalRedis, SessionRedis
 ENGINE_TESTS = Path(__file__).parent / "engine"
 
 
+class _SessionServer:
+    """The session Redis, started once before the first test that needs it (see
+    :func:`pytest_collection_finish`), or the error that prevented it."""
+
+    server: SessionRedis | None = None
+    error: str | None = None
+
+    @classmethod
+    def start(cls) -> str:
+        """Start it; return the one line that says where the suite's Redis comes from."""
+        try:
+            cls.server = SessionRedis()
+        except Exception as exc:  # any failure fails the tests that need Redis, not the run
+            cls.error = f"no Redis for the tests: {exc}"
+            return f"hma_redis tests: {cls.error}"
+        return f"hma_redis tests: Redis from {cls.server.source} at {cls.server.url}"
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.server is not None:
+            cls.server.close()
+            cls.server = None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """tests/engine/ holds exactly the tests that start a vLLM engine (marker ``engine``), so
     ``-m "not engine"`` and the directory name say the same thing."""
@@ -28,15 +52,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         )
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the shared Redis at session start when a collected test needs it, and say in one
+    line (also under ``-q``) whether it comes from testcontainers or a local redis-server."""
+    needs = {"redis_url", "session_redis"}
+    if not any(needs & set(getattr(item, "fixturenames", ())) for item in session.items):
+        return
+    line = _SessionServer.start()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _SessionServer.close()
+
+
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """URL of a real Redis shared by the session; fails the tests if none can be had."""
-    try:
-        server = SessionRedis()
-    except Exception as exc:
-        pytest.fail(f"no Redis for the tests: {exc}", pytrace=False)
-    yield server.url
-    server.close()
+def session_redis() -> SessionRedis:
+    """The real Redis shared by the session (``url``, ``source``); fails the tests that need it
+    if none could be had (with HMA_REDIS_EXPECT_CONTAINERS=1: if it is not a container)."""
+    if _SessionServer.server is None and _SessionServer.error is None:
+        _SessionServer.start()  # collected without this fixture in sight (e.g. a plugin's item)
+    if _SessionServer.server is None:
+        pytest.fail(str(_SessionServer.error), pytrace=False)
+    return _SessionServer.server
+
+
+@pytest.fixture(scope="session")
+def redis_url(session_redis: SessionRedis) -> str:
+    """URL of the real Redis shared by the session."""
+    return session_redis.url
 
 
 @pytest.fixture

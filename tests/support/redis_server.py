@@ -1,88 +1,82 @@
 """Start and stop real Redis servers for tests (no mocks).
 
-Order of preference for the shared session server: ``HMA_REDIS_TEST_URL``; a testcontainers Redis
-when a Docker engine answers; ``redis-server`` from PATH on a free loopback port. Tests that kill
-and restart the server always use a local ``redis-server`` of their own.
+The session's shared server (fixtures ``redis_url`` / ``redis_client``), in order of preference:
+``HMA_REDIS_TEST_URL``; a testcontainers Redis when a container engine answers
+(:mod:`tests.support.containers`; ``scripts/container_engine.sh`` provides one); ``redis-server``
+from PATH on a free loopback port. With ``HMA_REDIS_EXPECT_CONTAINERS=1`` (CI) the fallback is an
+error instead.
+
+Servers a test kills, pauses, restarts or starts with its own arguments stay local
+``redis-server`` processes (``local_redis``, tests/engine/test_faults.py, the ACL and TLS
+servers, tests/support/cluster_servers.py): SIGSTOP/SIGKILL on a pid and a restart on the same
+port are what those tests exercise, and Cluster/Sentinel nodes announce addresses that must be
+reachable from the host as they are.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import warnings
+import shutil
 
 import redis
 
 from hma_redis.tools.demo.local_redis import LocalRedis
+from tests.support.containers import (
+    EXPECT_ENV,
+    NoContainerEngine,
+    RedisTestContainer,
+    containers_expected,
+    docker_host,
+    image_name,
+)
 
 INSTALL_HINT = (
-    "hma_redis tests need a real Redis: set HMA_REDIS_TEST_URL, or run a Docker engine, "
-    "or install redis-server (Debian: apt-get install -y redis-server redis-tools)"
+    "hma_redis tests need a real Redis: set HMA_REDIS_TEST_URL, or provide a container engine "
+    "(source scripts/container_engine.sh), or install redis-server "
+    "(Debian: apt-get install -y redis-server redis-tools)"
 )
 
 
 class SessionRedis:
-    """The session's Redis: a URL, and a way to release it."""
+    """The session's Redis: ``url``, ``source`` (one line saying where it comes from), close()."""
 
     def __init__(self) -> None:
         self._local: LocalRedis | None = None
-        self._container: object | None = None
+        self._container: RedisTestContainer | None = None
+        self.source = ""
         self.url = self._acquire()
 
     def _acquire(self) -> str:
         url = os.environ.get("HMA_REDIS_TEST_URL")
         if url:
             redis.Redis.from_url(url, socket_timeout=2).ping()
+            self.source = "HMA_REDIS_TEST_URL"
             return url
-        container_url = self._try_container()
-        if container_url:
-            return container_url
+        try:
+            return self._start_container()
+        except NoContainerEngine as exc:
+            if containers_expected():
+                raise RuntimeError(f"{EXPECT_ENV}=1 but {exc}") from None
+            return self._start_local(str(exc))
+
+    def _start_container(self) -> str:
+        self._container = RedisTestContainer(image_name()).start()
+        self.source = f"testcontainers, image {image_name()} via {docker_host()}"
+        return self._container.url
+
+    def _start_local(self, why_not_container: str) -> str:
         try:
             self._local = LocalRedis().start()
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}\n{INSTALL_HINT}") from None
+        self.source = f"local {shutil.which('redis-server')} ({why_not_container})"
         return self._local.url
-
-    def _try_container(self) -> str | None:
-        if not _docker_reachable():
-            return None
-        try:
-            from testcontainers.redis import RedisContainer
-        except ImportError:
-            return None
-        try:
-            container = RedisContainer("redis:7").start()
-        except Exception as exc:  # Docker answers but cannot run the image: use redis-server.
-            warnings.warn(f"testcontainers Redis failed ({exc}); using redis-server", stacklevel=2)
-            return None
-        self._container = container
-        host = container.get_container_host_ip()
-        port = container.get_exposed_port(6379)
-        return f"redis://{host}:{port}/0"
 
     def close(self) -> None:
         if self._local is not None:
             self._local.stop()
         if self._container is not None:
-            self._container.stop()  # type: ignore[attr-defined]
-
-
-def _docker_reachable() -> bool:
-    """True when a Docker engine answers on its socket (cheap check before testcontainers)."""
-    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-    if not host.startswith("unix://"):
-        return True
-    path = host.removeprefix("unix://")
-    if not os.path.exists(path):
-        return False
-    try:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(1)
-            s.connect(path)
-            s.sendall(b"GET /_ping HTTP/1.0\r\n\r\n")
-            return b"OK" in s.recv(256)
-    except OSError:
-        return False
+            self._container.stop()
 
 
 def command_calls(client: redis.Redis) -> dict[str, int]:
