@@ -18,11 +18,9 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Literal
 
 import torch
-from vllm import SamplingParams
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -44,8 +42,8 @@ from hma_redis.adapter.spec import RedisOffloadingSpec
 from hma_redis.adapter.types import RedisLoadStoreSpec
 from hma_redis.core.keys import KeySpace
 from tests.support.scheduler_harness import (
-    EOS_TOKEN_ID,
     HEAD_SIZE,
+    make_request,
     make_vllm_config,
     three_group_kv_cache_config,
 )
@@ -54,8 +52,6 @@ BLOCK_SIZE = 16
 SAMPLED_TOKEN = 7
 # Between steps (the model forward's time): lets a lookup batch or a transfer land.
 STEP_PAUSE_S = 0.01
-
-_request_ids = count()
 
 
 def page_pattern(block_hash: bytes, group: int, nbytes: int) -> torch.Tensor:
@@ -141,15 +137,7 @@ class ConnectorHarness:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, token_ids: list[int], max_tokens: int = 1) -> Request:
-        params = SamplingParams(max_tokens=max_tokens)
-        params.update_from_generation_config({}, EOS_TOKEN_ID)
-        req = Request(
-            request_id=f"req-{next(_request_ids)}",
-            prompt_token_ids=list(token_ids),
-            sampling_params=params,
-            pooling_params=None,
-            block_hasher=self._block_hasher,
-        )
+        req = make_request(token_ids, max_tokens, self._block_hasher)
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         self.load_jobs_of[req.request_id] = []

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import redis
 import torch
@@ -306,15 +306,7 @@ class SchedulerHarness:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, token_ids: Sequence[int], max_tokens: int = 4) -> Request:
-        params = SamplingParams(max_tokens=max_tokens)
-        params.update_from_generation_config({}, EOS_TOKEN_ID)
-        req = Request(
-            request_id=f"req-{next(_request_ids)}",
-            prompt_token_ids=list(token_ids),
-            sampling_params=params,
-            pooling_params=None,
-            block_hasher=self._block_hasher,
-        )
+        req = make_request(token_ids, max_tokens, self._block_hasher)
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         return req
@@ -404,3 +396,16 @@ class SchedulerHarness:
 
     def close(self) -> None:
         self.scheduler.shutdown()
+
+
+def make_request(token_ids: Sequence[int], max_tokens: int, block_hasher: Any) -> Request:
+    """A greedy request with a fresh id, hashed the way the harness's scheduler hashes."""
+    params = SamplingParams(max_tokens=max_tokens)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(
+        request_id=f"req-{next(_request_ids)}",
+        prompt_token_ids=list(token_ids),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=block_hasher,
+    )
