@@ -39,6 +39,9 @@ mkdir -p "$WORK"
 git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} sh -c \
     '[ -f "$1" ] && mkdir -p "$2/$(dirname "$1")" && cp -p "$1" "$2/$1" || true' _ {} "$WORK"
 ln -s "$REPO/.venv" "$WORK/.venv"
+# The native extension is built in place and git-ignored: bring it along (else the copy would
+# run the pure-Python data path and the native tests could not import it).
+cp -p hma_redis/core/_fastpath*.so "$WORK/hma_redis/core/" 2>/dev/null || true
 
 {
     echo "[mutmut]"
