@@ -120,13 +120,12 @@ def test_a_job_is_split_over_connections_per_job_connections(
         trips = store.round_trips
         assert rig.store_job(1, chunks(SRC)).ok  # EXISTS, then the 4 values over 3 connections
         assert store.round_trips - trips == 1 + 3
-        clients = len(redis_client.client_list())
         trips = store.round_trips
         assert rig.load_job(2, chunks(DST)).ok
         assert store.round_trips - trips == 3
         assert rig.moved(SRC, DST)
-        # The parts ran on connections of their own, which the pool keeps.
-        assert len(redis_client.client_list()) >= clients
+        # The parts ran on connections of their own, which the pool keeps (the session Redis
+        # is shared: other tests' clients come and go, so only a lower bound holds).
         assert len(redis_client.client_list()) >= 1 + 3
     finally:
         rig.close()
