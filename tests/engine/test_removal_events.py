@@ -152,13 +152,14 @@ def test_router_hears_of_evicted_and_expired_chunks(
     )
     capper.start()
     # Four prompts are stored; the last one decodes long enough for their values to expire
-    # (ttl_s) while the engine still steps and publishes.
+    # (ttl_s) while the engine still steps and publishes: 1400 tokens take several times
+    # TTL_S even on a quiet machine (600 did not always: a fast run ended before the expiry).
     prompts = [make_prompts(70 + i, 1, 600, VOCAB_SIZE)[0] for i in range(5)]
     try:
         run = run_engine(
             model,
             prompts,
-            [8, 8, 8, 8, 600],
+            [8, 8, 8, 8, 1400],  # 600 + 1400 tokens fit max_model_len 2048
             tier_config(evicting_redis.url, ttl_s=TTL_S),
             llm_kwargs={
                 "kv_events_config": {
