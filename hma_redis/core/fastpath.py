@@ -69,6 +69,8 @@ from typing import Any, NamedTuple
 
 import crc32c as _crc32c
 
+from hma_redis.core.resp import send_all
+
 logger = logging.getLogger(__name__)
 
 # Set to "0" to run the pure-Python path even where the extension is built.
@@ -81,7 +83,6 @@ _LINE_READ = 64 * 1024  # bytes received at a time while looking for a reply lin
 _MAX_LINE = _LINE_READ - 1  # a longer reply line is a protocol error
 _SCRATCH_BYTES = 256 * 1024  # bytes received at a time when dropped or only checksummed
 _MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk length is bogus
-_IOV_MAX = 1024
 # GETs unanswered at once in a load job: with every GET sent first, Redis builds all the
 # replies in its output buffer before the socket drains it; two in flight measured faster at
 # 512 KiB and 2 MiB values (benchmarks/fastpath_bench.py, and store.py's get_into before).
@@ -388,23 +389,9 @@ def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
 
 
 def _send(sock: socket.socket, parts: Sequence[Any]) -> None:
-    """Send ``parts`` back to back (sendmsg, no joining; TLS piece by piece)."""
-    views = [memoryview(p).cast("B") for p in parts]
-    views = [v for v in views if v.nbytes]
-    if isinstance(sock, ssl.SSLSocket):
-        for view in views:
-            sock.sendall(view)
-        return
-    first = 0
-    while first < len(views):
-        sent = sock.sendmsg(views[first : first + _IOV_MAX])
-        while sent:
-            size = views[first].nbytes
-            if sent < size:
-                views[first] = views[first][sent:]
-                break
-            sent -= size
-            first += 1
+    """Send ``parts`` back to back (the store's own sender: sendmsg, no joining; TLS piece by
+    piece)."""
+    send_all(sock, [memoryview(p).cast("B") for p in parts])
 
 
 def _be32(view: memoryview, offset: int) -> int:
