@@ -18,12 +18,19 @@ this subclass changes exactly three behaviours:
    submitted and flushed (bounded by ``shutdown_timeout_s``) when the engine shuts down or the
    process exits.
 
+And one for speed: **an idle step sleeps instead of spinning.** While a request waits for its KV
+and nothing else runs, vLLM's engine loop steps back to back, computing nothing; on a host with
+few cores that loop takes the core the transfer needs. The scheduler marks a step that
+schedules no tokens (:class:`RedisConnectorMetadata`), and in such a step the worker waits up to
+``idle_wait_ms`` for a running load to finish (it returns the moment one does).
+
 Everything else is the stock connector.
 """
 
 from __future__ import annotations
 
 import atexit
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +38,9 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.logger import init_logger
 
@@ -41,10 +51,19 @@ from hma_redis.adapter.spec import RedisOffloadingSpec, failure_reporting_connec
 from hma_redis.adapter.worker import RedisOffloadingWorker
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class RedisConnectorMetadata(OffloadingConnectorMetadata):
+    """The stock metadata, plus whether the step computes nothing (no scheduled tokens)."""
+
+    idle_step: bool = False
 
 
 class RedisOffloadingConnector(OffloadingConnector):
@@ -83,10 +102,14 @@ class RedisOffloadingConnector(OffloadingConnector):
         """Like the stock connector, plus the requests whose load failed."""
         connector_worker = self.connector_worker
         assert connector_worker is not None
+        worker = connector_worker.worker
+        metadata = self._get_connector_metadata()
+        idle = isinstance(metadata, RedisConnectorMetadata) and metadata.idle_step
+        if idle and isinstance(worker, RedisOffloadingWorker):
+            worker.wait_while_idle()
         load_jobs = compat.load_jobs(connector_worker)
         finished_sending, finished_recving = self.get_finished(finished_req_ids)
         failed: set[str] = set()
-        worker = connector_worker.worker
         if isinstance(worker, RedisOffloadingWorker):
             failed = {load_jobs[j] for j in worker.take_failed_load_jobs() if j in load_jobs}
         return KVConnectorTransferResults(
@@ -123,6 +146,16 @@ class RedisOffloadingConnector(OffloadingConnector):
         super().shutdown()
 
     # ------------------------------------------------------------------ scheduler side
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The stock metadata, marked idle when the step schedules no tokens."""
+        meta = super().build_connector_meta(scheduler_output)
+        if not isinstance(meta, OffloadingConnectorMetadata):
+            return meta
+        return RedisConnectorMetadata(
+            **{f.name: getattr(meta, f.name) for f in fields(meta)},
+            idle_step=scheduler_output.total_num_scheduled_tokens == 0,
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.failed_recving:

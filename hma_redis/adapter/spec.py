@@ -232,6 +232,7 @@ class RedisOffloadingSpec(OffloadingSpec):
             shutdown_timeout_s=cfg.shutdown_timeout_s,
             auth_key=cfg.auth_key,
             kv_cache_layout=self.config.kv_cache_layout or "",
+            idle_wait_s=cfg.idle_wait_ms / 1e3,
         )
 
 

@@ -60,10 +60,13 @@ class RedisOffloadingWorker(OffloadingWorker):
         kv_cache_layout: str = "",
         connections_per_job: int | None = None,
         native: bool | None = None,
+        idle_wait_s: float = 0.0,
     ) -> None:
         """``connections_per_job`` (default: the store's config) and ``native`` (None: where
-        it can run) choose the transfer engine's data path (:class:`TransferEngine`)."""
+        it can run) choose the transfer engine's data path (:class:`TransferEngine`);
+        ``idle_wait_s`` bounds :meth:`wait_while_idle`."""
         self._store = store
+        self._idle_wait_s = idle_wait_s
         self._keyspace = keyspace
         self._rank = rank
         self._group_ids = list(group_ids)
@@ -124,6 +127,12 @@ class RedisOffloadingWorker(OffloadingWorker):
             success = done.ok or self._failures_reported
             results.append(TransferResult(done.job_id, success, done.nbytes, done.seconds))
         return results
+
+    def wait_while_idle(self) -> None:
+        """The engine's step computes nothing: sleep until a running load finishes (at most
+        ``idle_wait_s``) rather than return at once and let the step loop spin on a core the
+        transfer could use. Returns at once when no load runs or one has finished already."""
+        self._engine.wait_for_finish(self._idle_wait_s)
 
     def enable_failure_reporting(self) -> None:
         """Called by RedisOffloadingConnector, which reads :meth:`take_failed_load_jobs` and

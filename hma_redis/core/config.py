@@ -47,6 +47,7 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,32}$")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # connections_per_job: more connections than this per job only add Redis clients.
 MAX_CONNECTIONS_PER_JOB = 64
+MAX_IDLE_WAIT_MS = 100.0
 # Admission policies (option ``admission``): store every computed chunk, or only one that some
 # instance of the deployment already looked up (the second sighting).
 ADMISSION_POLICIES = ("always", "second_sighting")
@@ -166,6 +167,9 @@ class RedisTierConfig:
     shutdown_timeout_s: float = 30.0
     # Lower Python's GIL switch interval to this in the worker's process (0: leave it).
     gil_switch_interval_ms: float = 0.5
+    # Worker: a step with nothing to compute waits up to this long for a running load to
+    # finish instead of returning at once (0: never waits; vLLM's loop then spins).
+    idle_wait_ms: float = 2.0
     # Scheduler: a chunk this instance is storing answers HIT_PENDING for at most this long
     # (vLLM never completes stores it dropped, e.g. on reset_prefix_cache).
     store_pending_timeout_s: float = 30.0
@@ -519,6 +523,13 @@ def _validate(cfg: RedisTierConfig) -> None:
     _positive(cfg.retry_interval_s, "retry_interval_s")
     _positive(cfg.shutdown_timeout_s, "shutdown_timeout_s", allow_zero=True)
     _positive(cfg.gil_switch_interval_ms, "gil_switch_interval_ms", allow_zero=True)
+    _positive(cfg.idle_wait_ms, "idle_wait_ms", allow_zero=True)
+    if cfg.idle_wait_ms > MAX_IDLE_WAIT_MS:
+        # New requests wait this long at most while a load runs: keep it a blip.
+        raise ValueError(
+            f"hma_redis: idle_wait_ms must be at most {MAX_IDLE_WAIT_MS:g}, "
+            f"got {cfg.idle_wait_ms:g}"
+        )
     _positive(cfg.store_pending_timeout_s, "store_pending_timeout_s")
     _positive(cfg.pool_size, "pool_size")
     _positive(cfg.io_threads, "io_threads")

@@ -443,6 +443,10 @@ class TransferEngine:
         fastpath.announce(f"hma_redis: transfer data path: {self.data_path}")
         self._jobs: dict[int, _Job] = {}
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        # Set when a job finishes, cleared by finished(): what wait_for_finish waits on.
+        self._job_done = threading.Event()
+        self._loads_running = 0
+        self._loads_lock = threading.Lock()
         self._closed = False
         self._test_load_delay_s = float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
 
@@ -465,16 +469,28 @@ class TransferEngine:
         is present and valid (else none is, and the result says ``ok=False``)."""
         job = _Job(job_id, is_store=False, ready=self._streams.mark_submit())
         self._jobs[job_id] = job
+        with self._loads_lock:
+            self._loads_running += 1
         job.future = self._loads.submit(self._run_load, job, chunks)
 
     def finished(self) -> list[JobResult]:
         """Jobs finished since the last call, each reported once."""
+        self._job_done.clear()
         results: list[JobResult] = []
         while True:
             try:
                 results.append(self._finished.get_nowait())
             except queue.Empty:
                 return results
+
+    def wait_for_finish(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` while a load job runs and no job has finished since the
+        last :meth:`finished` call; return at once otherwise. For a caller with nothing else
+        to do (an engine step that computes nothing): it sleeps instead of polling, and wakes
+        the moment a job is done. Whether a finished job is waiting to be collected."""
+        if timeout_s > 0 and self._loads_running > 0 and not self._job_done.is_set():
+            self._job_done.wait(timeout_s)
+        return self._job_done.is_set()
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the given jobs no longer read their blocks (stores) or are completely
@@ -595,6 +611,7 @@ class TransferEngine:
             self._jobs.pop(job.job_id, None)
             elapsed = time.perf_counter() - started
             self._finished.put(JobResult(job.job_id, True, True, stored_bytes, elapsed))
+            self._job_done.set()
 
     def _store_batch(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
         if self._native:
@@ -788,6 +805,9 @@ class TransferEngine:
                 )
             elapsed = time.perf_counter() - started
             self._finished.put(JobResult(job.job_id, False, success, loaded, elapsed))
+            with self._loads_lock:
+                self._loads_running -= 1
+            self._job_done.set()
 
     def _load_chunks(self, plan: Sequence[ChunkTransfer], job: _Job) -> int:
         """Fetch and validate every chunk; copy them into the KV cache; return the bytes

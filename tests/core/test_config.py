@@ -67,12 +67,21 @@ def test_vllm_owned_keys_are_accepted():
         ({"tls_ca_file": "/nonexistent/ca.pem"}, "tls_ca_file"),
         ({"allow_random_hash_seed": "maybe"}, "allow_random_hash_seed"),
         ({"gil_switch_interval_ms": -1}, "gil_switch_interval_ms"),
+        ({"idle_wait_ms": -0.5}, "idle_wait_ms"),
+        ({"idle_wait_ms": 100.5}, "idle_wait_ms"),
+        ({"idle_wait_ms": "nan"}, "idle_wait_ms"),
     ],
 )
 def test_bad_values_raise_one_error_naming_the_field(extra, field):
     with pytest.raises(ValueError, match=field) as info:
         RedisTierConfig.from_extra_config(extra, env={})
     assert "\n" not in str(info.value)
+
+
+def test_idle_wait_ms_takes_zero_to_its_bound():
+    for value in (0, 2.5, 100):
+        cfg = RedisTierConfig.from_extra_config({"idle_wait_ms": value}, env={})
+        assert cfg.idle_wait_ms == value
 
 
 def test_bad_url_error_redacts_password():

@@ -305,3 +305,38 @@ def test_a_groups_blocks_are_cut_into_chunks_from_its_first_index() -> None:
     # A key left without blocks, or blocks left without a key: the job does not add up.
     assert group_chunks(1, 0, blocks, 5, ["a", "b", "c"], 4) is None
     assert group_chunks(1, 0, blocks, 5, ["a"], 4) is None
+
+
+def test_wait_for_finish_sleeps_only_while_a_load_runs_and_wakes_when_it_ends(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle engine step sleeps in ``wait_for_finish`` instead of polling: it returns at once
+    when no load runs (or one has finished, not yet collected), and the moment a running load
+    ends, long before its timeout."""
+    monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "0.3")  # every load pauses before its GET
+    store = _store(redis_url)
+    pages = make_pages(store)
+    try:
+        assert pages.store_job(1, chunks(SRC)).ok
+        started = time.monotonic()
+        assert pages.engine.wait_for_finish(30.0) is False  # nothing runs: no wait
+        assert time.monotonic() - started < 10
+
+        pages.engine.submit_load(2, chunks(DST))
+        started = time.monotonic()
+        assert pages.engine.wait_for_finish(30.0) is True  # woken by the load's end
+        assert time.monotonic() - started < 10
+        assert pages.engine.wait_for_finish(30.0) is True  # finished, not collected yet
+        (result,) = pages.engine.finished()
+        assert (result.job_id, result.ok) == (2, True)
+        assert pages.moved(SRC, DST)
+
+        # A load still running when the timeout ends: back after the timeout, nothing done.
+        pages.engine.submit_load(3, chunks(DST))
+        assert pages.engine.wait_for_finish(0.01) is False
+        assert pages.engine.finished() == []
+        assert pages.engine.wait_for_finish(30.0) is True
+        assert [r.job_id for r in pages.engine.finished()] == [3]
+    finally:
+        pages.close()
+        store.close()
