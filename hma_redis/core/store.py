@@ -11,6 +11,7 @@ existence checks become misses, puts become FAILED, gets become ``None``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -19,10 +20,22 @@ from typing import Any, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import InvalidResponse, RedisError, ResponseError
+from redis.exceptions import (
+    InvalidResponse,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 
 from hma_redis.core import fastpath
-from hma_redis.core.breaker import CircuitBreaker, ErrorKind, RateLimitedLog, classify, refusal_of
+from hma_redis.core.breaker import (
+    BreakerState,
+    CircuitBreaker,
+    ErrorKind,
+    RateLimitedLog,
+    classify,
+    refusal_of,
+)
 from hma_redis.core.client import RedisClient, make_client
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
@@ -75,6 +88,7 @@ _GET_WINDOW = 2
 REFUSAL_LOG_INTERVAL_S = 60.0
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class PutResult(Enum):
@@ -131,6 +145,8 @@ class RedisBlockStore:
         self.stats_key = stats_key
         self.counters = PendingCounters()
         self._refusal_log = RateLimitedLog(refusal_log_interval_s)
+        # A native job on a Cluster met MOVED/ASK: refresh the slot table after it.
+        self._slots_stale = False
 
     # ------------------------------------------------------------------ health
 
@@ -451,16 +467,14 @@ class RedisBlockStore:
         """Why :meth:`load_native` / :meth:`put_native` cannot serve this store, or None.
 
         They need the built extension (not disabled by ``HMA_REDIS_NATIVE=0``) and plain
-        connections to one server (standalone, unix socket or Sentinel's master): TLS stays in
-        Python's ``ssl``, and a Cluster goes through redis-py's cluster pipeline.
+        connections (standalone, unix socket, Sentinel's master, or each node of a Cluster):
+        TLS stays in Python's ``ssl``.
         """
         reason = fastpath.unavailable_reason()
         if reason is not None:
             return reason
         if self.cfg.tls:
             return "TLS connections stay in Python's ssl"
-        if self._is_cluster:
-            return "Redis Cluster uses redis-py's cluster pipeline"
         return None
 
     def load_native(
@@ -479,14 +493,19 @@ class RedisBlockStore:
             return []
         commands = [_get_command(key) for key in keys]
 
-        def body(sock: Any) -> list[fastpath.LoadResult]:
-            results = fastpath.load_values(sock, commands, targets, self.cfg.read_timeout_s)
+        def body(sock: Any, idx: Sequence[int]) -> list[fastpath.LoadResult]:
+            results = fastpath.load_values(
+                sock,
+                [commands[i] for i in idx],
+                [targets[i] for i in idx],
+                self.cfg.read_timeout_s,
+            )
             for result in results:
                 if result.status is fastpath.LoadStatus.ERROR:
-                    self._refusal("GET", ResponseError(result.error or ""))
+                    self._native_error("GET", result.error)
             return results
 
-        return self._guard("GET", lambda: self._on_native_connection(body), None)
+        return self._guard("GET", lambda: self._on_native_connections(keys, body), None)
 
     def put_native(
         self,
@@ -521,15 +540,24 @@ class RedisBlockStore:
             )
             values.append(fastpath.StoreValue(framing, head, body, tail))
 
-        def send(sock: Any) -> list[PutResult]:
-            results = fastpath.store_values(sock, values, self.cfg.read_timeout_s)
+        def send(sock: Any, idx: Sequence[int]) -> list[PutResult]:
+            results = fastpath.store_values(sock, [values[i] for i in idx], self.cfg.read_timeout_s)
             return [self._store_result(result) for result in results]
 
         default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", lambda: self._on_native_connection(send), default)
+        return self._guard("SET", lambda: self._on_native_connections(keys, send), default)
+
+    def _native_error(self, command: str, error: str | None) -> None:
+        """An error reply to one command of a native job: a refusal (counted, logged); a
+        Cluster key that moved also marks the slot table stale."""
+        self._slots_stale = self._slots_stale or (error or "").startswith(("MOVED", "ASK"))
+        self._refusal(command, ResponseError(error or ""))
 
     def _store_result(self, result: fastpath.StoreResult) -> PutResult:
         if result.status is fastpath.StoreStatus.ERROR:
+            self._slots_stale = self._slots_stale or (result.error or "").startswith(
+                ("MOVED", "ASK")
+            )
             return self._put_result(ResponseError(result.error or ""))
         stored = result.status is fastpath.StoreStatus.STORED
         return PutResult.STORED if stored else PutResult.EXISTED
@@ -548,7 +576,9 @@ class RedisBlockStore:
             self._refusal("HSET", pipe.execute(raise_on_error=False)[0])
             return True
 
-        return self._guard("HSET", hset, False)
+        # A refusal of the whole call (e.g. an ACL without SELECT) yields the default too, but
+        # leaves the breaker closed: Redis answered.
+        return self._guard("HSET", hset, False) or self.breaker.state is BreakerState.CLOSED
 
     def read_hash(self, key: str) -> dict[str, str]:
         raw = self.client.hgetall(key)
@@ -561,15 +591,16 @@ class RedisBlockStore:
         if not pending:
             return
 
-        def deliver() -> bool:
-            self._count_round_trip()
-            pipe = self.client.pipeline(transaction=False)
-            self._append_counters(pipe, pending)
-            self._check_counter_replies(pipe.execute(raise_on_error=False))
-            return True
-
-        if not self._guard("HINCRBY", deliver, False):
+        if not self._guard("HINCRBY", lambda: self._send_counters(self.client, pending), False):
             self.counters.restore(pending)
+
+    def _send_counters(self, client: RedisClient, pending: Mapping[str, int]) -> bool:
+        """Counter deltas as one pipeline of HINCRBYs on ``client`` (one round trip)."""
+        self._count_round_trip()
+        pipe = client.pipeline(transaction=False)
+        self._append_counters(pipe, pending)
+        self._check_counter_replies(pipe.execute(raise_on_error=False))
+        return True
 
     def _append_counters(self, pipe: Any, pending: Mapping[str, int]) -> None:
         for name, delta in pending.items():
@@ -673,22 +704,70 @@ class RedisBlockStore:
             if conn is not None:
                 pool.release(conn)
 
-    def _on_native_connection(self, body: Callable[[Any], _T]) -> _T:
-        """Run ``body(socket)`` on one connection of the bulk pool, which nothing else reads
-        while it runs. Pending counter deltas are delivered first, in a round trip of their
-        own (a native job reads only the replies to its own commands). A connection holding
-        bytes nobody asked for (a push message) is reconnected first, so the job starts at a
-        reply boundary. Any exception drops the connection (the stream may stop inside a
-        reply) and propagates."""
+    def _on_native_connections(
+        self, keys: Sequence[str], body: Callable[[Any, Sequence[int]], list[_R]]
+    ) -> list[_R]:
+        """``body(socket, positions)`` for the positions of ``keys``, its results back in key
+        order. One server: every position on one connection. A Cluster: the positions grouped
+        by the node that serves their slot, each group on a connection to its node, one node
+        after the other (a key that moved answers MOVED: an error result, a refusal, so the
+        job fails and is recomputed, and the slot table is refreshed for the next job)."""
+        if not isinstance(self._bulk, RedisCluster):
+            pool = self._bulk.connection_pool
+            return self._on_native_connection(pool, lambda sock: body(sock, range(len(keys))))
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for idx, key in enumerate(keys):
+            node = self._bulk.get_node_from_key(key)
+            by_node.setdefault(node.name, (node, []))[1].append(idx)
+        self._deliver_counters_to_cluster()
+        out: list[_R | None] = [None] * len(keys)
+        try:
+            for node, positions in by_node.values():
+
+                def run(sock: Any, on_node: Sequence[int] = positions) -> list[_R]:
+                    return body(sock, on_node)
+
+                pool = self._bulk.get_redis_connection(node).connection_pool
+                results = self._on_native_connection(pool, run, counters=False)
+                for idx, result in zip(positions, results, strict=True):
+                    out[idx] = result
+        finally:
+            if self._slots_stale:
+                self._slots_stale = False
+                # Best effort: redis-py refreshes it on its own MOVED replies too.
+                with contextlib.suppress(RedisError, RedisClusterException):
+                    self._bulk.nodes_manager.initialize()
+        return out  # type: ignore[return-value]  # every position was filled
+
+    def _deliver_counters_to_cluster(self) -> None:
+        """Pending counter deltas through the cluster client (the stats key's node), before
+        a native job on a Cluster; restored for later unless every reply arrived."""
+        pending = self.counters.take() if self.stats_key is not None else {}
+        if not pending:
+            return
+        try:
+            self._send_counters(self._bulk, pending)
+        except BaseException:
+            self.counters.restore(pending)
+            raise
+
+    def _on_native_connection(
+        self, pool: Any, body: Callable[[Any], _T], counters: bool = True
+    ) -> _T:
+        """Run ``body(socket)`` on one connection of ``pool``, which nothing else reads while
+        it runs. Pending counter deltas are delivered first (unless ``counters`` is false), in
+        a round trip of their own (a native job reads only the replies to its own commands).
+        A connection holding bytes nobody asked for (a push message) is reconnected first, so
+        the job starts at a reply boundary. Any exception drops the connection (the stream
+        may stop inside a reply) and propagates."""
         self._count_round_trip()
-        assert isinstance(self._bulk, redis.Redis)
-        pool = self._bulk.connection_pool
         conn = pool.get_connection()
         try:
             if conn.can_read(timeout=0):
                 conn.disconnect()
                 conn.connect()
-            self._deliver_counters_on(conn)
+            if counters:
+                self._deliver_counters_on(conn)
             return body(conn._sock)
         except BaseException:
             conn.disconnect()

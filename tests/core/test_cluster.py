@@ -298,3 +298,61 @@ def test_no_reachable_node_degrades_and_never_raises() -> None:
         store.ping()
     assert PASSWORD not in str(info.value) and "***" in str(info.value)
     store.close()
+
+
+def test_native_jobs_run_node_by_node_and_read_back_on_the_python_path(
+    clean: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a Cluster the native path sends each node its own keys on a connection to that
+    node; what it stores, the Python path reads back byte for byte (and the reverse)."""
+    store = _store(clean.url, stats_key="hma:stats:worker-test")
+    native = make_pages(store)
+    assert native.engine.native and native.engine.loads_land_in_place
+    monkeypatch.setenv("HMA_REDIS_NATIVE", "0")
+    python = make_pages(store)
+    assert not python.engine.native
+    try:
+        assert native.store_job(1, chunks(SRC)).ok
+        stored = [c.redis_key for c in chunks(SRC)]
+        assert len(_per_node(clean, stored)) >= 2  # the job spanned nodes
+        assert python.load_job(2, chunks(DST)).ok
+        assert python.moved(SRC, DST)
+
+        others = tuple([h[:-1] + b"\xdd" for h in group] for group in HASHES)
+        assert python.store_job(3, chunks(SRC, others)).ok
+        assert native.load_job(4, chunks(DST, others)).ok
+        assert native.moved(SRC, DST)
+        # The counters of the first jobs rode to the stats key before a later native job.
+        assert native.store_job(5, chunks(SRC)).ok
+        totals = {k: int(v) for k, v in store.read_hash("hma:stats:worker-test").items()}
+        assert totals.get("stored_chunks", 0) >= 4 and totals.get("loaded_chunks", 0) >= 4
+    finally:
+        native.close()
+        python.close()
+        store.close()
+
+
+def test_a_native_load_of_a_moved_key_fails_whole_then_the_next_one_succeeds(
+    clean: LocalCluster,
+) -> None:
+    """A slot resharded after the client learnt the slot table: the node answers MOVED, the
+    job fails (its blocks are recomputed, never half-filled from a guess) and the next job,
+    on the refreshed table, loads every byte."""
+    store = _store(clean.url)
+    pages = make_pages(store)
+    assert pages.engine.native
+    try:
+        assert pages.store_job(1, chunks(SRC)).ok
+        assert pages.load_job(2, chunks(DST)).ok
+        key = chunks(SRC)[0].redis_key
+        slot = key_slot(key.encode())
+        target = next(p for p in clean.ports if p != clean.slot_owners()[slot])
+        clean.move_slot(slot, target)
+
+        assert not pages.load_job(3, chunks(DST)).ok
+        assert store.breaker.state is BreakerState.CLOSED  # a refusal, not an outage
+        assert pages.load_job(4, chunks(DST)).ok
+        assert pages.moved(SRC, DST)
+    finally:
+        pages.close()
+        store.close()

@@ -255,7 +255,7 @@ def test_a_refused_get_on_the_native_path_is_a_miss_not_an_outage(local_redis) -
             "pure Python (disabled by HMA_REDIS_NATIVE=0)",
         ),
         ("rediss://127.0.0.1:1/0", {}, "pure Python (TLS connections stay in Python's ssl)"),
-        ("redis+cluster://127.0.0.1:1/", {}, "pure Python (Redis Cluster uses redis-py's"),
+        ("redis+cluster://127.0.0.1:1/", {}, "native, GIL released"),
     ],
     ids=["plain", "disabled", "tls", "cluster"],
 )
