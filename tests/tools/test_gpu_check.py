@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hma_redis.tools.gpu import check
 
@@ -196,3 +197,21 @@ def test_gpu_check_script_refuses_a_bundle_built_for_another_python(tmp_path: Pa
     assert f"the bundle's wheels are for Python 3.2, {sys.executable} is {_this_python()}" in (
         proc.stderr
     )
+
+
+def test_shape_option_sizes_the_jobs_on_any_device() -> None:
+    """--shape llama3-8b gives a CPU run the GPU plan's cache and 512 MiB jobs (the scaling
+    table on a CPU host), and keeps the CPU's own connections and repetitions."""
+    cpu = torch.device("cpu")
+    args = check.build_parser().parse_args(["--device", "cpu", "--shape", "llama3-8b"])
+    plan = check.choose_plan(args, cpu)
+    assert (plan.shape, plan.num_blocks, plan.job_blocks) == (
+        check.GPU_PLAN.shape,
+        check.GPU_PLAN.num_blocks,
+        check.GPU_PLAN.job_blocks,
+    )
+    assert plan.reps == check.CPU_PLAN.reps and plan.matmul_n == check.CPU_PLAN.matmul_n
+    default = check.choose_plan(check.build_parser().parse_args(["--device", "cpu"]), cpu)
+    assert default.shape == check.CPU_PLAN.shape
+    with pytest.raises(SystemExit):
+        check.build_parser().parse_args(["--shape", "huge"])

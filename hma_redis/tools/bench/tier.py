@@ -293,6 +293,7 @@ class TierBench:
                 shutdown_timeout_s=1.0,
                 auth_key=self.cfg.auth_key,
                 native=native,
+                idle_wait_s=self.cfg.idle_wait_ms / 1e3,
             )
             for size in plan.sizes
         }
@@ -351,7 +352,9 @@ class TierBench:
         return keys
 
     def _wait(self, worker: Any, job_id: int) -> Any:
+        """Poll as an engine's steps do; a load is waited for as an idle step waits for it."""
         while True:
+            worker.wait_while_idle()
             for result in worker.get_finished():
                 if result.job_id == job_id:
                     return result

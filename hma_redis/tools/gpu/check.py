@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU, 1,2 on the CPU; 1 where the engine has no connections_per_job)"
     )  # fmt: skip
     parser.add_argument("--reps", type=int, help="runs per throughput cell (default 3; CPU 1)")
+    parser.add_argument(
+        "--shape", choices=("small", "llama3-8b"),
+        help="KV cache and job size: llama3-8b (the GPU default: 512 MiB jobs) or small (the "
+        "CPU default: 1 MiB jobs); llama3-8b on the CPU gives a scaling table in ~2 min",
+    )  # fmt: skip
     parser.add_argument("--no-cluster", action="store_true", help="single redis-server only")
     parser.add_argument(
         "--cores", type=int, default=os.cpu_count() or 1,
@@ -124,6 +129,11 @@ def choose_plan(args: argparse.Namespace, device: torch.device) -> Plan:
         plan = replace(plan, connections=conns)
     if not measure.supports_connections():
         plan = replace(plan, connections=(1,))
+    if args.shape is not None:
+        sized = GPU_PLAN if args.shape == "llama3-8b" else CPU_PLAN
+        plan = replace(
+            plan, shape=sized.shape, num_blocks=sized.num_blocks, job_blocks=sized.job_blocks
+        )
     if args.reps is not None:
         if args.reps < 1:
             _refuse("--reps must be >= 1")
