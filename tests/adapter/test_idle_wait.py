@@ -6,39 +6,16 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-import redis
 
 from hma_redis.adapter.connector import RedisConnectorMetadata
 from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
 from tests.support.connector_harness import BLOCK_SIZE, ConnectorHarness
-from tests.support.scheduler_harness import write_tiny_model_config
 
 PROMPT_LEN = 5 * BLOCK_SIZE + 3
 LOAD_DELAY_S = 0.4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_tiny_model_config(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def instance(
-    redis_url: str, redis_client: redis.Redis, model_dir: str
-) -> Iterator[Callable[..., ConnectorHarness]]:
-    made: list[ConnectorHarness] = []
-
-    def make(**kwargs: object) -> ConnectorHarness:
-        harness = ConnectorHarness(redis_url, model_dir, **kwargs)  # type: ignore[arg-type]
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.close()
 
 
 def _load_steps(

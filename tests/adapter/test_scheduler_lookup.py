@@ -38,7 +38,6 @@ from tests.support.scheduler_harness import (
     SchedulerHarness,
     StepResult,
     worker_spec,
-    write_tiny_model_config,
 )
 
 BLOCK = 16
@@ -54,11 +53,6 @@ def prompt(num_tokens: int = PROMPT_LEN) -> list[int]:
     tokens in the tiny vocab's range."""
     rng = random.Random(next(_prompt_seeds))
     return [rng.randrange(4, 500) for _ in range(num_tokens)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_tiny_model_config(tmp_path_factory.mktemp("tiny-llama"))
 
 
 # The scheduler-side lookup logic is vLLM's OffloadingConnector's; hma_redis' subclass only adds

@@ -15,14 +15,9 @@ from hma_redis.adapter.spec import RedisOffloadingSpec
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import RedisBlockStore
-from tests.support.scheduler_harness import SchedulerHarness, write_tiny_model_config
+from tests.support.scheduler_harness import SchedulerHarness
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_tiny_model_config(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_sync_load_budget_is_refused_with_the_reason(
