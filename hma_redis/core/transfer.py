@@ -16,9 +16,10 @@ Two data paths move the bytes (one INFO line at start-up says which runs):
 * native (:mod:`hma_redis.core.fastpath`, where the extension is built and connections are
   plain TCP or unix sockets): a job's sockets, RESP parsing and CRC32C run in C with the GIL
   released, its chunks split over ``connections_per_job`` connections, each on a thread of its
-  own (on a Cluster each part sends every node its own keys on a connection to that node). A load's values are received straight into the KV cache's pages when it
-  is host memory and values carry no MAC (else into pooled buffers, copied once valid); a
-  store sends the pages in place (CPU) or from pooled buffers (other devices);
+  own (on a Cluster each part sends every node its own keys on a connection to that node).
+  A load's values are received straight into the KV cache's pages when it is host memory and
+  values carry no MAC (else into pooled buffers, copied once valid); a store sends the pages
+  in place (CPU) or from pooled buffers (other devices);
 * Python (TLS, ``HMA_REDIS_NATIVE=0``, no extension): redis-py connections,
   :class:`~hma_redis.core.resp.RawReplies` and ``codec``.
 
