@@ -71,7 +71,8 @@ def make_client(
     pool = redis.BlockingConnectionPool.from_url(
         endpoint_url(cfg.url), db=cfg.db, retry=Retry(NoBackoff(), 0), **pool_kwargs, **kwargs
     )
-    return redis.Redis(connection_pool=pool)
+    # The client owns its pool: close() disconnects the pool's connections.
+    return redis.Redis.from_pool(pool)
 
 
 def tls_options(cfg: RedisTierConfig) -> dict[str, Any]:

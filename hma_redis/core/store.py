@@ -210,8 +210,10 @@ class RedisBlockStore:
         sighting marker. A chunk whose keys all exist is PRESENT; otherwise its marker is set
         with ``SET NX EX marker_ttl_s``: FIRST when this set it, AGAIN when it was there (some
         instance saw the chunk before, within the TTL). Redis down or refusing: FIRST for every
-        chunk (nothing is admitted on a guess). Added by the admission work (issue 14), apart
-        from :meth:`exists` so the plain lookup path is unchanged.
+        chunk (nothing is admitted on a guess). On a Cluster the markers ride in the same
+        pipeline as the EXISTS, so a PRESENT chunk's marker is set too (unread; it expires).
+        Added by the admission work (issue 14), apart from :meth:`exists` so the plain lookup
+        path is unchanged.
         """
         if not chunks:
             return []
@@ -569,16 +571,16 @@ class RedisBlockStore:
         unavailable; a refusal (an ACL without HSET, a full Redis) is counted and logged by
         the store, and True says that Redis answered."""
 
-        def hset() -> bool:
+        def hset() -> None:
             self._count_round_trip()
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(info_key, mapping=dict(fields))  # type: ignore[arg-type]
             self._refusal("HSET", pipe.execute(raise_on_error=False)[0])
-            return True
 
-        # A refusal of the whole call (e.g. an ACL without SELECT) yields the default too, but
-        # leaves the breaker closed: Redis answered.
-        return self._guard("HSET", hset, False) or self.breaker.state is BreakerState.CLOSED
+        self._guard("HSET", hset, None)
+        # Redis answered unless the breaker is open now: a refusal leaves it closed, also one
+        # of the whole call (e.g. an ACL without SELECT), which the guard turns into None.
+        return self.breaker.state is BreakerState.CLOSED
 
     def read_hash(self, key: str) -> dict[str, str]:
         raw = self.client.hgetall(key)
@@ -591,7 +593,9 @@ class RedisBlockStore:
         if not pending:
             return
 
-        if not self._guard("HINCRBY", lambda: self._send_counters(self.client, pending), False):
+        delivered = self._guard("HINCRBY", lambda: self._send_counters(self.client, pending), False)
+        # Refused as a whole (the guard's default, breaker still closed): dropped.
+        if not delivered and self.breaker.state is not BreakerState.CLOSED:
             self.counters.restore(pending)
 
     def _send_counters(self, client: RedisClient, pending: Mapping[str, int]) -> bool:
