@@ -6,6 +6,7 @@ behaviours are tested without vLLM in tests/core/test_transfer.py."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -50,20 +51,25 @@ def make_worker(
     strided: bool = False,
     max_inflight_bytes: int = 1 << 24,
     io_threads: int = 2,
+    **options: Any,
 ) -> RedisOffloadingWorker:
-    """A worker over fresh CPU KV caches (see :func:`_caches`), kept as ``worker.tensors``."""
+    """A worker over fresh CPU KV caches (see :func:`_caches`), kept as ``worker.tensors``;
+    ``options`` override the other constructor arguments (``rank``, ``auth_key`` ...)."""
     tensors, caches = _caches(strided)
+    arguments: dict[str, Any] = {
+        "keyspace": KEYSPACE,
+        "rank": 0,
+        "group_ids": [0, 1],
+        "blocks_per_chunk": BPC,
+        "kv_dtype": "int8",
+        "shutdown_timeout_s": 1.0,
+    }
     w = RedisOffloadingWorker(
         store=store,
-        keyspace=KEYSPACE,
-        rank=0,
         kv_caches=caches,
-        group_ids=[0, 1],
-        blocks_per_chunk=BPC,
-        kv_dtype="int8",
         io_threads=io_threads,
         max_inflight_bytes=max_inflight_bytes,
-        shutdown_timeout_s=1.0,
+        **(arguments | options),
     )
     w.tensors = tensors  # type: ignore[attr-defined]
     w.test_store = store  # type: ignore[attr-defined]
