@@ -9,40 +9,16 @@ stored again, and the stores queued in the last step are flushed at shutdown.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
 import redis
 from vllm.v1.request import RequestStatus
 
 from hma_redis.core import codec
 from tests.support.connector_harness import BLOCK_SIZE, ConnectorHarness, StepRecord
-from tests.support.scheduler_harness import write_tiny_model_config
 
 NUM_BLOCKS = 5
 PROMPT_LEN = NUM_BLOCKS * BLOCK_SIZE + 3  # five whole chunks and a tail
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_tiny_model_config(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def instance(
-    redis_url: str, redis_client: redis.Redis, model_dir: str
-) -> Iterator[Callable[..., ConnectorHarness]]:
-    """Build instances sharing the session Redis (flushed per test); closed at teardown."""
-    made: list[ConnectorHarness] = []
-
-    def make(**kwargs: object) -> ConnectorHarness:
-        harness = ConnectorHarness(redis_url, model_dir, **kwargs)  # type: ignore[arg-type]
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.close()
 
 
 def _prompt(seed: int) -> list[int]:
