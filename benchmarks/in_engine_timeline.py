@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from e2e_bench import build_model  # type: ignore[import-not-found]
+from in_engine_bench import parse_options  # type: ignore[import-not-found]
 
 from hma_redis.tools.demo import engine
 from hma_redis.tools.demo.local_redis import LocalRedis
@@ -125,7 +126,7 @@ def main() -> int:
     parser.add_argument("--tier-option", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     os.environ.update({**engine.CPU_ENGINE_ENV, **engine.IN_PROCESS_ENGINE_ENV})
-    options = dict(item.split("=", 1) for item in args.tier_option)
+    options = parse_options(args.tier_option)
     rng = random.Random(0)
     prompt = [rng.randrange(4, VOCAB) for _ in range(args.prompt_tokens)]
     with tempfile.TemporaryDirectory(prefix="hma-timeline-") as workdir:
