@@ -19,7 +19,6 @@ import redis
 from hma_redis.adapter.metrics import RedisMetricName
 from hma_redis.core.config import MAX_IDLE_WAIT_MS
 from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
-from tests.adapter import test_connector_fast as fast
 from tests.adapter.test_connector_fast import (
     NUM_BLOCKS,
     PROMPT_LEN,
@@ -31,9 +30,6 @@ from tests.adapter.test_connector_fast import (
 from tests.support.connector_harness import BLOCK_SIZE, ConnectorHarness
 
 R = RedisMetricName
-# The fast tests' fixtures: instances sharing the session Redis, the tiny model's directory.
-instance = fast.instance
-model_dir = fast.model_dir
 REPO = Path(__file__).resolve().parents[2]
 # Each load of the idle-wait test pauses this long before its GETs (a slow Redis).
 LOAD_DELAY_S = 0.6
