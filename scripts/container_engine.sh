@@ -135,9 +135,10 @@ _hma_ce_service() {
     _hma_ce_ping "$HMA_CE_SOCKET" && return 0
     mkdir -p "$HMA_CE_DIR"
     rm -f "$HMA_CE_SOCKET"
-    # setsid + redirected output: the service outlives this script and holds no caller's pipe.
-    setsid podman system service --time=0 "unix://$HMA_CE_SOCKET" \
-        >"$HMA_CE_DIR/service.log" 2>&1 </dev/null &
+    # setsid + redirected output: the service outlives this script and holds no caller's pipe;
+    # started from / so that removing the checkout it was started from does not break it.
+    (cd / && exec setsid podman system service --time=0 "unix://$HMA_CE_SOCKET" \
+        >"$HMA_CE_DIR/service.log" 2>&1 </dev/null) &
     echo $! >"$HMA_CE_DIR/service.pid"
     local i
     for i in $(seq 100); do
