@@ -550,17 +550,19 @@ class RedisBlockStore:
         return self._guard("SET", lambda: self._on_native_connections(keys, send), default)
 
     def _native_error(self, command: str, error: str | None) -> None:
-        """An error reply to one command of a native job: a refusal (counted, logged); a
-        Cluster key that moved also marks the slot table stale."""
-        self._slots_stale = self._slots_stale or (error or "").startswith(("MOVED", "ASK"))
-        self._refusal(command, ResponseError(error or ""))
+        """An error reply to one GET of a native job: a refusal (counted, logged)."""
+        self._refusal(command, self._native_reply_error(error))
+
+    def _native_reply_error(self, error: str | None) -> ResponseError:
+        """An error reply of a native job as redis-py's exception; a Cluster key that moved
+        (MOVED, ASK) also marks the slot table stale."""
+        text = error or ""
+        self._slots_stale = self._slots_stale or text.startswith(("MOVED", "ASK"))
+        return ResponseError(text)
 
     def _store_result(self, result: fastpath.StoreResult) -> PutResult:
         if result.status is fastpath.StoreStatus.ERROR:
-            self._slots_stale = self._slots_stale or (result.error or "").startswith(
-                ("MOVED", "ASK")
-            )
-            return self._put_result(ResponseError(result.error or ""))
+            return self._put_result(self._native_reply_error(result.error))
         stored = result.status is fastpath.StoreStatus.STORED
         return PutResult.STORED if stored else PutResult.EXISTED
 
