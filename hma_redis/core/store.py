@@ -479,6 +479,34 @@ class RedisBlockStore:
             return "TLS connections stay in Python's ssl"
         return None
 
+    def warm_bulk(self, connections: int) -> int:
+        """Open up to ``connections`` connections of the bulk pool (of each Cluster primary's
+        pool) ahead of the first job, so that a fresh engine's first load does not wait for
+        them (connect, HELLO, AUTH, SELECT). Best effort, outside the breaker: an error stops
+        it quietly and the jobs open what they need, as they always could. Returns how many
+        connections it opened or found open."""
+        if isinstance(self._bulk, RedisCluster):
+            try:
+                nodes = self._bulk.get_primaries()
+                pools = [self._bulk.get_redis_connection(n).connection_pool for n in nodes]
+            except (RedisError, RedisClusterException, OSError):
+                return 0
+        else:
+            pools = [self._bulk.connection_pool]
+        ready = 0
+        for pool in pools:
+            held: list[Any] = []
+            try:
+                for _ in range(connections):
+                    held.append(pool.get_connection())  # connects it
+            except (RedisError, OSError) as exc:
+                logger.debug("hma_redis: warming the bulk connections stopped: %s", exc)
+            finally:
+                ready += len(held)
+                for conn in held:
+                    pool.release(conn)
+        return ready
+
     def load_native(
         self, keys: Sequence[str], targets: Sequence[fastpath.LoadTarget]
     ) -> list[fastpath.LoadResult] | None:

@@ -450,6 +450,14 @@ class TransferEngine:
         self._loads_lock = threading.Lock()
         self._closed = False
         self._test_load_delay_s = float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
+        if self._native:
+            # The first job's connections, opened now on a load thread: a fresh engine's first
+            # load would otherwise open them itself (in_engine_timeline.py: ~1 ms).
+            self._warmed: Future[int] | None = self._loads.submit(
+                store.warm_bulk, self._connections
+            )
+        else:
+            self._warmed = None
 
     # ------------------------------------------------------------------ API
 

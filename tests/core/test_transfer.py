@@ -8,6 +8,7 @@ Every test of a job runs on both data paths (native and ``HMA_REDIS_NATIVE=0``).
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -337,6 +338,54 @@ def test_wait_for_finish_sleeps_only_while_a_load_runs_and_wakes_when_it_ends(
         assert pages.engine.finished() == []
         assert pages.engine.wait_for_finish(30.0) is True
         assert [r.job_id for r in pages.engine.finished()] == [3]
+    finally:
+        pages.close()
+        store.close()
+
+
+def test_a_native_engine_opens_its_job_connections_before_the_first_job(
+    redis_url: str, redis_client
+) -> None:
+    """A fresh engine's first load should not wait for TCP connects and handshakes: the
+    native engine opens ``connections_per_job`` connections of the bulk pool at start-up (on a
+    load thread, so start-up does not wait either), and its first load job opens none."""
+    before = len(redis_client.client_list())
+    cfg = RedisTierConfig.from_extra_config(
+        {"redis_url": redis_url, "connections_per_job": 2}, env={}
+    )
+    store = RedisBlockStore(cfg)
+    pages = make_pages(store)
+    try:
+        assert pages.engine.native
+        deadline = time.monotonic() + 10
+        while len(redis_client.client_list()) < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(redis_client.client_list()) == before + 2
+        pages.engine.submit_load(1, chunks(DST))  # nothing stored: a miss, on those two
+        pages.engine.wait([1])
+        (result,) = pages.engine.finished()
+        assert not result.ok
+        assert len(redis_client.client_list()) == before + 2
+    finally:
+        pages.close()
+        store.close()
+
+
+def test_an_engine_starts_at_once_when_redis_is_down() -> None:
+    """Warming the connections never delays or fails start-up: Redis down, the engine is
+    built at once and its first load fails (to be recomputed) as it would have anyway."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = _store(f"redis://127.0.0.1:{port}/0")
+    started = time.monotonic()
+    pages = make_pages(store)
+    try:
+        assert time.monotonic() - started < 5
+        pages.engine.submit_load(1, chunks(DST))
+        pages.engine.wait([1])
+        (result,) = pages.engine.finished()
+        assert not result.ok
     finally:
         pages.close()
         store.close()
