@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/in_engine_timeline.py                  # 4096 tokens, ~2 min
     .venv/bin/python benchmarks/in_engine_timeline.py --prompt-tokens 1024
+    .venv/bin/python benchmarks/in_engine_timeline.py --repeats 2     # and two more prompts
 
 An engine in its own process stores a prompt's KV in a private ``redis-server``; then a fresh
 engine runs in this process (vLLM's engine core in-process) with timing wrappers around the
 scheduler's steps, the manager's lookups, the worker's calls and the transfer job, and runs the
-prompt twice: from Redis, then from its own prefix cache. For each request it prints every
-event in order, in ms since the request was handed to the engine, and a summary of where the
-gap between the two requests' time to first token goes (the in-engine benchmark's denominator).
+prompt twice: from Redis, then from its own prefix cache (and so on for each ``--repeats``
+prompt, as the in-engine benchmark does). For each request it prints every event in order, in
+ms since the request was handed to the engine, and the gap between the two requests' time to
+first token (the in-engine benchmark's denominator).
 Not a test: nothing is asserted but the tokens.
 """
 
@@ -65,6 +67,7 @@ def install() -> None:
 
     from hma_redis.adapter.manager import RedisOffloadingManager
     from hma_redis.adapter.worker import RedisOffloadingWorker
+    from hma_redis.core import fastpath
     from hma_redis.core.transfer import TransferEngine
 
     lookups: dict[str, int] = {}
@@ -108,6 +111,11 @@ def install() -> None:
         lambda a, k, r, ms: f"transfer job (thread) {ms:6.2f} ms",
     )
     wrap(
+        fastpath,
+        "native_load_values",
+        lambda a, k, r, ms: f"  native load_values {ms:6.2f} ms ({len(r)} values)",
+    )
+    wrap(
         UniProcExecutor,
         "execute_model",
         lambda a, k, r, ms: f"execute_model {ms:6.2f} ms" if ms > 0.5 else None,
@@ -124,25 +132,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--tier-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--repeats", type=int, default=0, help="more prompts, each run twice")
     args = parser.parse_args()
     os.environ.update({**engine.CPU_ENGINE_ENV, **engine.IN_PROCESS_ENGINE_ENV})
     options = parse_options(args.tier_option)
     rng = random.Random(0)
-    prompt = [rng.randrange(4, VOCAB) for _ in range(args.prompt_tokens)]
+    prompts = [
+        [rng.randrange(4, VOCAB) for _ in range(args.prompt_tokens)]
+        for _ in range(1 + args.repeats)
+    ]
     with tempfile.TemporaryDirectory(prefix="hma-timeline-") as workdir:
         model = build_model(os.path.join(workdir, "llama-1024x8"))
         server = LocalRedis().start()
         try:
             job = {
                 "model": model,
-                "prompts": [prompt],
+                "prompts": prompts,
                 "max_tokens": 4,
                 "max_model_len": args.prompt_tokens + 512,
                 "dtype": "float32",
                 "kv_transfer_config": engine.kv_transfer_config(server.url, **options),
                 "reset_prefix_cache_between": False,
             }
-            print("storing the prompt's KV from an engine in its own process", file=sys.stderr)
+            print("storing the prompts' KV from an engine in its own process", file=sys.stderr)
             stored, _ = engine.run_engine(job)
             install()
             marks: list[float] = []
@@ -155,23 +167,23 @@ def main() -> int:
                 return generate(*a, **kw)
 
             LLM.generate = marked  # type: ignore[method-assign]
-            result = engine.run_job({**job, "prompts": [prompt, prompt]})
+            result = engine.run_job({**job, "prompts": [p for p in prompts for _ in "ab"]})
             marks.append(time.perf_counter())
         finally:
             server.stop()
-    want = stored["results"][0]["token_ids"]
-    for n, (label, res) in enumerate(
-        zip(("from Redis", "own prefix cache"), result["results"], strict=True)
-    ):
-        if res["token_ids"] != want:
-            raise SystemExit(f"in_engine_timeline: request {n} gave other tokens")
+    results = result["results"]
+    for n, res in enumerate(results):
+        if res["token_ids"] != stored["results"][n // 2]["token_ids"]:
+            raise SystemExit(f"in_engine_timeline: request {n + 1} gave other tokens")
+        label = "own prefix cache" if n % 2 else "from Redis"
         print(
-            f"request {n + 1} ({label}): TTFT {res['ttft_s'] * 1e3:.1f} ms, "
+            f"request {n + 1} (prompt {n // 2 + 1}, {label}): TTFT {res['ttft_s'] * 1e3:.1f} ms, "
             f"{res['num_cached_tokens']} cached tokens"
         )
         print("\n".join(timeline(marks[n], marks[n + 1])))
-    gap = (result["results"][0]["ttft_s"] - result["results"][1]["ttft_s"]) * 1e3
-    print(f"TTFT gap (from Redis - own cache): {gap:.1f} ms")
+    for n in range(0, len(results), 2):
+        gap = (results[n]["ttft_s"] - results[n + 1]["ttft_s"]) * 1e3
+        print(f"prompt {n // 2 + 1}: TTFT gap (from Redis - own cache): {gap:.1f} ms")
     return 0
 
 
