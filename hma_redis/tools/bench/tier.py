@@ -130,14 +130,19 @@ SMOKE = TierPlan(reps=1, depth=4, rb_bytes=1, sizes=SIZES, job_bytes=8 * MIB, lo
 
 
 class RedisPyBench:
-    """Plain redis-py as users would write it: SET / GET of raw values, pipelined ``depth``."""
+    """Plain redis-py as users would write it: SET / GET of raw values, pipelined ``depth``.
+    A job's values are distinct (``job_bytes`` of them per size), as a KV cache's blocks are:
+    sending the same few values again and again would send them from the CPU's cache, which
+    no other client here gets (hma_redis reads a job's pages from the whole KV cache)."""
 
     def __init__(self, cfg: RedisTierConfig, plan: TierPlan, prefix: str) -> None:
         self.client = redis_py_client(cfg)
         self.plan = plan
         self.prefix = prefix
         rng = random.Random(1)
-        self.values = {size: [rng.randbytes(size) for _ in range(plan.depth)] for size in SIZES}
+        self.values = {
+            size: [rng.randbytes(size) for _ in range(plan.job_bytes // size)] for size in SIZES
+        }
         self._serial = 0
 
     def run(self, size: int, samples: Samples) -> None:
@@ -151,7 +156,7 @@ class RedisPyBench:
             for start in range(0, count, depth):
                 pipe = self.client.pipeline(transaction=False)
                 for i in range(start, min(count, start + depth)):
-                    pipe.set(keys[i], values[i % depth])
+                    pipe.set(keys[i], values[i])
                 check(all(pipe.execute()), "redis-py SET failed")
 
         def get() -> list[bytes]:
@@ -166,7 +171,7 @@ class RedisPyBench:
         put_s, _ = timed(put)
         get_s, got = timed(get)
         check(
-            all(v == values[i % depth] for i, v in enumerate(got)),
+            got == values,
             f"redis-py GET returned other bytes than SET wrote ({size} B values)",
         )
         self.client.unlink(*keys)
