@@ -114,15 +114,21 @@ def install() -> None:
     faults: list[int] = []
 
     def native_load(args: Any, kwargs: Any, result: Any, ms: float) -> str:
-        # Page faults of the whole process while the call ran (the engine idles meanwhile).
-        taken = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults.pop()
-        return f"  native load_values {ms:6.2f} ms ({len(result)} values, {taken} page faults)"
+        # Page faults while the call ran: of this whole process (the engine idles meanwhile)
+        # and of redis-server (its reply buffers).
+        server = _redis_faults() - faults.pop()
+        engine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults.pop()
+        return (
+            f"  native load_values {ms:6.2f} ms ({len(result)} values; page faults: "
+            f"{engine} here, {server} in redis-server)"
+        )
 
     original = fastpath.native_load_values
 
     @functools.wraps(original)
     def counted(*args: Any, **kwargs: Any) -> Any:
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+        faults.append(_redis_faults())
         return original(*args, **kwargs)
 
     fastpath.native_load_values = counted  # type: ignore[assignment]
@@ -132,6 +138,15 @@ def install() -> None:
         "execute_model",
         lambda a, k, r, ms: f"execute_model {ms:6.2f} ms" if ms > 0.5 else None,
     )
+
+
+REDIS_PID: list[int] = []  # the private redis-server's pid, once started
+
+
+def _redis_faults() -> int:
+    """Minor page faults of the private redis-server so far."""
+    with open(f"/proc/{REDIS_PID[0]}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[7])
 
 
 def timeline(start: float, end: float) -> list[str]:
@@ -156,6 +171,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hma-timeline-") as workdir:
         model = build_model(os.path.join(workdir, "llama-1024x8"))
         server = LocalRedis().start()
+        assert server.proc is not None
+        REDIS_PID.append(server.proc.pid)
         try:
             job = {
                 "model": model,
