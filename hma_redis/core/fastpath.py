@@ -83,10 +83,16 @@ _LINE_READ = 64 * 1024  # bytes received at a time while looking for a reply lin
 _MAX_LINE = _LINE_READ - 1  # a longer reply line is a protocol error
 _SCRATCH_BYTES = 256 * 1024  # bytes received at a time when dropped or only checksummed
 _MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk length is bogus
-# GETs unanswered at once in a load job: with every GET sent first, Redis builds all the
-# replies in its output buffer before the socket drains it; two in flight measured faster at
-# 512 KiB and 2 MiB values (benchmarks/fastpath_bench.py, and store.py's get_into before).
+# GETs unanswered at once in a load job (the next is sent as soon as a reply's first line
+# arrives, so Redis prepares it while this value is received). With every GET sent first,
+# Redis builds all the replies in its output buffer before the socket drains it; two in flight
+# measured faster at 512 KiB and 2 MiB values (benchmarks/fastpath_bench.py). Values that may
+# exceed ONE_AT_A_TIME_BYTES go one at a time: two such replies overflow Linux's default
+# largest TCP send buffer (tcp_wmem, 4 MiB), and 4 MiB values loaded 25-70 % faster one at a
+# time, 8 MiB ones 1-4 %, while 2 MiB ones were 0-13 % slower (docs/performance.md, issue 12,
+# fourth round).
 DEFAULT_WINDOW = 2
+ONE_AT_A_TIME_BYTES = 3 << 20
 
 # The extension (untyped: its surface is wrapped, with types, by the functions below).
 _native: Any
@@ -241,16 +247,25 @@ def crc32c_parts(buffers: Sequence[Any], value: int = 0) -> int:
     return value
 
 
+def window_for(targets: Sequence[LoadTarget]) -> int:
+    """GETs in flight for a job of ``targets``: :data:`DEFAULT_WINDOW`, or 1 when one of its
+    values may be longer than :data:`ONE_AT_A_TIME_BYTES`."""
+    largest = max((target.max_len for target in targets), default=0)
+    return 1 if largest > ONE_AT_A_TIME_BYTES else DEFAULT_WINDOW
+
+
 def load_values(
     sock: socket.socket,
     commands: Sequence[bytes | memoryview],
     targets: Sequence[LoadTarget],
     timeout_s: float,
-    window: int = DEFAULT_WINDOW,
+    window: int | None = None,
 ) -> list[LoadResult]:
     """Run a load job on ``sock`` (see the module docstring): ``commands[i]`` asks for the value
-    that goes to ``targets[i]``; at most ``window`` are unanswered at once (0: all sent first).
-    Native unless unavailable or ``sock`` is TLS."""
+    that goes to ``targets[i]``; at most ``window`` are unanswered at once (0: all sent first;
+    None: :func:`window_for` the targets). Native unless unavailable or ``sock`` is TLS."""
+    if window is None:
+        window = window_for(targets)
     if _native_for(sock):
         return native_load_values(sock, commands, targets, timeout_s, window)
     return python_load_values(sock, commands, targets, timeout_s, window)

@@ -227,7 +227,7 @@ def test_native_extension_is_built_and_chosen(caplog: pytest.LogCaptureFixture) 
 
 
 @pytest.mark.parametrize(("page", "row"), [(4096, 4096), (3000, 4096)], ids=["dense", "padded"])
-@pytest.mark.parametrize("window", [0, 2])
+@pytest.mark.parametrize("window", [0, 1, 2])
 def test_values_land_in_their_pages(
     redis_url: str, redis_client: redis.Redis, page: int, row: int, window: int
 ) -> None:
@@ -260,6 +260,21 @@ def test_values_land_in_their_pages(
         assert head[:end] == stored[:end]
         assert results[idx].value_len == len(stored)
         assert results[idx].header_len == end - codec.PREFIX_BYTES
+
+
+def test_a_job_of_values_over_3_mib_runs_one_get_at_a_time() -> None:
+    """Two replies over 3 MiB would overflow the kernel's usual largest send buffer (4 MiB):
+    such a job keeps one GET in flight, others two; the bound of a value (``max_len``)
+    decides, so one large value among small ones is enough."""
+
+    def targets(*max_lens: int) -> list[fastpath.LoadTarget]:
+        return [fastpath.LoadTarget(bytearray(64), b"", [], None, n) for n in max_lens]
+
+    assert fastpath.window_for(targets()) == fastpath.DEFAULT_WINDOW == 2
+    assert fastpath.window_for(targets(512 << 10, 2 << 20)) == 2
+    assert fastpath.window_for(targets(3 << 20)) == 2
+    assert fastpath.window_for(targets(4096, (3 << 20) + 1)) == 1
+    assert fastpath.window_for(targets(8 << 20)) == 1
 
 
 def test_many_small_values_in_one_job(redis_url: str, redis_client: redis.Redis) -> None:
