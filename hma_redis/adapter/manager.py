@@ -169,6 +169,9 @@ class RedisOffloadingManager(OffloadingManager):
         self._admission_window_s = admission_window_s
         self._request_hits: dict[str, _RequestHits] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hma-lookup")
+        # The lookups' thread and connection, started now: the first request's lookup would
+        # otherwise wait for them (in_engine_timeline.py: 1-5 ms). Best effort, never waited on.
+        self._executor.submit(self._store.warm_lookups)
         self._lock = threading.Lock()
         self.stats = ManagerStats()
         self.detail_stats = ManagerDetailStats()

@@ -485,27 +485,11 @@ class RedisBlockStore:
         them (connect, HELLO, AUTH, SELECT). Best effort, outside the breaker: an error stops
         it quietly and the jobs open what they need, as they always could. Returns how many
         connections it opened or found open."""
-        if isinstance(self._bulk, RedisCluster):
-            try:
-                nodes = self._bulk.get_primaries()
-                pools = [self._bulk.get_redis_connection(n).connection_pool for n in nodes]
-            except (RedisError, RedisClusterException, OSError):
-                return 0
-        else:
-            pools = [self._bulk.connection_pool]
-        ready = 0
-        for pool in pools:
-            held: list[Any] = []
-            try:
-                for _ in range(connections):
-                    held.append(pool.get_connection())  # connects it
-            except (RedisError, OSError) as exc:
-                logger.debug("hma_redis: warming the bulk connections stopped: %s", exc)
-            finally:
-                ready += len(held)
-                for conn in held:
-                    pool.release(conn)
-        return ready
+        return _warm(self._bulk, connections)
+
+    def warm_lookups(self) -> int:
+        """:meth:`warm_bulk` for the connection lookups use (one per pool)."""
+        return _warm(self.client, 1)
 
     def load_native(
         self, keys: Sequence[str], targets: Sequence[fastpath.LoadTarget]
@@ -876,6 +860,31 @@ class RedisBlockStore:
         out = collect(replies[:split], keys)
         self._check_counter_replies(replies[split:])
         return out
+
+
+def _warm(client: RedisClient, connections: int) -> int:
+    """Open up to ``connections`` connections of ``client``'s pool, or of each Cluster
+    primary's pool, and give them back; how many were open then. Errors end it quietly."""
+    if isinstance(client, RedisCluster):
+        try:
+            pools = [client.get_redis_connection(n).connection_pool for n in client.get_primaries()]
+        except (RedisError, RedisClusterException, OSError):
+            return 0
+    else:
+        pools = [client.connection_pool]
+    ready = 0
+    for pool in pools:
+        held: list[Any] = []
+        try:
+            for _ in range(connections):
+                held.append(pool.get_connection())  # connects it
+        except (RedisError, OSError) as exc:
+            logger.debug("hma_redis: opening connections ahead of use stopped: %s", exc)
+        finally:
+            ready += len(held)
+            for conn in held:
+                pool.release(conn)
+    return ready
 
 
 def bulk_connections(cfg: RedisTierConfig) -> int:

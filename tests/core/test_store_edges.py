@@ -123,6 +123,30 @@ def reader_server(local_redis: LocalRedis) -> Iterator[tuple[LocalRedis, redis.R
     admin.close()
 
 
+def test_connections_are_opened_ahead_of_use_and_an_outage_is_no_error(redis_client, redis_url):
+    """``warm_bulk`` and ``warm_lookups`` open connections the jobs and lookups then use
+    (Redis sees them at once, and a lookup opens none); with Redis down they open nothing
+    and raise nothing."""
+    before = len(redis_client.client_list())
+    store = _store(redis_url)
+    try:
+        assert store.warm_bulk(3) == 3
+        assert store.warm_lookups() == 1
+        assert len(redis_client.client_list()) == before + 4
+        assert store.warm_bulk(3) == 3  # the same three, found open
+        assert store.exists([_key(0, 1)]) == [False]
+        assert len(redis_client.client_list()) == before + 4
+    finally:
+        store.close()
+    port = LocalRedis().port  # free, nothing listening
+    down = _store(f"redis://127.0.0.1:{port}/0")
+    try:
+        assert down.warm_bulk(2) == 0
+        assert down.warm_lookups() == 0
+    finally:
+        down.close()
+
+
 def test_a_refused_lookup_batch_is_misses_and_the_other_batches_answer(reader_server, caplog):
     """A lookup of more keys than one EVAL carries (4096) where one key of the second batch is
     outside the user's ACL: that whole batch is misses (never hits), the first batch answers
@@ -736,6 +760,18 @@ def test_cluster_values_are_bounded_exactly_and_reported_as_they_arrive(
         assert [client.get(k) for k in values] == list(values.values())
         assert all(40 < client.ttl(k) <= 50 for k in values)
     store.close()
+
+
+def test_cluster_connections_are_opened_ahead_of_use_on_every_primary(
+    clean: LocalCluster,
+) -> None:
+    """Warming a Cluster store opens connections to each of its three primaries."""
+    store = _store(clean.url)
+    try:
+        assert store.warm_bulk(2) == 6
+        assert store.warm_lookups() == 3
+    finally:
+        store.close()
 
 
 def test_cluster_native_jobs_answer_in_key_order_across_nodes(clean: LocalCluster) -> None:
