@@ -453,11 +453,7 @@ class TransferEngine:
         if self._native:
             # The first job's connections, opened now on a load thread: a fresh engine's first
             # load would otherwise open them itself (in_engine_timeline.py: ~1 ms).
-            self._warmed: Future[int] | None = self._loads.submit(
-                store.warm_bulk, self._connections
-            )
-        else:
-            self._warmed = None
+            self._loads.submit(store.warm_bulk, self._connections)
 
     # ------------------------------------------------------------------ API
 
