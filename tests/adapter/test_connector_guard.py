@@ -10,7 +10,6 @@ reporting reports a failed load as failed, so vLLM stops loudly.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from vllm.v1.kv_offload.base import (
 
 from hma_redis.adapter.types import RedisLoadStoreSpec
 from hma_redis.adapter.worker import RedisOffloadingWorker
+from tests.adapter.test_worker import finished_result
 from tests.support.scheduler_harness import (
     make_vllm_config,
     three_group_kv_cache_config,
@@ -68,13 +68,7 @@ def _load_missing_chunk(worker: RedisOffloadingWorker, job_id: int) -> TransferR
     worker.submit_load(
         job_id, RedisLoadStoreSpec([missing]), GPULoadStoreSpec([3], [1, 0, 0], [0, 0, 0])
     )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for result in worker.get_finished():
-            if result.job_id == job_id:
-                return result
-        time.sleep(0.005)
-    raise AssertionError(f"load job {job_id} did not finish")
+    return finished_result(worker, job_id)
 
 
 def test_failed_load_is_reported_as_failed_unless_the_connector_recomputes(

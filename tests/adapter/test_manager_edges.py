@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -91,6 +92,13 @@ HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 # ---------------------------------------------------------------------------- counters
 
 
+def _reduced(manager: RedisOffloadingManager) -> dict[str, Any]:
+    """The manager's metrics as vLLM would report them (``get_stats().reduce()``)."""
+    reported = manager.get_stats()
+    assert reported is not None
+    return reported.reduce()
+
+
 def test_lookup_counters_add_up_over_steps(redis_url: str, redis_client: redis.Redis) -> None:
     """Round trips, chunks asked, hits and misses accumulate step after step, in the manager's
     stats, in the store's counters (the stats hash) and in the metrics vLLM exports."""
@@ -109,9 +117,7 @@ def test_lookup_counters_add_up_over_steps(redis_url: str, redis_client: redis.R
         "hit_chunks": 3,
         "miss_chunks": 2,
     }
-    reported = manager.get_stats()
-    assert reported is not None
-    reduced = reported.reduce()
+    reduced = _reduced(manager)
     assert reduced[RedisMetricName.LOOKUPS] == 2
     assert reduced[RedisMetricName.CHUNK_QUERIES] == 5
     assert reduced[RedisMetricName.CHUNK_HITS] == 3
@@ -210,9 +216,7 @@ def test_unreachable_redis_is_reported_as_errors_and_unavailable() -> None:
     manager, _ = _manager(f"redis://127.0.0.1:{_closed_port()}/0")
     assert _ask(manager, [_key(1)]) == [MISS]
     assert manager.stats.miss_keys == 1
-    reported = manager.get_stats()
-    assert reported is not None
-    reduced = reported.reduce()
+    reduced = _reduced(manager)
     assert reduced[RedisMetricName.ERRORS] >= 1
     assert reduced[RedisMetricName.AVAILABLE] == 0
     manager.shutdown()
@@ -236,9 +240,7 @@ def test_skipped_stores_and_failed_loads_are_counted_each_time(
     manager.prepare_load([_key(1)], ReqContext(req_id="r"))
     manager.on_load_failed("r")
     assert manager.stats.failed_loads == 2
-    reported = manager.get_stats()
-    assert reported is not None
-    reduced = reported.reduce()
+    reduced = _reduced(manager)
     assert reduced[RedisMetricName.STORES_SKIPPED] == 4
     assert reduced[RedisMetricName.LOAD_FAILURES] == 2
     manager.shutdown()
@@ -258,9 +260,7 @@ def test_refused_lookup_shows_in_the_schedulers_refusal_metrics(
         manager, keyspace = _manager(url)
         _put(redis_client, keyspace, 1)
         assert _ask(manager, [_key(1)]) == [MISS]
-        reported = manager.get_stats()
-        assert reported is not None
-        reduced = reported.reduce()
+        reduced = _reduced(manager)
         assert reduced[RedisMetricName.REFUSED_NOPERM] == 1
         assert reduced[RedisMetricName.AVAILABLE] == 1
         manager.shutdown()
@@ -443,9 +443,7 @@ def test_admission_counts_accumulate_over_stores(redis_url: str, redis_client: r
     out = manager.prepare_store([_key(3)], ctx)
     assert out is not None and out.keys_to_store == []
     assert manager.detail_stats.admission_deferred == 3
-    reported = manager.get_stats()
-    assert reported is not None
-    assert reported.reduce()[RedisMetricName.ADMISSION_DEFERRED] == 3
+    assert _reduced(manager)[RedisMetricName.ADMISSION_DEFERRED] == 3
     manager.shutdown()
     assert redis_client.hget(keyspace.stats_key(), "admission_deferred") == b"3"
 

@@ -15,6 +15,7 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
+    TransferResult,
     make_offload_key,
 )
 
@@ -85,15 +86,22 @@ def worker(request, redis_client, redis_url):
     store.close()
 
 
+def finished_result(worker: RedisOffloadingWorker, job_id: int) -> TransferResult:
+    """The result ``get_finished`` reports for ``job_id``, polled for at most 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for result in worker.get_finished():
+            if result.job_id == job_id:
+                return result
+        time.sleep(0.001)
+    raise AssertionError(f"job {job_id} did not finish")
+
+
 def run_job(worker: RedisOffloadingWorker, job_id: int, submit) -> bool:
     """Run one job to completion; True unless it is reported as a failed load."""
     submit(job_id)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if any(r.job_id == job_id for r in worker.get_finished()):
-            return job_id not in worker.take_failed_load_jobs()
-        time.sleep(0.001)
-    raise AssertionError(f"job {job_id} did not finish")
+    finished_result(worker, job_id)
+    return job_id not in worker.take_failed_load_jobs()
 
 
 # The chunks of tests.support.kv_pages (same Redis keys): group 0 two whole chunks; group 1

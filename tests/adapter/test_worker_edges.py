@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 import torch
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from hma_redis.adapter.types import RedisLoadStoreSpec
 from hma_redis.adapter.worker import RedisOffloadingWorker
@@ -24,7 +24,7 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
 from hma_redis.tools.demo.local_redis import LocalRedis
-from tests.adapter.test_worker import KEYS, make_worker, run_job, spec_of
+from tests.adapter.test_worker import KEYS, finished_result, make_worker, run_job, spec_of
 from tests.support.kv_pages import DST, HASHES, KEYSPACE, LAYERS, PAGES, SRC
 
 AUTH_KEY = b"worker-edges-secret-0001"
@@ -47,19 +47,9 @@ def workers(store: RedisBlockStore) -> Iterator[list[RedisOffloadingWorker]]:
         worker.shutdown()
 
 
-def _result(worker: RedisOffloadingWorker, job_id: int) -> TransferResult:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for result in worker.get_finished():
-            if result.job_id == job_id:
-                return result
-        time.sleep(0.001)
-    raise AssertionError(f"job {job_id} did not finish")
-
-
 def _store(worker: RedisOffloadingWorker, job_id: int) -> None:
     worker.submit_store(job_id, spec_of(SRC), RedisLoadStoreSpec(KEYS))
-    assert _result(worker, job_id).success
+    assert finished_result(worker, job_id).success
 
 
 def _load(worker: RedisOffloadingWorker, job_id: int) -> bool:
@@ -108,14 +98,14 @@ def test_job_results_carry_the_value_bytes_and_seconds(
     store reports the bytes it wrote, a load the bytes it read, each with its duration."""
     workers.append(worker := make_worker(store))
     worker.submit_store(1, spec_of(SRC), RedisLoadStoreSpec(KEYS))
-    stored = _result(worker, 1)
+    stored = finished_result(worker, 1)
     written = sum(_values(redis_client).values())
     assert len(_values(redis_client)) == len(KEYS)
     assert stored.transfer_size == written
     assert isinstance(stored.transfer_time, float) and stored.transfer_time >= 0
 
     worker.submit_load(2, RedisLoadStoreSpec(KEYS), spec_of(DST))
-    loaded = _result(worker, 2)
+    loaded = finished_result(worker, 2)
     assert loaded.success and _moved(worker)
     assert loaded.transfer_size == written
     assert isinstance(loaded.transfer_time, float) and loaded.transfer_time >= 0
@@ -158,7 +148,7 @@ def test_a_store_whose_keys_name_a_group_without_blocks_fails_whole(
     workers.append(worker := make_worker(store))
     group0_only = GPULoadStoreSpec(SRC[0], [len(SRC[0])], [0])
     worker.submit_store(1, group0_only, RedisLoadStoreSpec(KEYS))
-    _result(worker, 1)
+    finished_result(worker, 1)
     assert _values(redis_client) == {}
     assert store.counters.snapshot()["store_failed_chunks"] == len(KEYS)
 
@@ -175,7 +165,7 @@ def test_wait_returns_once_a_store_no_longer_reads_its_blocks(
     before = [t.clone() for t in tensors]
     for tensor in tensors:
         tensor.zero_()
-    assert _result(worker, 1).success
+    assert finished_result(worker, 1).success
     for tensor, old in zip(tensors, before, strict=True):
         tensor.copy_(old)
     assert _load(worker, 2)
@@ -297,4 +287,4 @@ def test_a_worker_built_without_idle_wait_s_does_not_wait_in_idle_steps(
     worker.submit_load(2, RedisLoadStoreSpec(KEYS), spec_of(DST))
     worker.wait_while_idle()
     assert worker.get_finished() == []  # the load, 0.5 s long, was not waited for
-    assert _result(worker, 2).success
+    assert finished_result(worker, 2).success
