@@ -26,7 +26,7 @@ from hma_redis.core.store import (
     Sighting,
     bulk_connections,
 )
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.demo.local_redis import LocalRedis, free_port
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.redis_server import command_calls, command_delta
 from tests.support.tcp_proxy import BreakingProxy
@@ -138,7 +138,7 @@ def test_connections_are_opened_ahead_of_use_and_an_outage_is_no_error(redis_cli
         assert len(redis_client.client_list()) == before + 4
     finally:
         store.close()
-    port = LocalRedis().port  # free, nothing listening
+    port = free_port()  # nothing listens there
     down = _store(f"redis://127.0.0.1:{port}/0")
     try:
         assert down.warm_bulk(2) == 0

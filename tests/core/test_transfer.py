@@ -8,7 +8,6 @@ Every test of a job runs on both data paths (native and ``HMA_REDIS_NATIVE=0``).
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
@@ -26,6 +25,7 @@ from hma_redis.core.transfer import (
     _split,
     group_chunks,
 )
+from hma_redis.tools.demo.local_redis import free_port
 from tests.support.kv_pages import DST, NUM_BLOCKS, PAGES, SRC, Pages, chunks, make_pages
 
 
@@ -374,10 +374,7 @@ def test_a_native_engine_opens_its_job_connections_before_the_first_job(
 def test_an_engine_starts_at_once_when_redis_is_down() -> None:
     """Warming the connections never delays or fails start-up: Redis down, the engine is
     built at once and its first load fails (to be recomputed) as it would have anyway."""
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    store = _store(f"redis://127.0.0.1:{port}/0")
+    store = _store(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     started = time.monotonic()
     pages = make_pages(store)
     try:

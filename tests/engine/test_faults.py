@@ -25,6 +25,7 @@ from hma_redis.tools.demo.local_redis import LocalRedis
 from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine, run_engines
 from tests.support.tier import tier_config
+from tests.support.tls_certs import TlsLocalRedis, make_tls_files
 
 pytestmark = pytest.mark.engine
 
@@ -119,17 +120,18 @@ def _run_with_fault(
     srv: LocalRedis,
     fault: Callable[[], None] | None,
     delay: bool,
+    url: str | None = None,
 ) -> EngineRun:
-    """Engine A stores the prompts; engine B serves them while ``fault`` strikes."""
-    run_engine(model, prompts, MAX_TOKENS, tier_config(srv.url, **TIER_OPTIONS))
+    """Engine A stores the prompts; engine B serves them while ``fault`` strikes. The engines
+    use ``url`` (default: the server's TCP URL)."""
+    config = tier_config(url or srv.url, **TIER_OPTIONS)
+    run_engine(model, prompts, MAX_TOKENS, config)
     assert _block_keys(_client(srv)), "engine A stored nothing"
     env = {TEST_LOAD_DELAY_ENV: str(LOAD_DELAY_S)} if delay else None
     watcher = _after_next_lookup(srv, fault) if (fault and delay) else None
     if fault and not delay:
         fault()
-    run = run_engine(
-        model, prompts, MAX_TOKENS, tier_config(srv.url, **TIER_OPTIONS), extra_env=env
-    )
+    run = run_engine(model, prompts, MAX_TOKENS, config, extra_env=env)
     if watcher is not None:
         watcher.join(30)
     return run
@@ -275,6 +277,77 @@ def test_redis_paused_longer_than_the_timeout(
     _assert_served_correctly(run, baselines[gemma])
     assert run.num_cached_tokens[0] == 0
     assert _stats(_client(server))["load_failed_jobs"] >= 1
+
+
+# ------------------------------------------------------------------ other transports
+
+
+@pytest.fixture
+def unix_server(tmp_path: Path) -> Iterator[tuple[LocalRedis, str]]:
+    """A server on a Unix socket (the engines' URL) and a TCP port (the test's own client)."""
+    path = tmp_path / "redis.sock"
+    srv = LocalRedis(extra_args=["--unixsocket", str(path), "--unixsocketperm", "700"]).start()
+    yield srv, f"unix://{path}?db=0"
+    srv.stop()
+
+
+def test_over_a_unix_socket_redis_killed_during_loads_then_restarted(
+    gemma: str,
+    prompts: list[list[int]],
+    baselines: dict[str, EngineRun],
+    unix_server: tuple[LocalRedis, str],
+) -> None:
+    """The native path on a Unix socket: Redis killed while a load waits, restarted on the
+    same socket; the request is recomputed and the tier stores again."""
+    server, url = unix_server
+
+    def kill_and_restart() -> None:
+        server.kill()
+        time.sleep(1.0)
+        server.start()  # same socket and port, empty
+
+    run = _run_with_fault(gemma, prompts, server, kill_and_restart, delay=True, url=url)
+    _assert_served_correctly(run, baselines[gemma])
+    assert run.num_cached_tokens[0] == 0
+    assert "transfer data path: native" in run.stderr, run.stderr_tail
+    assert _block_keys(_client(server)), run.stderr_tail
+
+
+def test_over_tls_corrupted_values_are_recomputed(
+    gemma: str,
+    prompts: list[list[int]],
+    baselines: dict[str, EngineRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The Python path (TLS): values corrupted in Redis are refused, the request recomputed
+    with the cold run's tokens, and a third engine loads the good values stored again."""
+    try:
+        server = TlsLocalRedis(make_tls_files(tmp_path_factory.mktemp("tls"))).start()
+    except RuntimeError as exc:
+        pytest.fail(f"cannot start a TLS redis-server (needs TLS support): {exc}", pytrace=False)
+    try:
+        files = server.files
+        config = tier_config(
+            server.url,
+            tls_ca_file=files.ca_cert,
+            tls_cert_file=files.client_cert,
+            tls_key_file=files.client_key,
+            **TIER_OPTIONS,
+        )
+        run_engine(gemma, prompts, MAX_TOKENS, config)
+        with server.tls_client() as client:
+            assert _block_keys(client), "engine A stored nothing"
+            _corrupt_in_place(client)
+            run = run_engine(gemma, prompts, MAX_TOKENS, config)
+            _assert_served_correctly(run, baselines[gemma])
+            assert run.num_cached_tokens == [0, 0]
+            assert "transfer data path: pure Python (TLS" in run.stderr, run.stderr_tail
+            assert _stats(client)["load_failed_jobs"] >= 1
+        again = run_engine(gemma, prompts, MAX_TOKENS, config)
+        _assert_served_correctly(again, baselines[gemma])
+        assert all(n > 0 for n in again.num_cached_tokens), again.stderr_tail
+    finally:
+        server.stop()
 
 
 # ------------------------------------------------------------------ eviction soak

@@ -14,8 +14,8 @@ from tests.support.cluster_servers import (
     started_cluster,
     started_sentinel,
 )
-from tests.support.engine_runner import EngineRun, make_prompts, run_engine
-from tests.support.tier import chunk_aligned_prefix, tier_config
+from tests.support.engine_runner import make_prompts, run_engine
+from tests.support.tier import assert_loaded_from_the_tier, tier_config
 
 pytestmark = pytest.mark.engine
 
@@ -36,17 +36,6 @@ def fresh_sentinel() -> Iterator[LocalSentinel]:
     setup.stop()
 
 
-def _assert_loaded_from_the_tier(run: EngineRun, prompts: list[list[int]]) -> None:
-    """Every prompt's chunk-aligned prefix (at least 90 % of it) came from Redis."""
-    for result, prompt in zip(run.results, prompts, strict=True):
-        aligned = chunk_aligned_prefix(len(prompt), run.block_size)
-        assert result.num_cached_tokens > 0 and result.num_cached_tokens >= 0.9 * aligned, (
-            result.num_cached_tokens,
-            aligned,
-            run.stderr_tail,
-        )
-
-
 def test_two_engines_share_kv_through_the_cluster(
     clean: LocalCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -59,7 +48,7 @@ def test_two_engines_share_kv_through_the_cluster(
     assert engine_a.token_ids == baseline.token_ids, engine_a.stderr_tail
     assert engine_a.num_cached_tokens == [0] * len(prompts)
     assert engine_b.token_ids == baseline.token_ids, engine_b.stderr_tail
-    _assert_loaded_from_the_tier(engine_b, prompts)
+    assert_loaded_from_the_tier(engine_b, prompts)
     # The chunks are spread over the three masters.
     block_keys = []
     for client in clean.clients():
@@ -84,4 +73,4 @@ def test_engines_share_kv_across_a_failover(
 
     engine_b = run_engine(model, prompts, 8, tier_config(fresh_sentinel.url))
     assert engine_b.token_ids == baseline.token_ids, engine_b.stderr_tail
-    _assert_loaded_from_the_tier(engine_b, prompts)
+    assert_loaded_from_the_tier(engine_b, prompts)

@@ -1,7 +1,8 @@
 """Real vLLM engines share KV over the README's other transports: TLS (``rediss://``, the
 Python data path: TLS stays in Python's ``ssl``) and a Unix socket (``unix://``, the native
 path), token-identical to an engine without the tier (the store's own behaviour there:
-tests/core/test_security.py, tests/core/test_transfer_paths.py)."""
+tests/core/test_security.py, tests/core/test_transfer_paths.py; faults over both:
+tests/engine/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hma_redis.tools.demo.local_redis import LocalRedis
 from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_llama
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine
-from tests.support.tier import chunk_aligned_prefix, tier_config
+from tests.support.tier import assert_loaded_from_the_tier, tier_config
 from tests.support.tls_certs import TlsLocalRedis, make_tls_files
 
 pytestmark = pytest.mark.engine
@@ -54,19 +55,13 @@ def unix_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
 
 def _share(model: str, baseline: EngineRun, config: dict[str, object]) -> EngineRun:
     """Engine A stores, engine B loads; both give the baseline's tokens and B's prompts came
-    from Redis (at least 90 % of each chunk-aligned prefix). Returns B's run."""
+    from Redis. Returns B's run."""
     engine_a = run_engine(model, PROMPTS, 8, config)
     engine_b = run_engine(model, PROMPTS, 8, config)
     assert engine_a.token_ids == baseline.token_ids, engine_a.stderr_tail
     assert engine_a.num_cached_tokens == [0] * len(PROMPTS)
     assert engine_b.token_ids == baseline.token_ids, engine_b.stderr_tail
-    for result, prompt in zip(engine_b.results, PROMPTS, strict=True):
-        aligned = chunk_aligned_prefix(len(prompt), engine_b.block_size)
-        assert result.num_cached_tokens >= 0.9 * aligned > 0, (
-            result.num_cached_tokens,
-            aligned,
-            engine_b.stderr_tail,
-        )
+    assert_loaded_from_the_tier(engine_b, PROMPTS)
     return engine_b
 
 
