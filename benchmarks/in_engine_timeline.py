@@ -111,28 +111,26 @@ def install() -> None:
         "_run_load",
         lambda a, k, r, ms: f"transfer job (thread) {ms:6.2f} ms",
     )
-    faults: list[int] = []
-
-    def native_load(args: Any, kwargs: Any, result: Any, ms: float) -> str:
-        # Page faults while the call ran: of this whole process (the engine idles meanwhile)
-        # and of redis-server (its reply buffers).
-        server = _redis_faults() - faults.pop()
-        engine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults.pop()
-        return (
-            f"  native load_values {ms:6.2f} ms ({len(result)} values; page faults: "
-            f"{engine} here, {server} in redis-server)"
-        )
-
     original = fastpath.native_load_values
 
     @functools.wraps(original)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
-        faults.append(_redis_faults())
-        return original(*args, **kwargs)
+    def native_load(*args: Any, **kwargs: Any) -> Any:
+        # With its page faults: of this whole process (the engine idles meanwhile) and of
+        # redis-server (its reply buffers).
+        engine, server = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _redis_faults()
+        t0 = time.perf_counter()
+        result = original(*args, **kwargs)
+        ms = (time.perf_counter() - t0) * 1e3
+        engine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - engine
+        server = _redis_faults() - server
+        note(
+            f"  native load_values {ms:6.2f} ms ({len(result)} values; page faults: "
+            f"{engine} here, {server} in redis-server)",
+            t0,
+        )
+        return result
 
-    fastpath.native_load_values = counted  # type: ignore[assignment]
-    wrap(fastpath, "native_load_values", native_load)
+    fastpath.native_load_values = native_load  # type: ignore[assignment]
     wrap(
         UniProcExecutor,
         "execute_model",
