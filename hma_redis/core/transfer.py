@@ -801,6 +801,8 @@ class TransferEngine:
                 "hma_redis: load job %d failed; its tokens will be recomputed", job.job_id
             )
         finally:
+            if not success and not isinstance(chunks, LayoutMismatch):
+                self._clear_pages_of_failed_load(job, chunks)
             job.released.set()
             self._jobs.pop(job.job_id, None)
             if not success:
@@ -813,6 +815,26 @@ class TransferEngine:
             with self._loads_lock:
                 self._loads_running -= 1
             self._job_done.set()
+
+    def _clear_pages_of_failed_load(self, job: _Job, plan: Sequence[ChunkTransfer]) -> None:
+        """Zero every page a failed in-place load may have written, before its failure is
+        reported.
+
+        Invariant: no page the engine may read holds bytes that failed validation. A failed
+        load's blocks go back to vLLM's free pool without being rewritten; a later request can
+        get one as a partly filled block, and attention kernels read a whole block under a
+        mask, where a NaN or Inf from a corrupt value survives the mask (NaN x 0 = NaN) and
+        changes the output. Zeros are harmless under a mask. Loads through buffers never write
+        a page before its value is valid, so only in-place loads need this.
+        """
+        if not self._land_in_place:
+            return
+        try:
+            for chunk in plan:
+                for view in self._pages_in_place(chunk):
+                    torch.frombuffer(view, dtype=torch.uint8).zero_()
+        except Exception:  # never expected: the views are the KV cache's own memory
+            logger.exception("hma_redis: load job %d: clearing its pages failed", job.job_id)
 
     def _load_chunks(self, plan: Sequence[ChunkTransfer], job: _Job) -> int:
         """Fetch and validate every chunk; copy them into the KV cache; return the bytes

@@ -7,7 +7,10 @@ Every test of a job runs on both data paths (native and ``HMA_REDIS_NATIVE=0``).
 
 from __future__ import annotations
 
+import math
 import os
+import random
+import struct
 import threading
 import time
 
@@ -26,7 +29,16 @@ from hma_redis.core.transfer import (
     group_chunks,
 )
 from hma_redis.tools.demo.local_redis import free_port
-from tests.support.kv_pages import DST, NUM_BLOCKS, PAGES, SRC, Pages, chunks, make_pages
+from tests.support.kv_pages import (
+    DST,
+    LAYERS,
+    NUM_BLOCKS,
+    PAGES,
+    SRC,
+    Pages,
+    chunks,
+    make_pages,
+)
 
 
 def _store(url: str) -> RedisBlockStore:
@@ -144,6 +156,63 @@ def test_corrupt_chunk_fails_the_load_and_is_dropped(pages: Pages, redis_client)
     assert _unchanged_unless_landed(before, pages, DST)
     assert redis_client.exists(victim) == 0  # dropped, so the recompute can store a good copy
     assert redis_client.exists(*keys[:-1]) == 3
+
+
+def _random_middle_half(value: bytes, rng: random.Random) -> bytes:
+    quarter = len(value) // 4
+    return value[:quarter] + rng.randbytes(2 * quarter) + value[3 * quarter :]
+
+
+def _nan_payload(value: bytes, rng: random.Random) -> bytes:
+    """The body past the header as float32 NaN and Inf, the prefix and header kept."""
+    head = 256
+    words = (len(value) - head) // 4
+    body = struct.pack(f"<{words}f", *rng.choices([math.nan, math.inf, -math.inf], k=words))
+    return value[:head] + body + value[head + 4 * words :]
+
+
+def _truncated(value: bytes, rng: random.Random) -> bytes:
+    return value[: rng.randrange(1, len(value))]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [_random_middle_half, _nan_payload, _truncated, "other-keys-value", "one-missing"],
+    ids=["random-middle-half", "nan-payload", "truncated", "other-keys-value", "one-missing"],
+)
+def test_a_failed_load_leaves_every_page_as_it_was_or_zero(
+    pages: Pages, redis_client, fault
+) -> None:
+    """After a failed load, each destination page holds what it held before or zeros: never a
+    byte of a value that failed validation (vLLM frees those blocks unwritten, and a later
+    request reads a partly filled block under a mask, where NaN or Inf would survive)."""
+    assert pages.store_job(1, chunks(SRC)).ok
+    keys = _stored_keys(redis_client)
+    rng = random.Random(11)
+    values = [redis_client.get(k) for k in keys]
+    if fault == "other-keys-value":
+        for key, value in zip(keys, values[1:] + values[:1], strict=True):
+            redis_client.set(key, value)
+    elif fault == "one-missing":
+        redis_client.delete(keys[-1])
+    else:
+        for key, value in zip(keys, values, strict=True):
+            redis_client.set(key, fault(value, rng))
+
+    before = [t.clone() for t in pages.tensors]
+    assert not pages.load_job(2, chunks(DST)).ok
+    assert _changed_only_in(before, pages, DST)
+    for group, ids in enumerate(DST):
+        for layer, tensor in zip(LAYERS[group], pages.tensors[slice(*_span(group))], strict=True):
+            for block in ids:
+                page = tensor[block, : PAGES[group]]
+                assert torch.equal(page, before[layer][block, : PAGES[group]]) or not page.any(), (
+                    f"layer {layer} block {block} holds bytes of a failed load"
+                )
+
+
+def _span(group: int) -> tuple[int, int]:
+    return LAYERS[group][0], LAYERS[group][-1] + 1
 
 
 # ---------------------------------------------------------------------------------- bounds
