@@ -1,0 +1,455 @@
+"""A seeded differential fault fuzz at engine level: the tier is exact or it is nothing.
+
+Each round draws, from its own seed: a model (hybrid Gemma-3-shaped or one-group Llama-shaped),
+the data path of the engine that stores (A) and of the engine that loads (B) (native or
+``HMA_REDIS_NATIVE=0``), prompts that share prefixes (several lengths, chunk-aligned or not), a
+fault and a moment: before B serves, or at a random instant while it does. Faults: random bytes
+over the middle half of every value, a NaN/Inf payload, truncation, values swapped between keys,
+deletion, FLUSHALL, Redis killed and restarted, paused, or answering one byte at a time (a proxy
+in front of it). B's greedy tokens and their logprobs are compared with an engine without the
+tier. Engines live across rounds (one per model and path), as in a deployment.
+
+``python -m tests.support.fault_fuzz --rounds N [--seed S]`` (``scripts/fault_fuzz.sh``) prints
+one line per round and a summary table; ``tests/engine/test_fault_fuzz.py`` runs a few rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import random
+import select
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+
+from hma_redis.core.fastpath import NATIVE_ENV
+from hma_redis.tools.demo.engine import kv_transfer_config
+from hma_redis.tools.demo.local_redis import LocalRedis, free_port
+from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from tests.support.engine_runner import child_env, make_prompts, shared_prefix_prompts
+from tests.support.fuzz_child import READY_LINE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STATIC_FAULTS = ("random-bytes", "nan-payload", "truncated", "swapped", "deleted", "flushall")
+LIVE_FAULTS = ("killed", "paused", "trickle")
+FAULTS = STATIC_FAULTS + LIVE_FAULTS
+MODELS = ("hybrid", "one-group")
+PATHS = {"native": "1", "python": "0"}
+MAX_TOKENS = 4
+# Logprobs of the same greedy tokens may differ by rounding where a prefix came from the tier
+# (the rest of the prompt attends to cached KV instead of one whole prefill).
+LOGPROB_TOLERANCE = 0.02
+READ_TIMEOUT_S = 1.0
+TIER_OPTIONS = {"read_timeout_s": READ_TIMEOUT_S, "connect_timeout_s": 0.5, "retry_interval_s": 0.5}
+REQUEST_TIMEOUT_S = 300.0
+
+
+class TrickleProxy:
+    """Loopback TCP proxy in front of Redis; while ``delay_s`` is set, every connection's
+    replies are forwarded one byte per ``delay_s`` (a server that answers one byte at a time)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self.delay_s = 0.0
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            except OSError:  # Redis down (killed): the client sees its connection closed
+                client.close()
+                continue
+            upstream.settimeout(None)
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if replies and self.delay_s:
+                    for i in range(len(data)):
+                        dst.sendall(data[i : i + 1])
+                        time.sleep(self.delay_s)
+                else:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+class Engine:
+    """One long-lived engine process (:mod:`tests.support.fuzz_child`)."""
+
+    def __init__(self, job: dict[str, Any], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 (closed in close())
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.fuzz_child", json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=child_env(env),
+            cwd=REPO_ROOT,
+        )
+        line = self._read_line(REQUEST_TIMEOUT_S)
+        if line != READY_LINE:
+            self.close()
+            raise RuntimeError(f"engine did not start: {self.log_tail()}")
+
+    def _read_line(self, timeout_s: float) -> str:
+        assert self._proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._proc.poll() is not None:
+                ready = select.select([self._proc.stdout], [], [], 0)[0]
+                if not ready:
+                    raise RuntimeError(f"engine gave no answer: {self.log_tail()}")
+            ready = select.select([self._proc.stdout], [], [], max(0.0, min(left, 1.0)))[0]
+            if ready:
+                return self._proc.stdout.readline().decode().strip()
+
+    def serve(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        assert self._proc.stdin is not None
+        request = {"prompts": prompts, "max_tokens": MAX_TOKENS}
+        self._proc.stdin.write((json.dumps(request) + "\n").encode())
+        self._proc.stdin.flush()
+        return list(json.loads(self._read_line(REQUEST_TIMEOUT_S))["results"])
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log_text()[-n:]
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+        try:
+            self._proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+
+
+@dataclass
+class RoundResult:
+    round: int
+    model: str
+    path_a: str
+    path_b: str
+    fault: str
+    moment: str
+    prompts: int
+    stored: int
+    tokens: int
+    wrong: int
+    cached_tokens: int
+    loads_failed: int
+    max_logprob_diff: float
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        return (
+            f"round {self.round:3d}: {self.model:9s} A={self.path_a:6s} B={self.path_b:6s} "
+            f"{self.fault:12s} {self.moment:6s} prompts={self.prompts} stored={self.stored} "
+            f"tokens={self.tokens} "
+            f"cached={self.cached_tokens} loads_failed={self.loads_failed} "
+            f"max|dlogprob|={self.max_logprob_diff:.2e} wrong={self.wrong}"
+            + (f" ({'; '.join(self.notes)})" if self.notes else "")
+        )
+
+
+class Fuzz:
+    """The fuzz's Redis, proxy, models and engines; :meth:`run_round` runs one round."""
+
+    def __init__(self, seed: int, workdir: Path) -> None:
+        self.seed = seed
+        self.workdir = workdir
+        self.redis = LocalRedis().start()
+        self.proxy = TrickleProxy(self.redis.port)
+        self.models = {
+            "hybrid": build_gemma3(workdir / "gemma3", sliding_window=48, num_hidden_layers=6),
+            "one-group": build_llama(workdir / "llama"),
+        }
+        self._engines: dict[tuple[str, str | None], Engine] = {}
+        self._failed_seen: dict[tuple[str, str | None], int] = collections.Counter()
+
+    def _client(self) -> redis.Redis:
+        return redis.Redis(port=self.redis.port, socket_timeout=5)
+
+    def engine(self, model: str, path: str | None) -> Engine:
+        """The engine of ``model`` on data ``path`` (None: without the tier), started once."""
+        key = (model, path)
+        if key not in self._engines:
+            url = f"redis://127.0.0.1:{self.proxy.port}/0"
+            job = {
+                "model": self.models[model],
+                "dtype": "float32",
+                "kv_transfer_config": kv_transfer_config(url, **TIER_OPTIONS) if path else None,
+            }
+            env = {NATIVE_ENV: PATHS[path]} if path else {}
+            log = self.workdir / f"engine-{model}-{path or 'no-tier'}.log"
+            self._engines[key] = Engine(job, env, log)
+        return self._engines[key]
+
+    def _loads_failed(self, model: str, path: str) -> int:
+        """Failed loads the engine logged since this was last asked."""
+        key = (model, path)
+        total = self.engine(model, path).log_text().count("will be recomputed")
+        new = total - self._failed_seen[key]
+        self._failed_seen[key] = total
+        return new
+
+    def _wait_stores(self) -> None:
+        """Until the number of keys has not changed for 0.5 s (at most 10 s)."""
+        client = self._client()
+        last, since = -1, time.monotonic()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                size = client.dbsize()
+            except redis.RedisError:
+                return
+            if size != last:
+                last, since = size, time.monotonic()
+            elif time.monotonic() - since >= 0.5:
+                return
+            time.sleep(0.05)
+
+    def _prompts(self, rng: random.Random) -> list[list[int]]:
+        prefix = rng.randrange(150, 700)
+        if rng.random() < 0.5:
+            prefix = prefix // 128 * 128  # a whole number of chunks (and of blocks)
+        count = rng.randrange(2, 4)
+        prompts = shared_prefix_prompts(
+            rng.randrange(1 << 30), count, prefix, rng.randrange(1, 150), VOCAB_SIZE
+        )
+        if rng.random() < 0.5:
+            prompts += make_prompts(rng.randrange(1 << 30), 1, rng.randrange(100, 600), VOCAB_SIZE)
+        return prompts
+
+    # ------------------------------------------------------------------ faults
+
+    def _damage(self, fault: str, keys: list[bytes], rng: random.Random) -> None:
+        client = self._client()
+        if fault == "flushall":
+            client.flushall()
+            return
+        if fault == "deleted":
+            if keys:
+                client.delete(*rng.sample(keys, rng.randrange(1, len(keys) + 1)))
+            return
+        values = {k: v for k in keys if (v := client.get(k)) is not None}
+        if fault == "swapped":
+            order = sorted(values)
+            rng.shuffle(order)
+            new = {k: values[order[(i + 1) % len(order)]] for i, k in enumerate(order)}
+        else:
+            new = {k: _damaged(fault, v, rng) for k, v in values.items()}
+        if new:
+            client.mset(new)
+
+    def _live_fault(self, fault: str, rng: random.Random) -> None:
+        hold = rng.uniform(0.3, 2.0)
+        if fault == "killed":
+            self.redis.kill()
+            time.sleep(hold)
+            self.redis.start()  # same port, empty
+        elif fault == "paused":
+            self.redis.pause()
+            time.sleep(hold)
+            self.redis.resume()
+        else:
+            self.proxy.delay_s = 0.02
+            time.sleep(hold)
+            self.proxy.delay_s = 0.0
+
+    # ------------------------------------------------------------------ a round
+
+    def run_round(self, index: int) -> RoundResult:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        model = rng.choice(MODELS)
+        path_a, path_b = rng.choice(list(PATHS)), rng.choice(list(PATHS))
+        fault = rng.choice(FAULTS)
+        moment = "during" if fault in LIVE_FAULTS or rng.random() < 0.4 else "before"
+        prompts = self._prompts(rng)
+
+        before = set(self._client().keys("hma:*:g*"))
+        self.engine(model, path_a).serve(prompts)
+        self._wait_stores()
+        keys = sorted(set(self._client().keys("hma:*:g*")) - before)
+        self._loads_failed(model, path_b)
+        if moment == "before":
+            self._damage(fault, keys, rng)
+            served = self.engine(model, path_b).serve(prompts)
+        else:
+            delay = rng.uniform(0.0, 1.5)
+
+            def strike() -> None:
+                time.sleep(delay)
+                if fault in LIVE_FAULTS:
+                    self._live_fault(fault, rng)
+                else:
+                    self._damage(fault, keys, rng)
+
+            thread = threading.Thread(target=strike, daemon=True)
+            thread.start()
+            served = self.engine(model, path_b).serve(prompts)
+            thread.join(30)
+        baseline = self.engine(model, None).serve(prompts)
+        result = self._judge(index, model, path_a, path_b, fault, moment, served, baseline)
+        result.stored = len(keys)
+        return result
+
+    def _judge(
+        self,
+        index: int,
+        model: str,
+        path_a: str,
+        path_b: str,
+        fault: str,
+        moment: str,
+        served: list[dict[str, Any]],
+        baseline: list[dict[str, Any]],
+    ) -> RoundResult:
+        wrong, diff, notes = 0, 0.0, []
+        for i, (got, want) in enumerate(zip(served, baseline, strict=True)):
+            if got["token_ids"] != want["token_ids"]:
+                wrong += 1
+                notes.append(f"prompt {i}: tokens {got['token_ids']} != {want['token_ids']}")
+                continue
+            for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
+                if not (math.isfinite(a) and math.isfinite(b)):
+                    wrong += 1
+                    notes.append(f"prompt {i}: logprob {a} vs {b}")
+                    break
+                diff = max(diff, abs(a - b))
+            if diff > LOGPROB_TOLERANCE:
+                wrong += 1
+                notes.append(f"prompt {i}: logprob differs by {diff:.3g}")
+        return RoundResult(
+            round=index,
+            model=model,
+            path_a=path_a,
+            path_b=path_b,
+            fault=fault,
+            moment=moment,
+            prompts=len(served),
+            stored=0,
+            tokens=sum(len(r["token_ids"]) for r in served),
+            wrong=wrong,
+            cached_tokens=sum(r["num_cached_tokens"] for r in served),
+            loads_failed=self._loads_failed(model, path_b),
+            max_logprob_diff=diff,
+            notes=notes,
+        )
+
+    def engine_errors(self) -> list[str]:
+        """Each traceback in an engine's log (an exception that reached vLLM), with its log."""
+        errors = []
+        for engine in self._engines.values():
+            for block in engine.log_text().split("Traceback (most recent call last)")[1:]:
+                # vLLM logs tracebacks of its own that are not errors (its chat template
+                # warm-up without a tokenizer): only those through hma_redis count.
+                if "/hma_redis/" in block[:4000] or "EngineCore" in block[:4000]:
+                    errors.append(f"{engine.log_path.name}: {block[:2500]}")
+        return errors
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self.proxy.close()
+        self.redis.stop()
+
+
+def _damaged(fault: str, value: bytes, rng: random.Random) -> bytes:
+    if fault == "truncated":
+        return value[: rng.randrange(0, len(value))]
+    if fault == "nan-payload":
+        words = (len(value) - 256) // 4
+        specials = rng.choices([math.nan, math.inf, -math.inf], k=words)
+        return value[:256] + struct.pack(f"<{words}f", *specials) + value[256 + 4 * words :]
+    quarter = len(value) // 4  # random-bytes
+    return value[:quarter] + rng.randbytes(2 * quarter) + value[3 * quarter :]
+
+
+def summary(results: list[RoundResult], errors: list[str]) -> str:
+    by_fault = collections.Counter(r.fault for r in results)
+    rows = [
+        "| rounds | tokens compared | faults by kind | loads failed (recomputed) "
+        "| rounds with hits from Redis | max abs logprob diff | engine errors | wrong |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {len(results)} | {sum(r.tokens for r in results)} | "
+        + ", ".join(f"{k} {by_fault[k]}" for k in FAULTS if by_fault[k])
+        + f" | {sum(r.loads_failed for r in results)} | "
+        f"{sum(1 for r in results if r.cached_tokens)} | "
+        f"{max((r.max_logprob_diff for r in results), default=0.0):.2e} | {len(errors)} | "
+        f"**{sum(r.wrong for r in results)}** |",
+    ]
+    return "\n".join(rows)
+
+
+def run(rounds: int, seed: int, workdir: Path | None = None) -> tuple[list[RoundResult], list[str]]:
+    """Run ``rounds`` rounds; each round's line is printed as it ends."""
+    with tempfile.TemporaryDirectory(prefix="hma-fuzz-") as tmp:
+        fuzz = Fuzz(seed, workdir or Path(tmp))
+        results: list[RoundResult] = []
+        try:
+            for index in range(rounds):
+                results.append(fuzz.run_round(index))
+                print(results[-1].line(), flush=True)
+            errors = fuzz.engine_errors()
+        finally:
+            fuzz.close()
+    return results, errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("HMA_FUZZ_SEED", "1")))
+    parser.add_argument("--workdir", type=Path, help="keep the engines' logs here")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    results, errors = run(args.rounds, args.seed, args.workdir)
+    print(f"\nseed {args.seed}, {time.monotonic() - t0:.0f} s\n")
+    print(summary(results, errors))
+    for error in errors:
+        print(error)
+    return 1 if errors or any(r.wrong for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""A long-lived engine for the fault fuzz (:mod:`tests.support.fault_fuzz`).
+
+``python -m tests.support.fuzz_child '<job json>'`` builds one engine (job fields as
+:func:`hma_redis.tools.demo.engine.run_job`: ``model``, ``dtype``, ``kv_transfer_config``), prints
+``READY_LINE``, then serves one JSON request per stdin line, ``{"prompts": [[ids]], "max_tokens":
+n}``, with one JSON reply line: per prompt its greedy token ids, the logprob of each, and the
+tokens that came from the KV connector. The engine's own prefix cache is emptied before every
+prompt, so every cached token comes from the tier. EOF shuts the engine down.
+
+Not a test module (pytest does not collect it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from hma_redis.tools.demo.engine import LLM_DEFAULTS
+
+READY_LINE = "@@HMA_FUZZ_ENGINE_READY@@"
+
+
+def _serve(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=True, logprobs=1
+    )
+    results = []
+    for prompt in request["prompts"]:
+        llm.reset_prefix_cache()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        completion = out.outputs[0]
+        logprobs = [
+            float(step[token].logprob)
+            for token, step in zip(completion.token_ids, completion.logprobs or [], strict=True)
+        ]
+        results.append(
+            {
+                "token_ids": list(completion.token_ids),
+                "logprobs": logprobs,
+                "num_cached_tokens": int(out.num_cached_tokens or 0),
+            }
+        )
+    return {"results": results}
+
+
+def main() -> int:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    job = json.loads(sys.argv[1])
+    cfg = job.get("kv_transfer_config")
+    llm = LLM(
+        **LLM_DEFAULTS,
+        model=job["model"],
+        max_model_len=job.get("max_model_len", 2048),
+        dtype=job.get("dtype", "auto"),
+        kv_transfer_config=KVTransferConfig(**cfg) if cfg else None,
+    )
+    print(READY_LINE, flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(_serve(llm, json.loads(line))), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
