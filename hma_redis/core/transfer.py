@@ -26,8 +26,9 @@ Two data paths move the bytes (one INFO line at start-up says which runs):
 Either way a load reports success only once every value was checked: checksum, prefix (magic,
 version, flags), header (key echo, group, dtype, layout, page sizes, blocks) and length, and
 the MAC with an ``auth_key``. On the native path pages may land before their value's checksum
-is known; a job with any bad or missing value fails, so its blocks are recomputed before any
-request reads them (vLLM frees the blocks of a failed load without caching them).
+is known; a job with any bad or missing value fails, and every page it may have written is
+zeroed before its failure is reported: no page the engine may read ever holds bytes that failed
+validation (vLLM frees a failed load's blocks without rewriting them, and reuses them).
 
     engine = TransferEngine(store, [[LayerSource.of(t, page_bytes) for t in tensors]],
                             ValueFormat(kv_dtype="float16"), blocks_per_chunk=16)
