@@ -329,7 +329,27 @@ class Fuzz:
         baseline = self.engine(model, None).serve(prompts)
         result = self._judge(index, model, path_a, path_b, fault, moment, served, baseline)
         result.stored = len(keys)
+        if fault in LIVE_FAULTS:
+            self._settle(rng)
         return result
+
+    def _settle(self, rng: random.Random) -> None:
+        """After an outage, let every engine with the tier notice that Redis is back (one
+        request each, then the breaker's retry interval), so the next round's engine A
+        stores instead of dropping its stores while its breaker is open."""
+        tiered = [engine for (_, path), engine in self._engines.items() if path is not None]
+        for engine in tiered:  # long enough for whole chunks: a lookup and a store
+            engine.serve(make_prompts(rng.randrange(1 << 30), 1, 700, VOCAB_SIZE))
+        time.sleep(2 * float(TIER_OPTIONS["retry_interval_s"]))
+        for engine in tiered:
+            engine.serve(make_prompts(rng.randrange(1 << 30), 1, 700, VOCAB_SIZE))
+        self._failed_seen.update(
+            {
+                key: self.engine(*key).log_text().count("will be recomputed")
+                for key in self._engines
+                if key[1]
+            }
+        )
 
     def _judge(
         self,
