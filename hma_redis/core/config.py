@@ -100,22 +100,63 @@ def strip_userinfo(url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with everything between ``scheme://`` and the host (user name and password,
-    whatever characters they hold) replaced by ``***``, and any ``password=`` query value too.
-    Never raises, so it is safe on malformed URLs (cluster and sentinel host lists included).
-    A ``password=`` query parameter (refused by the config, but shown in its error) is cut
-    with all that follows it; if one appears before the userinfo's end (inside the password,
-    or a query password holding an ``@``), nothing after ``scheme://`` is shown.
+    """``url`` with nothing secret left in it, safe to show in any message. Never raises.
+
+    Only what is known to be safe is shown: the scheme (letters, digits, ``+ . -``), the
+    authority when it is a list of ``host[:digits]`` (IPv6 in brackets), the path when it has
+    no ``:``, query keys and their numeric values. The userinfo (user name and password,
+    whatever characters they hold) becomes ``***@``; an authority that is not a host list
+    (``redis://user:password`` without ``@host``, a port that is not a number) hides all after
+    ``scheme://``; a ``password=`` query value, any other non-numeric one, a path with a ``:``
+    and a fragment become ``***``. Characters that are not printable are written as escapes,
+    so the result is one line.
     """
     head, userinfo, rest = split_userinfo(url)
-    shown = head + ("***@" if userinfo is not None else "")
-    cut = re.search(r"[?&]password=", url, re.IGNORECASE)
-    if cut is None:
-        return shown + rest
-    rest_at = len(url) - len(rest)
-    if cut.start() < rest_at:
+    if head and not _SCHEME_RE.fullmatch(head[: -len("://")]):
+        return "***"
+    cut = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    authority, remainder = rest[:cut], rest[cut:]
+    if not all(_HOST_ITEM_RE.fullmatch(item) for item in authority.split(",")):
         return head + "***"
-    return shown + rest[: cut.end() - rest_at] + "***"
+    shown = head + ("***@" if userinfo is not None else "") + authority
+    return _escaped(shown + _redact_remainder(remainder))
+
+
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
+# One entry of a host list: a name or IPv4 address, or an IPv6 address in brackets; a port.
+_HOST_ITEM_RE = re.compile(r"(?:[A-Za-z0-9_.\-]*|\[[0-9A-Fa-f:.]*(?:%[A-Za-z0-9]+)?\])(?::[0-9]*)?")
+_QUERY_KEY_RE = re.compile(r"[A-Za-z0-9_.\-]*")
+_QUERY_VALUE_RE = re.compile(r"[0-9.]*")
+
+
+def _redact_remainder(remainder: str) -> str:
+    """Path, query and fragment of a URL (what follows the authority), redacted."""
+    before, hash_sign, _fragment = remainder.partition("#")
+    path, question, query = before.partition("?")
+    if ":" in path:  # "user:password" typed where the host or the path should be
+        path = "/***"
+    return path + question + _redact_query(query) + ("#***" if hash_sign else "")
+
+
+def _redact_query(query: str) -> str:
+    """``query`` with every key that is not a plain word and every value that is not a
+    number (a ``password=`` value whatever it holds) replaced by ``***``."""
+    shown = []
+    for pair in query.split("&") if query else ():
+        key, equals, value = pair.partition("=")
+        if not _QUERY_KEY_RE.fullmatch(key):
+            key = "***"
+        if equals and (key.lower() == "password" or not _QUERY_VALUE_RE.fullmatch(value)):
+            value = "***"
+        shown.append(key + equals + value)
+    return "&".join(shown)
+
+
+def _escaped(text: str) -> str:
+    """``text`` with each character that is not printable written as its Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def has_url_password(url: str) -> bool:
@@ -383,7 +424,12 @@ def _url_parts(url: str) -> dict[str, Any]:
     The user name is the userinfo up to its first ``:``, the password all after it (see
     :func:`split_userinfo`), both percent-decoded.
     """
-    _head, userinfo, _rest = split_userinfo(url)
+    head, userinfo, _rest = split_userinfo(url)
+    if not head:
+        raise ValueError(
+            "hma_redis: redis_url must have the form scheme://[user:password@]host[:port][/db]: "
+            f"{redact_url(url)}"
+        )
     try:
         parts = urlsplit(strip_userinfo(url))
     except ValueError:

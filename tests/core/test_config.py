@@ -294,6 +294,63 @@ def test_errors_for_urls_with_a_printable_password_never_show_it(bad):
     assert not _leaks(redact_url(url), PRINTABLE)
 
 
+# A password typed where a host, port or path should be (no "@host", no "@" at all), odd
+# schemes, ports that do not parse, control characters: the URL cannot be parsed, so nothing
+# tells a host from a password, and the message must still not show it.
+MALFORMED_URLS = [
+    "redis://default:{pw}",
+    "redis://default:{pw}/0",
+    "redis://default:{pw}?db=1",
+    "redis://default:{pw}#x",
+    "redis://:{pw}",
+    "rediss://default:{pw}",
+    "REDIS://default:{pw}",
+    "redis+cluster://default:{pw}",
+    "redis+cluster://h1:7000,default:{pw}",
+    "redis+sentinel://default:{pw}/mymaster",
+    "unix://default:{pw}",
+    "unix://default:{pw}/run/redis.sock",
+    "redis:default:{pw}",
+    "redis:/default:{pw}",
+    "redis:///default:{pw}",
+    "redis//default:{pw}",
+    "default:{pw}",
+    "default:{pw}@",
+    "ftp://default:{pw}",
+    "http://default:{pw}@",
+    "re dis://default:{pw}",
+    " redis://default:{pw}",
+    "redis://h:{pw}",
+    "redis://h:6379:{pw}",
+    "redis://[default:{pw}]",
+    "redis://[::1]:{pw}",
+    "redis://default:{pw}\n",
+    "redis://default:{pw}\x1b[2J",
+    "redis://default:\n{pw}",
+    "redis://h:6379/0?password={pw}",
+    "redis://h:6379/0?token={pw}",
+    "redis://h:6379/{pw}:x",
+]
+
+
+@pytest.mark.parametrize("form", MALFORMED_URLS)
+def test_malformed_url_error_is_one_line_without_the_password(form):
+    url = form.format(pw="s3cretZq9")
+    with pytest.raises(ValueError, match="redis_url") as info:
+        RedisTierConfig.from_extra_config({"redis_url": url}, env={}, warn_credentials=False)
+    message = str(info.value)
+    assert "s3cret" not in message and "\n" not in message and "\x1b" not in message, message
+    assert "s3cret" not in redact_url(url) and redact_url(url).isprintable()
+
+
+def test_redact_url_shows_what_is_safe_of_a_malformed_url():
+    assert redact_url("redis://default:s3cret") == "redis://***"
+    assert redact_url("redis://default:s3cret@") == "redis://***@"
+    assert redact_url("redis://h:1/0?password=s3cret&db=2") == "redis://h:1/0?password=***&db=2"
+    assert redact_url("localhost:6379") == "localhost:6379"
+    assert redact_url("redis://h:1/0\n") == "redis://h:1/0\\n"
+
+
 # ------------------------------------------------------------------ auth_key
 
 KEY = b"0123456789abcdef-shared-secret"
