@@ -47,6 +47,7 @@ from hma_redis.tools.cli.admin import (
     GroupUsage,
     KeyEntry,
     NamespaceUsage,
+    PurgeRefused,
     PurgeResult,
     RedisAdmin,
 )
@@ -105,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(admin, args)
     except CliError as exc:
         return _fail(scrub(str(exc), cfg), exc.code)
+    except PurgeRefused as exc:
+        return _fail(scrub(str(exc), cfg), EXIT_FAIL)
     except ValueError as exc:  # an option re-validated by RedisTierConfig (e.g. --namespace)
         return _fail(_config_message(exc), EXIT_USAGE)
     except (RedisError, OSError) as exc:
