@@ -16,6 +16,7 @@ import os
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -56,7 +57,7 @@ def _set_name(connection: AbstractConnection, name: str) -> None:
         logger.debug("hma_redis: CLIENT SETNAME refused (%s); the connection stays unnamed", exc)
 
 
-def _named_connect(name: str) -> Any:
+def _named_connect(name: str) -> Callable[[AbstractConnection], None]:
     """redis-py's ``redis_connect_func`` for a plain or sentinel connection: its usual
     handshake (AUTH, SELECT, ...), then the name."""
 
@@ -67,7 +68,7 @@ def _named_connect(name: str) -> Any:
     return connect
 
 
-def _name_only(name: str) -> Any:
+def _name_only(name: str) -> Callable[[AbstractConnection], None]:
     """The same for a cluster node's connection (``RedisCluster`` runs the handshake itself
     and then this)."""
     return lambda connection: _set_name(connection, name)

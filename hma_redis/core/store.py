@@ -133,13 +133,19 @@ class RedisBlockStore:
         # The connections of both pools carry this name (CLIENT LIST shows which are the
         # store's); a client handed in keeps its own (None here).
         self.client_name = new_client_name() if client is None else None
-        self.client = client or make_client(cfg, client_name=self.client_name)
+        self.client = (
+            client if client is not None else make_client(cfg, client_name=self.client_name)
+        )
         # Values go through their own pool whose packer never copies them.
-        self._bulk = client or make_client(
-            cfg,
-            zero_copy=True,
-            max_connections=bulk_connections(cfg),
-            client_name=self.client_name,
+        self._bulk = (
+            self.client
+            if client is not None
+            else make_client(
+                cfg,
+                zero_copy=True,
+                max_connections=bulk_connections(cfg),
+                client_name=self.client_name,
+            )
         )
         self.breaker = CircuitBreaker(cfg.redacted_url, cfg.retry_interval_s)
         self._is_cluster = isinstance(self.client, RedisCluster)
