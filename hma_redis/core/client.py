@@ -10,27 +10,75 @@ that never copies values) are subclasses here, so nothing else reaches into redi
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
+import os
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.connection import PythonRespSerializer
-from redis.exceptions import RedisClusterException, RedisError
+from redis.connection import AbstractConnection, PythonRespSerializer
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from hma_redis.core.config import RedisTierConfig, endpoint_url
 
+logger = logging.getLogger(__name__)
+
 RedisClient = redis.Redis | RedisCluster
+
+_CLIENT_NUMBERS = itertools.count(1)
+
+
+def new_client_name() -> str:
+    """A fresh name for the connections of one client, or of one store's clients:
+    ``hma_redis-<pid>-<n>``, the process id and the n-th name the process gave out.
+
+    Redis shows it in ``CLIENT LIST`` (``name=``), so an operator sees which process holds
+    which connections, and a test counts one store's connections among everyone else's.
+    """
+    return f"hma_redis-{os.getpid()}-{next(_CLIENT_NUMBERS)}"
+
+
+def _set_name(connection: AbstractConnection, name: str) -> None:
+    """``CLIENT SETNAME`` on a connection that just connected; a refusal (an ACL without
+    ``CLIENT``, a proxy) leaves it unnamed rather than unusable."""
+    connection.send_command("CLIENT", "SETNAME", name, check_health=False)
+    try:
+        connection.read_response()
+    except ResponseError as exc:
+        logger.debug("hma_redis: CLIENT SETNAME refused (%s); the connection stays unnamed", exc)
+
+
+def _named_connect(name: str) -> Callable[[AbstractConnection], None]:
+    """redis-py's ``redis_connect_func`` for a plain or sentinel connection: its usual
+    handshake (AUTH, SELECT, ...), then the name."""
+
+    def connect(connection: AbstractConnection) -> None:
+        connection.on_connect()
+        _set_name(connection, name)
+
+    return connect
+
+
+def _name_only(name: str) -> Callable[[AbstractConnection], None]:
+    """The same for a cluster node's connection (``RedisCluster`` runs the handshake itself
+    and then this)."""
+    return lambda connection: _set_name(connection, name)
 
 
 def make_client(
-    cfg: RedisTierConfig, zero_copy: bool = False, max_connections: int | None = None
+    cfg: RedisTierConfig,
+    zero_copy: bool = False,
+    max_connections: int | None = None,
+    client_name: str | None = None,
 ) -> RedisClient:
     """A redis-py client with bounded timeouts and no hidden retries.
 
@@ -47,7 +95,11 @@ def make_client(
 
     ``max_connections`` (per node) replaces ``cfg.pool_size`` when larger: the transfer
     engine's jobs may each hold several connections (``connections_per_job``).
+
+    Every connection it opens (data nodes, sentinels, pub/sub) is named ``client_name``
+    (default: :func:`new_client_name`) with ``CLIENT SETNAME``.
     """
+    name = client_name or new_client_name()
     kwargs: dict[str, Any] = {
         "username": cfg.username,
         "password": cfg.password,
@@ -63,7 +115,9 @@ def make_client(
     }
     topo = cfg.topology
     if topo.kind == "cluster":
+        kwargs["redis_connect_func"] = _name_only(name)
         return _cluster_client(cfg, kwargs, pool_kwargs, zero_copy)
+    kwargs["redis_connect_func"] = _named_connect(name)
     if zero_copy:
         kwargs["command_packer"] = _zero_copy_packer()
     if topo.kind == "sentinel":
@@ -213,6 +267,7 @@ def _sentinel_client(
         "socket_connect_timeout": cfg.connect_timeout_s,
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
+        "redis_connect_func": kwargs["redis_connect_func"],
     }
     if cfg.tls:
         sentinel_kwargs.update(ssl=True, **tls_options(cfg))

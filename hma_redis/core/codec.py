@@ -29,6 +29,7 @@ import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TypeVar
 
 import blake3
@@ -256,13 +257,41 @@ def decode(
 
 def decode_header(value: bytes | memoryview) -> tuple[BlockHeader, bool]:
     """Header of a value and whether its checksum (CRC32C) holds, for inspection tools: the MAC
-    is not checked (see :func:`has_mac`). Raises :class:`CorruptBlockError` only when no
+    is not checked (see :func:`check_mac`). Raises :class:`CorruptBlockError` only when no
     header can be read at all."""
     view = memoryview(value).cast("B")
     _magic, _version, _flags, header_len, crc, _mac = _prefix(view)
     header = _parse_header(_header_bytes(view, header_len))
     body_ok = view.nbytes == PREFIX_BYTES + header_len + header.body_bytes
     return header, body_ok and crc32c.crc32c(view[PREFIX_BYTES:]) == crc
+
+
+class MacCheck(Enum):
+    """What :func:`check_mac` found."""
+
+    ABSENT = "absent"  # the value says it was written without an auth_key
+    OK = "ok"  # checked with the key given: it matches
+    BAD = "bad"  # checked with the key given: it does not (another key, or tampered with)
+    UNCHECKED = "unchecked"  # the value carries a MAC, and no key was given to check it with
+    UNREADABLE = "unreadable"  # no prefix or header length to check it over (too short, ...)
+
+
+def check_mac(value: bytes | memoryview, mac_key: MacKey | None) -> MacCheck:
+    """The MAC of ``value`` checked on its own, for inspection tools that report each check:
+    whatever else is wrong with the value (a bad checksum, an undecodable header, another
+    key's echo), the MAC is compared whenever it can be. :func:`decode` stops at the first
+    failed check instead."""
+    view = memoryview(value).cast("B")
+    try:
+        _magic, _version, flags, header_len, _crc, mac = _prefix(view)
+        _header_bytes(view, header_len)
+    except CorruptBlockError:
+        return MacCheck.UNREADABLE
+    if not flags & FLAG_MAC:
+        return MacCheck.ABSENT
+    if mac_key is None:
+        return MacCheck.UNCHECKED
+    return MacCheck.OK if _mac_matches(view, header_len, mac, mac_key) else MacCheck.BAD
 
 
 def has_mac(value: bytes | memoryview) -> bool:
@@ -306,13 +335,17 @@ def _check_mac(view: memoryview, flags: int, mac: bytes, mac_key: MacKey | None)
         return
     if mac_key is None:
         raise CorruptBlockError("value has a MAC (written with an auth_key); this reader has none")
-    header_len = _SIGNED.unpack_from(view, 0)[3]
+    if not _mac_matches(view, _SIGNED.unpack_from(view, 0)[3], mac, mac_key):
+        raise CorruptBlockError("MAC mismatch: written with another auth_key, or tampered with")
+
+
+def _mac_matches(view: memoryview, header_len: int, mac: bytes, mac_key: MacKey) -> bool:
+    """Whether ``mac`` is the keyed BLAKE3 of body, header and signed prefix (constant time)."""
     hasher = mac_key.hasher()
     hasher.update(view[PREFIX_BYTES + header_len :])
     hasher.update(view[PREFIX_BYTES : PREFIX_BYTES + header_len])
     hasher.update(view[: _SIGNED.size])
-    if not hmac.compare_digest(hasher.digest(), mac):
-        raise CorruptBlockError("MAC mismatch: written with another auth_key, or tampered with")
+    return hmac.compare_digest(hasher.digest(), mac)
 
 
 def _parse_header(raw: memoryview) -> BlockHeader:

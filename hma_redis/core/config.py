@@ -42,12 +42,27 @@ TLS_SCHEMES = ("rediss", "rediss+cluster", "rediss+sentinel")
 _SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
 _CLUSTER_PORT = 6379
 _SENTINEL_PORT = 26379
-_SERVICE_RE = re.compile(r"^[^\s/]{1,256}$")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,32}$")
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+# Matched whole (fullmatch): a trailing newline or any other control character is refused.
+_SERVICE_RE = re.compile(r"[^\s/\x00-\x1f\x7f-\x9f]{1,256}")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.\-]{1,32}")
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # connections_per_job: more connections than this per job only add Redis clients.
 MAX_CONNECTIONS_PER_JOB = 64
 MAX_IDLE_WAIT_MS = 100.0
+# Every timeout and interval: the native path's poll() takes at most a day (int milliseconds),
+# and a longer wait is a hang, not a timeout.
+MAX_TIMEOUT_S = 86400.0
+# ttl_s and admission_window_s go to Redis as SET ... EX: 100 years, far below Redis' own
+# limit (an EX whose milliseconds overflow is refused, and then nothing is ever stored).
+MAX_EXPIRE_S = 100 * 365 * 86400
+# gil_switch_interval_ms: Python keeps the interval in whole microseconds (less is 0, a switch
+# at every chance); above a second it no longer lowers anything.
+MIN_GIL_SWITCH_INTERVAL_MS = 0.001
+MAX_GIL_SWITCH_INTERVAL_MS = 1000.0
+# redis-py's blocking pool allocates a slot per connection up front; threads per worker.
+MAX_POOL_SIZE = 1024
+MAX_IO_THREADS = 256
+MAX_INFLIGHT_BYTES = 1 << 40
 # Admission policies (option ``admission``): store every computed chunk, or only one that some
 # instance of the deployment already looked up (the second sighting).
 ADMISSION_POLICIES = ("always", "second_sighting")
@@ -100,22 +115,63 @@ def strip_userinfo(url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with everything between ``scheme://`` and the host (user name and password,
-    whatever characters they hold) replaced by ``***``, and any ``password=`` query value too.
-    Never raises, so it is safe on malformed URLs (cluster and sentinel host lists included).
-    A ``password=`` query parameter (refused by the config, but shown in its error) is cut
-    with all that follows it; if one appears before the userinfo's end (inside the password,
-    or a query password holding an ``@``), nothing after ``scheme://`` is shown.
+    """``url`` with nothing secret left in it, safe to show in any message. Never raises.
+
+    Only what is known to be safe is shown: the scheme (letters, digits, ``+ . -``), the
+    authority when it is a list of ``host[:digits]`` (IPv6 in brackets), the path when it has
+    no ``:``, query keys and their numeric values. The userinfo (user name and password,
+    whatever characters they hold) becomes ``***@``; an authority that is not a host list
+    (``redis://user:password`` without ``@host``, a port that is not a number) hides all after
+    ``scheme://``; a ``password=`` query value, any other non-numeric one, a path with a ``:``
+    and a fragment become ``***``. Characters that are not printable are written as escapes,
+    so the result is one line.
     """
     head, userinfo, rest = split_userinfo(url)
-    shown = head + ("***@" if userinfo is not None else "")
-    cut = re.search(r"[?&]password=", url, re.IGNORECASE)
-    if cut is None:
-        return shown + rest
-    rest_at = len(url) - len(rest)
-    if cut.start() < rest_at:
+    if head and not _SCHEME_RE.fullmatch(head[: -len("://")]):
+        return "***"
+    cut = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    authority, remainder = rest[:cut], rest[cut:]
+    if not all(_HOST_ITEM_RE.fullmatch(item) for item in authority.split(",")):
         return head + "***"
-    return shown + rest[: cut.end() - rest_at] + "***"
+    shown = head + ("***@" if userinfo is not None else "") + authority
+    return _escaped(shown + _redact_remainder(remainder))
+
+
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
+# One entry of a host list: a name or IPv4 address, or an IPv6 address in brackets; a port.
+_HOST_ITEM_RE = re.compile(r"(?:[A-Za-z0-9_.\-]*|\[[0-9A-Fa-f:.]*(?:%[A-Za-z0-9]+)?\])(?::[0-9]*)?")
+_QUERY_KEY_RE = re.compile(r"[A-Za-z0-9_.\-]*")
+_QUERY_VALUE_RE = re.compile(r"[0-9.]*")
+
+
+def _redact_remainder(remainder: str) -> str:
+    """Path, query and fragment of a URL (what follows the authority), redacted."""
+    before, hash_sign, _fragment = remainder.partition("#")
+    path, question, query = before.partition("?")
+    if ":" in path:  # "user:password" typed where the host or the path should be
+        path = "/***"
+    return path + question + _redact_query(query) + ("#***" if hash_sign else "")
+
+
+def _redact_query(query: str) -> str:
+    """``query`` with every key that is not a plain word and every value that is not a
+    number (a ``password=`` value whatever it holds) replaced by ``***``."""
+    shown = []
+    for pair in query.split("&") if query else ():
+        key, equals, value = pair.partition("=")
+        if not _QUERY_KEY_RE.fullmatch(key):
+            key = "***"
+        if equals and (key.lower() == "password" or not _QUERY_VALUE_RE.fullmatch(value)):
+            value = "***"
+        shown.append(key + equals + value)
+    return "&".join(shown)
+
+
+def _escaped(text: str) -> str:
+    """``text`` with each character that is not printable written as its Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def has_url_password(url: str) -> bool:
@@ -383,7 +439,12 @@ def _url_parts(url: str) -> dict[str, Any]:
     The user name is the userinfo up to its first ``:``, the password all after it (see
     :func:`split_userinfo`), both percent-decoded.
     """
-    _head, userinfo, _rest = split_userinfo(url)
+    head, userinfo, _rest = split_userinfo(url)
+    if not head:
+        raise ValueError(
+            "hma_redis: redis_url must have the form scheme://[user:password@]host[:port][/db]: "
+            f"{redact_url(url)}"
+        )
     try:
         parts = urlsplit(strip_userinfo(url))
     except ValueError:
@@ -443,7 +504,7 @@ def topology(url: str) -> Topology:
         return Topology("cluster", _hosts(url, _CLUSTER_PORT), tls=tls)
     if parts.scheme in SENTINEL_SCHEMES:
         service = unquote(parts.path.strip("/").split("/")[0])
-        if not _SERVICE_RE.match(service):
+        if not _SERVICE_RE.fullmatch(service):
             raise ValueError(
                 "hma_redis: a sentinel redis_url needs the master's service name: "
                 f"redis+sentinel://host:port[,host:port]/<service>[/<db>]: {redact_url(url)}"
@@ -518,38 +579,13 @@ def _validate(cfg: RedisTierConfig) -> None:
             raise ValueError(f"hma_redis: redis_url port out of range: {cfg.redacted_url}")
     for name in sorted(_FLOAT_FIELDS):
         _finite(getattr(cfg, name), name)
-    _positive(cfg.connect_timeout_s, "connect_timeout_s")
-    _positive(cfg.read_timeout_s, "read_timeout_s")
-    _positive(cfg.retry_interval_s, "retry_interval_s")
-    _positive(cfg.shutdown_timeout_s, "shutdown_timeout_s", allow_zero=True)
-    _positive(cfg.gil_switch_interval_ms, "gil_switch_interval_ms", allow_zero=True)
-    _positive(cfg.idle_wait_ms, "idle_wait_ms", allow_zero=True)
-    if cfg.idle_wait_ms > MAX_IDLE_WAIT_MS:
-        # New requests wait this long at most while a load runs: keep it a blip.
-        raise ValueError(
-            f"hma_redis: idle_wait_ms must be at most {MAX_IDLE_WAIT_MS:g}, "
-            f"got {cfg.idle_wait_ms:g}"
-        )
-    _positive(cfg.store_pending_timeout_s, "store_pending_timeout_s")
-    _positive(cfg.pool_size, "pool_size")
-    _positive(cfg.io_threads, "io_threads")
-    _positive(cfg.connections_per_job, "connections_per_job")
-    if cfg.connections_per_job > MAX_CONNECTIONS_PER_JOB:
-        raise ValueError(
-            f"hma_redis: connections_per_job must be between 1 and {MAX_CONNECTIONS_PER_JOB}, "
-            f"got {cfg.connections_per_job}"
-        )
-    _positive(cfg.max_inflight_bytes, "max_inflight_bytes")
-    if not 0 <= cfg.db <= 10_000:
-        raise ValueError(f"hma_redis: db must be between 0 and 10000, got {cfg.db}")
-    if cfg.ttl_s is not None:
-        _positive(cfg.ttl_s, "ttl_s")
-    if not _PREFIX_RE.match(cfg.key_prefix):
+    _validate_numbers(cfg)
+    if not _PREFIX_RE.fullmatch(cfg.key_prefix):
         raise ValueError(
             "hma_redis: key_prefix must be 1-32 characters of [A-Za-z0-9_.-], "
             f"got {cfg.key_prefix!r}"
         )
-    if cfg.namespace is not None and not _NAMESPACE_RE.match(cfg.namespace):
+    if cfg.namespace is not None and not _NAMESPACE_RE.fullmatch(cfg.namespace):
         raise ValueError(
             f"hma_redis: namespace must be 1-64 characters of [A-Za-z0-9_.-], got {cfg.namespace!r}"
         )
@@ -569,7 +605,6 @@ def _validate(cfg: RedisTierConfig) -> None:
         raise ValueError(
             f"hma_redis: admission must be one of {list(ADMISSION_POLICIES)}, got {cfg.admission!r}"
         )
-    _positive(cfg.admission_window_s, "admission_window_s")
 
 
 def _validate_auth_key(key: object) -> None:
@@ -590,10 +625,50 @@ def _finite(value: object, name: str) -> None:
         raise ValueError(f"hma_redis: {name} must be a finite number, got {value}")
 
 
-def _positive(value: float, name: str, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"hma_redis: {name} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(
-            f"hma_redis: {name} must be {'>= 0' if allow_zero else '> 0'}, got {value}"
-        )
+# Numeric options: (low, high, whether low itself is allowed). Every int and float field is
+# here (tests/core/test_config.py checks it), so a new option gets a range with its field.
+NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
+    "db": (0, 10_000, True),
+    "connect_timeout_s": (0.0, MAX_TIMEOUT_S, False),
+    "read_timeout_s": (0.0, MAX_TIMEOUT_S, False),
+    "retry_interval_s": (0.0, MAX_TIMEOUT_S, False),
+    "shutdown_timeout_s": (0.0, MAX_TIMEOUT_S, True),
+    "store_pending_timeout_s": (0.0, MAX_TIMEOUT_S, False),
+    "idle_wait_ms": (0.0, MAX_IDLE_WAIT_MS, True),
+    "gil_switch_interval_ms": (MIN_GIL_SWITCH_INTERVAL_MS, MAX_GIL_SWITCH_INTERVAL_MS, True),
+    "pool_size": (1, MAX_POOL_SIZE, True),
+    "io_threads": (1, MAX_IO_THREADS, True),
+    "connections_per_job": (1, MAX_CONNECTIONS_PER_JOB, True),
+    "max_inflight_bytes": (1, MAX_INFLIGHT_BYTES, True),
+    "ttl_s": (1, MAX_EXPIRE_S, True),
+    "admission_window_s": (1, MAX_EXPIRE_S, True),
+}
+# Options for which 0 also means something ("leave Python's interval alone").
+_ZERO_ALSO = frozenset({"gil_switch_interval_ms"})
+
+
+def _validate_numbers(cfg: RedisTierConfig) -> None:
+    """Every numeric option within its range (``ttl_s`` may also be ``None``: no expiry)."""
+    for name, (low, high, low_allowed) in NUMERIC_RANGES.items():
+        value = getattr(cfg, name)
+        if value is None and name == "ttl_s":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"hma_redis: {name} must be a number, got {value!r}")
+        if value == 0 and name in _ZERO_ALSO:
+            continue
+        if value < low or value > high or (value == low and not low_allowed):
+            raise ValueError(f"hma_redis: {name} must be {_range_text(name)}, got {_num(value)}")
+
+
+def _range_text(name: str) -> str:
+    """The allowed range of a numeric option, as its error line says it."""
+    low, high, low_allowed = NUMERIC_RANGES[name]
+    text = f"{'>=' if low_allowed else '>'} {_num(low)} and <= {_num(high)}"
+    if name in _ZERO_ALSO:
+        text = f"0 or {text}"
+    return text
+
+
+def _num(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"

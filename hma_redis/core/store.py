@@ -36,7 +36,7 @@ from hma_redis.core.breaker import (
     classify,
     refusal_of,
 )
-from hma_redis.core.client import RedisClient, make_client
+from hma_redis.core.client import RedisClient, make_client, new_client_name
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.resp import OversizedValue, RawReplies, no_bulk, send_all
@@ -130,12 +130,22 @@ class RedisBlockStore:
         refusal_log_interval_s: float = REFUSAL_LOG_INTERVAL_S,
     ):
         self.cfg = cfg
-        self.client = client if client is not None else make_client(cfg)
+        # The connections of both pools carry this name (CLIENT LIST shows which are the
+        # store's); a client handed in keeps its own (None here).
+        self.client_name = new_client_name() if client is None else None
+        self.client = (
+            client if client is not None else make_client(cfg, client_name=self.client_name)
+        )
         # Values go through their own pool whose packer never copies them.
         self._bulk = (
             self.client
             if client is not None
-            else make_client(cfg, zero_copy=True, max_connections=bulk_connections(cfg))
+            else make_client(
+                cfg,
+                zero_copy=True,
+                max_connections=bulk_connections(cfg),
+                client_name=self.client_name,
+            )
         )
         self.breaker = CircuitBreaker(cfg.redacted_url, cfg.retry_interval_s)
         self._is_cluster = isinstance(self.client, RedisCluster)

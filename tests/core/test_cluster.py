@@ -23,6 +23,7 @@ from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore, Red
 from hma_redis.tools.demo.local_redis import free_port
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
+from tests.support.redis_server import store_connections
 
 USER, PASSWORD = "tier", "cluster-s3cret"
 READ_TIMEOUT_S = 1.0
@@ -168,6 +169,19 @@ def test_a_lookup_is_one_round_trip_per_node_with_the_counters_riding_along(
         counters = client.hgetall(ks.stats_key())
     assert counters == {b"lookups": b"1", b"lookup_keys": str(len(keys)).encode()}
     store.close()
+
+
+def test_a_cluster_store_names_its_connections_on_every_master(clean: LocalCluster) -> None:
+    store = _store(clean.url)
+    try:
+        keys = _keys("named")
+        assert set(store.put_if_absent([(k, b"v") for k in keys])) == {PutResult.STORED}
+        assert all(store.exists(keys))
+        for client in clean.clients():
+            with client:
+                assert store_connections(client, store.client_name) >= 1
+    finally:
+        store.close()
 
 
 def test_put_get_and_dedup(clean: LocalCluster) -> None:

@@ -156,6 +156,25 @@ def test_forged_body_with_valid_crc_passes_unkeyed_reader_but_not_keyed_one():
         codec.decode(_forge(keyed, evil), expected_key=KEY, mac_key=MAC)
 
 
+def test_check_mac_compares_the_mac_whatever_else_is_wrong():
+    header = _header()
+    keyed = bytearray(codec.encode(header, os.urandom(header.body_bytes), MAC))
+    assert codec.check_mac(keyed, MAC) is codec.MacCheck.OK
+    assert codec.check_mac(keyed, None) is codec.MacCheck.UNCHECKED
+    assert codec.check_mac(keyed, MacKey.derive(b"another-secret-0123456789")) is (
+        codec.MacCheck.BAD
+    )
+    crc_only = bytearray(keyed)
+    crc_only[12] ^= 1  # decode stops at the checksum; the MAC still holds
+    assert codec.check_mac(crc_only, MAC) is codec.MacCheck.OK
+    body = bytearray(keyed)
+    body[-1] ^= 1
+    assert codec.check_mac(body, MAC) is codec.MacCheck.BAD
+    plain = bytes(codec.encode(header, os.urandom(header.body_bytes)))
+    assert codec.check_mac(plain, MAC) is codec.MacCheck.ABSENT
+    assert codec.check_mac(keyed[: codec.PREFIX_BYTES - 1], MAC) is codec.MacCheck.UNREADABLE
+
+
 @pytest.mark.parametrize(
     ("writer", "reader", "message"),
     [

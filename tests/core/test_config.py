@@ -7,7 +7,14 @@ from urllib.parse import quote
 
 import pytest
 
-from hma_redis.core.config import RedisTierConfig, endpoint_url, redact_url
+from hma_redis.core.config import (
+    MAX_EXPIRE_S,
+    NUMERIC_RANGES,
+    RedisTierConfig,
+    endpoint_url,
+    redact_url,
+)
+from hma_redis.core.store import PutResult, RedisBlockStore
 
 
 def test_url_from_extra_config_wins_over_environment():
@@ -141,6 +148,100 @@ def test_non_finite_numbers_are_rejected_in_every_float_option(field, value):
     if isinstance(value, float):
         with pytest.raises(ValueError, match=field):
             RedisTierConfig(**{field: value})
+
+
+# ------------------------------------------------------------------ ranges
+
+_NUMERIC_OPTIONS = sorted(
+    f.name
+    for f in dataclasses.fields(RedisTierConfig)
+    if str(f.type) in ("int", "int | None", "float", "float | None")
+)
+
+
+def test_every_numeric_option_has_a_range():
+    assert sorted(NUMERIC_RANGES) == _NUMERIC_OPTIONS
+
+
+def _beyond(value, direction):
+    """The next value past ``value`` towards ``direction`` (+1 / -1) in the field's type."""
+    if isinstance(value, int):
+        return value + direction
+    return math.nextafter(value, direction * math.inf)
+
+
+@pytest.mark.parametrize("field", sorted(NUMERIC_RANGES))
+def test_each_numeric_option_takes_its_bounds_and_refuses_just_beyond(field):
+    low, high, low_allowed = NUMERIC_RANGES[field]
+    accepted = [high, low] if low_allowed else [high]
+    for value in accepted:
+        assert getattr(RedisTierConfig.from_extra_config({field: value}, env={}), field) == value
+    refused = [_beyond(high, +1), low if not low_allowed else _beyond(low, -1)]
+    for value in refused:
+        with pytest.raises(ValueError) as info:
+            RedisTierConfig.from_extra_config({field: value}, env={})
+        message = str(info.value)
+        assert message.startswith(f"hma_redis: {field} must be ") and "\n" not in message
+        shown = str(high) if isinstance(high, int) else f"{high:g}"
+        assert f"<= {shown}" in message, message  # the allowed range is in the line
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("read_timeout_s", 86400.5),
+        ("connect_timeout_s", 1e10),
+        ("shutdown_timeout_s", 9.3e9),
+        ("ttl_s", MAX_EXPIRE_S + 1),
+        ("ttl_s", 9_300_000_000_000_000),
+        ("admission_window_s", 9_300_000_000_000_000),
+        ("gil_switch_interval_ms", 0.0005),
+        ("gil_switch_interval_ms", -1),
+        ("pool_size", 10**9),
+        ("io_threads", 10**6),
+    ],
+)
+def test_values_that_would_break_the_tier_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^hma_redis: {field} must be .* got "):
+        RedisTierConfig.from_extra_config({field: value}, env={})
+
+
+def test_gil_switch_interval_zero_still_means_leave_it_alone():
+    assert RedisTierConfig.from_extra_config({"gil_switch_interval_ms": 0}, env={})
+
+
+def test_ttl_at_its_bound_is_accepted_by_redis(redis_client, redis_url):
+    cfg = RedisTierConfig.from_extra_config(
+        {"redis_url": redis_url, "ttl_s": MAX_EXPIRE_S, "admission_window_s": MAX_EXPIRE_S},
+        env={},
+    )
+    store = RedisBlockStore(cfg)
+    try:
+        assert store.put_if_absent([("hma:ttl-bound:v", b"x")]) == [PutResult.STORED]
+        store.exists_and_mark([["hma:ttl-bound:absent"]], ["hma:ttl-bound:m"], MAX_EXPIRE_S)
+    finally:
+        store.close()
+    assert 0 < redis_client.ttl("hma:ttl-bound:v") <= MAX_EXPIRE_S
+    assert 0 < redis_client.ttl("hma:ttl-bound:m") <= MAX_EXPIRE_S
+    redis_client.delete("hma:ttl-bound:v", "hma:ttl-bound:m")
+
+
+@pytest.mark.parametrize("field", ["key_prefix", "namespace"])
+@pytest.mark.parametrize("tail", ["\n", "\r\n", "\r", "\x00", "\x1b", "\t", "\x7f", "\x85"])
+def test_names_with_a_trailing_newline_or_control_character_are_refused(field, tail):
+    with pytest.raises(ValueError, match=f"^hma_redis: {field} must be") as info:
+        RedisTierConfig.from_extra_config({field: "tier" + tail}, env={})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=field):
+        RedisTierConfig.from_extra_config({field: "ti" + tail + "er"}, env={})
+
+
+@pytest.mark.parametrize("tail", ["\x00", "\x1b[2J", "\x7f", "\x85"])
+def test_sentinel_service_name_with_a_control_character_is_refused(tail):
+    url = f"redis+sentinel://s1:26379/mymaster{quote(tail)}"
+    with pytest.raises(ValueError, match="service name") as info:
+        RedisTierConfig.from_extra_config({"redis_url": url}, env={})
+    assert info.value.args[0].isprintable()
 
 
 # ------------------------------------------------------------------ password sources
@@ -292,6 +393,63 @@ def test_errors_for_urls_with_a_printable_password_never_show_it(bad):
     assert "redis_url" in message and "\n" not in message, message
     assert not _leaks(message, PRINTABLE), message
     assert not _leaks(redact_url(url), PRINTABLE)
+
+
+# A password typed where a host, port or path should be (no "@host", no "@" at all), odd
+# schemes, ports that do not parse, control characters: the URL cannot be parsed, so nothing
+# tells a host from a password, and the message must still not show it.
+MALFORMED_URLS = [
+    "redis://default:{pw}",
+    "redis://default:{pw}/0",
+    "redis://default:{pw}?db=1",
+    "redis://default:{pw}#x",
+    "redis://:{pw}",
+    "rediss://default:{pw}",
+    "REDIS://default:{pw}",
+    "redis+cluster://default:{pw}",
+    "redis+cluster://h1:7000,default:{pw}",
+    "redis+sentinel://default:{pw}/mymaster",
+    "unix://default:{pw}",
+    "unix://default:{pw}/run/redis.sock",
+    "redis:default:{pw}",
+    "redis:/default:{pw}",
+    "redis:///default:{pw}",
+    "redis//default:{pw}",
+    "default:{pw}",
+    "default:{pw}@",
+    "ftp://default:{pw}",
+    "http://default:{pw}@",
+    "re dis://default:{pw}",
+    " redis://default:{pw}",
+    "redis://h:{pw}",
+    "redis://h:6379:{pw}",
+    "redis://[default:{pw}]",
+    "redis://[::1]:{pw}",
+    "redis://default:{pw}\n",
+    "redis://default:{pw}\x1b[2J",
+    "redis://default:\n{pw}",
+    "redis://h:6379/0?password={pw}",
+    "redis://h:6379/0?token={pw}",
+    "redis://h:6379/{pw}:x",
+]
+
+
+@pytest.mark.parametrize("form", MALFORMED_URLS)
+def test_malformed_url_error_is_one_line_without_the_password(form):
+    url = form.format(pw="s3cretZq9")
+    with pytest.raises(ValueError, match="redis_url") as info:
+        RedisTierConfig.from_extra_config({"redis_url": url}, env={}, warn_credentials=False)
+    message = str(info.value)
+    assert "s3cret" not in message and "\n" not in message and "\x1b" not in message, message
+    assert "s3cret" not in redact_url(url) and redact_url(url).isprintable()
+
+
+def test_redact_url_shows_what_is_safe_of_a_malformed_url():
+    assert redact_url("redis://default:s3cret") == "redis://***"
+    assert redact_url("redis://default:s3cret@") == "redis://***@"
+    assert redact_url("redis://h:1/0?password=s3cret&db=2") == "redis://h:1/0?password=***&db=2"
+    assert redact_url("localhost:6379") == "localhost:6379"
+    assert redact_url("redis://h:1/0\n") == "redis://h:1/0\\n"
 
 
 # ------------------------------------------------------------------ auth_key

@@ -18,6 +18,7 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
 from tests.support.cluster_servers import LocalSentinel, started_sentinel
+from tests.support.redis_server import store_connections
 
 USER, PASSWORD = "tier", "sentinel-s3cret"
 READ_TIMEOUT_S = 1.0
@@ -123,6 +124,20 @@ def test_sentinel_url_reaches_the_master_with_the_tier_options(sentinel: LocalSe
         assert sentinel_kwargs["socket_timeout"] == READ_TIMEOUT_S
         assert sentinel_kwargs["retry"].get_retries() == 0
     store.close()
+
+
+def test_a_sentinel_store_names_its_connections_to_the_master_and_the_sentinel(
+    sentinel: LocalSentinel,
+) -> None:
+    store = _store(sentinel.url)
+    try:
+        assert store.exists(_keys("named", 3)) == [False] * 3
+        with sentinel.data_client(sentinel.master_port()) as master:
+            assert store_connections(master, store.client_name) >= 1
+        with sentinel.sentinel_client() as client:
+            assert store_connections(client, store.client_name) >= 1
+    finally:
+        store.close()
 
 
 def test_wrong_password_is_one_redacted_line(sentinel: LocalSentinel) -> None:

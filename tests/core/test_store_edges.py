@@ -28,7 +28,12 @@ from hma_redis.core.store import (
 )
 from hma_redis.tools.demo.local_redis import LocalRedis, free_port
 from tests.support.cluster_servers import LocalCluster, started_cluster
-from tests.support.redis_server import command_calls, command_delta
+from tests.support.redis_server import (
+    command_calls,
+    command_delta,
+    store_connections,
+    wait_for_store_connections,
+)
 from tests.support.tcp_proxy import BreakingProxy
 
 KS = KeySpace("hma", "edges")
@@ -127,15 +132,14 @@ def test_connections_are_opened_ahead_of_use_and_an_outage_is_no_error(redis_cli
     """``warm_bulk`` and ``warm_lookups`` open connections the jobs and lookups then use
     (Redis sees them at once, and a lookup opens none); with Redis down they open nothing
     and raise nothing."""
-    before = len(redis_client.client_list())
     store = _store(redis_url)
     try:
         assert store.warm_bulk(3) == 3
         assert store.warm_lookups() == 1
-        assert len(redis_client.client_list()) == before + 4
+        assert store_connections(redis_client, store.client_name) == 4
         assert store.warm_bulk(3) == 3  # the same three, found open
         assert store.exists([_key(0, 1)]) == [False]
-        assert len(redis_client.client_list()) == before + 4
+        assert store_connections(redis_client, store.client_name) == 4
     finally:
         store.close()
     port = free_port()  # nothing listens there
@@ -859,20 +863,49 @@ def test_a_native_put_to_a_moved_slot_fails_then_stores_on_the_new_owner(
     store.close()
 
 
-def test_close_disconnects_every_connection_it_opened(local_redis):
+def test_a_user_who_may_not_name_connections_still_gets_a_working_tier(reader_server):
+    """``CLIENT SETNAME`` refused by the ACL: the store's connections stay unnamed, and
+    lookups, stores and loads work as before (the name is for operators, never a condition)."""
+    server, admin = reader_server
+    _grant_reader(admin, "client")
+    store = _store(_reader_url(server.port), stats_key=None)
+    try:
+        key = _key(0, 2)
+        head, body, _ = _native_value(key, b"v")
+        assert store.put_native([key], [head], [body]) == [PutResult.STORED]
+        assert store.exists([key]) == [True]
+        assert store.breaker.state is BreakerState.CLOSED
+        assert store_connections(admin, store.client_name) == 0
+    finally:
+        store.close()
+
+
+def test_every_connection_of_a_store_carries_its_name(redis_client, redis_url):
+    """Both pools, the lookups' and the values' (the native path's sockets): ``CLIENT LIST``
+    shows ``hma_redis-<pid>-<n>``, one name per store."""
+    first, second = _store(redis_url), _store(redis_url)
+    try:
+        assert first.warm_bulk(2) == 2 and first.warm_lookups() == 1
+        assert second.warm_lookups() == 1
+        assert first.client_name.startswith(f"hma_redis-{os.getpid()}-")
+        assert first.client_name != second.client_name
+        assert store_connections(redis_client, first.client_name) == 3
+        assert store_connections(redis_client, second.client_name) == 1
+    finally:
+        first.close()
+        second.close()
+
+
+def test_close_disconnects_every_connection_it_opened(redis_client, redis_url):
     """Both pools (small commands and values, the native path's included) are the store's:
-    close() leaves no connection of its own open on the server."""
-    admin = redis.Redis(port=local_redis.port)
-
-    def clients() -> int:
-        return int(admin.info("clients")["connected_clients"])
-
-    before = clients()
-    store = _store(f"redis://127.0.0.1:{local_redis.port}/0")
+    close() leaves no connection of its own open on the server (counted by the store's client
+    name, so other clients of the shared server do not count)."""
+    store = _store(redis_url)
     key = _key(0, 1)
     head, body, _ = _native_value(key, b"v")
     assert store.put_native([key], [head], [body]) == [PutResult.STORED]
     assert store.exists([key]) == [True]
-    assert clients() >= before + 2
+    assert store_connections(redis_client, store.client_name) == 2
     store.close()
-    assert clients() == before
+    assert wait_for_store_connections(redis_client, store.client_name, 0) == 0
+    redis_client.delete(key)

@@ -39,6 +39,7 @@ from tests.support.kv_pages import (
     chunks,
     make_pages,
 )
+from tests.support.redis_server import store_connections, wait_for_store_connections
 
 
 def _store(url: str) -> RedisBlockStore:
@@ -418,7 +419,6 @@ def test_a_native_engine_opens_its_job_connections_before_the_first_job(
     """A fresh engine's first load should not wait for TCP connects and handshakes: the
     native engine opens ``connections_per_job`` connections of the bulk pool at start-up (on a
     load thread, so start-up does not wait either), and its first load job opens none."""
-    before = len(redis_client.client_list())
     cfg = RedisTierConfig.from_extra_config(
         {"redis_url": redis_url, "connections_per_job": 2}, env={}
     )
@@ -426,15 +426,12 @@ def test_a_native_engine_opens_its_job_connections_before_the_first_job(
     pages = make_pages(store)
     try:
         assert pages.engine.native
-        deadline = time.monotonic() + 10
-        while len(redis_client.client_list()) < before + 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(redis_client.client_list()) == before + 2
+        assert wait_for_store_connections(redis_client, store.client_name, 2) == 2
         pages.engine.submit_load(1, chunks(DST))  # nothing stored: a miss, on those two
         pages.engine.wait([1])
         (result,) = pages.engine.finished()
         assert not result.ok
-        assert len(redis_client.client_list()) == before + 2
+        assert store_connections(redis_client, store.client_name) == 2
     finally:
         pages.close()
         store.close()

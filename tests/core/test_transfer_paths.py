@@ -30,6 +30,7 @@ from tests.support.kv_pages import (
     chunks,
     make_pages,
 )
+from tests.support.redis_server import store_connections
 
 AUTH_KEY = b"transfer-paths-secret-0001"
 # One group-1 block less than DST from its first index on: the first chunk's value holds one
@@ -124,9 +125,8 @@ def test_a_job_is_split_over_connections_per_job_connections(
         assert rig.load_job(2, chunks(DST)).ok
         assert store.round_trips - trips == 3
         assert rig.moved(SRC, DST)
-        # The parts ran on connections of their own, which the pool keeps (the session Redis
-        # is shared: other tests' clients come and go, so only a lower bound holds).
-        assert len(redis_client.client_list()) >= 1 + 3
+        # The parts ran on connections of their own, which the pool keeps.
+        assert store_connections(redis_client, store.client_name) >= 1 + 3
     finally:
         rig.close()
         store.close()

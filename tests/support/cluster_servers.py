@@ -205,6 +205,26 @@ class LocalCluster:
                     client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
         _wait(f"slot {slot} to move", lambda: self.slot_owners()[slot] == to_port, timeout_s=30)
 
+    def start_moving_slot(self, slot: int, to_port: int, keys: list[bytes]) -> None:
+        """Begin resharding ``slot`` to the node on ``to_port`` and move only ``keys`` of it:
+        the slot stays MIGRATING / IMPORTING (its other keys on the old node) until
+        :meth:`settle_slot`, as while an operator's reshard is under way."""
+        from_port = self.slot_owners()[slot]
+        creds = {"username": self.username, "password": self.password}
+        src = redis.Redis(port=from_port, socket_timeout=10, **creds)
+        dst = redis.Redis(port=to_port, socket_timeout=10, **creds)
+        with src, dst:
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(from_port))
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(to_port))
+            auth = ["AUTH2", self.username or "default", self.password] if self.password else []
+            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 10000, *auth, "KEYS", *keys)
+
+    def settle_slot(self, slot: int) -> None:
+        """End a migration :meth:`start_moving_slot` began: the slot stays where it was."""
+        for client in self.clients():
+            with client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+
     def flushall(self) -> None:
         for client in self.clients():
             with client:

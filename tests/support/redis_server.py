@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import redis
 
@@ -85,7 +86,31 @@ def command_calls(client: redis.Redis) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
+# Not the tier's traffic: the test's own INFO, and the name every new connection of a store
+# gets (CLIENT SETNAME, once per connection).
+_UNCOUNTED = frozenset({"info", "client|setname"})
+
+
 def command_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     names = set(before) | set(after)
     delta = {n: after.get(n, 0) - before.get(n, 0) for n in names}
-    return {n: d for n, d in delta.items() if d and n != "info"}
+    return {n: d for n, d in delta.items() if d and n not in _UNCOUNTED}
+
+
+def store_connections(admin: redis.Redis, name: str | None) -> int:
+    """How many connections named ``name`` (a store's ``client_name``) the server holds: the
+    store's own, whatever other clients of a shared server come and go meanwhile."""
+    return sum(1 for client in admin.client_list() if client.get("name") == name)
+
+
+def wait_for_store_connections(
+    admin: redis.Redis, name: str | None, count: int, timeout_s: float = 10.0
+) -> int:
+    """:func:`store_connections` once it is ``count``, or when ``timeout_s`` ran out.
+
+    Redis drops a closed connection from its list only once it has read the EOF, and a
+    connection opened on a background thread appears when that thread gets to it."""
+    deadline = time.monotonic() + timeout_s
+    while (held := store_connections(admin, name)) != count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return held

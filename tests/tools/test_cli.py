@@ -582,7 +582,7 @@ def test_inspect_verifies_the_mac_with_the_tier_auth_key(populated, cli, redis_c
 
     unverified = cli("--json", "inspect", key).json()
     assert unverified["mac"] == "unverified" and not unverified["valid"]
-    assert "not verified" in cli("inspect", key).out
+    assert "not checked (no auth_key" in cli("inspect", key).out
     verified = cli("inspect", key, "--auth-key-file", str(key_file), "--json").json()
     assert verified["mac"] == "verified" and verified["valid"] and verified["checksum_ok"]
     other = tmp_path / "other_key"
@@ -591,6 +591,52 @@ def test_inspect_verifies_the_mac_with_the_tier_auth_key(populated, cli, redis_c
     assert wrong["mac"] == "invalid" and not wrong["valid"]
     plain = cli("--auth-key-file", str(key_file), "--json", "inspect", populated.blocks[0][0])
     assert plain.json()["mac"] == "invalid"  # a keyed tier refuses values without a MAC
+
+
+def _mac_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("mac "))
+
+
+@pytest.mark.parametrize(
+    ("damage", "mac", "shown"),
+    [
+        # A KV byte flipped: the checksum fails first, and the MAC, checked anyway, fails too.
+        ("body", "invalid", "BAD"),
+        # Only the CRC field altered: the MAC over header and body still matches.
+        ("crc", "verified", "OK (checked"),
+        # Too short for a prefix: nothing can be checked, and the line says so.
+        ("truncated", "unreadable", "not checked (decoding stopped"),
+    ],
+)
+def test_inspect_says_whether_the_mac_was_checked_whatever_else_failed(
+    populated, cli, redis_client, tmp_path, damage, mac, shown
+):
+    secret = b"an auth key of at least 16 bytes"
+    key = KeySpace("hma", populated.ns).block_key(0, b"\xce" * 32)
+    header = block_header(key, 0, 4)
+    value = bytearray(
+        codec.encode(header, os.urandom(header.body_bytes), mac_key=codec.MacKey.derive(secret))
+    )
+    if damage == "body":
+        value[-10] ^= 0xFF
+    elif damage == "crc":
+        value[12] ^= 0xFF
+    else:
+        value = value[:20]
+    redis_client.set(key, bytes(value))
+    key_file = tmp_path / "auth_key"
+    key_file.write_bytes(secret)
+
+    run = cli("--auth-key-file", str(key_file), "inspect", key)
+    assert run.code == 1  # never a valid block
+    assert _mac_line(run.out).split(None, 1)[1].startswith(shown), run.out
+    data = cli("--auth-key-file", str(key_file), "--json", "inspect", key).json()
+    assert data["mac"] == mac and not data["valid"]
+    if damage != "truncated":
+        assert "checksum mismatch" in data["error"] and not data["checksum_ok"]
+    # Without the key the MAC is never said to be OK.
+    unkeyed = _mac_line(cli("inspect", key).out)
+    assert "OK" not in unkeyed and ("not checked" in unkeyed), unkeyed
 
 
 # ---------------------------------------------------------------------------------- README

@@ -225,6 +225,36 @@ def test_purge_deletes_on_every_master_with_the_same_guards(on_cluster, cluster,
     assert _node_keys(cluster, "*") == set(FOREIGN)
 
 
+def test_purge_finishes_while_a_slot_of_the_namespace_is_being_migrated(on_cluster, cluster, cli):
+    """A reshard under way: of three keys in one slot, one already sits on the importing
+    node (which answers MOVED for it) and two on the migrating one. The purge deletes all of
+    the namespace, on both, and says so."""
+    extra = [f"hma:{on_cluster.ns}:extra:{{tag}}:{i}".encode() for i in range(3)]
+    slot = key_slot(extra[0])
+    source = cluster.slot_owners()[slot]
+    target = next(p for p in cluster.ports if p != source)
+    with cluster.clients()[cluster.ports.index(source)] as client:
+        for key in extra:
+            client.set(key, b"x")
+    ns_keys = _node_keys(cluster, f"hma:{on_cluster.ns}:*")
+    assert len(ns_keys) == 18 + 2 + 3
+    cluster.start_moving_slot(slot, target, extra[:1])
+    try:
+        with cluster.clients()[cluster.ports.index(target)] as client:
+            # On the importing node, which does not own its slot yet (it answers MOVED).
+            assert list(client.scan_iter(match=extra[0])) == [extra[0]]
+        run = cli(on_cluster.url, "--json", "purge", "--namespace", on_cluster.ns, "--yes")
+        assert run.code == 0, run.err
+        assert run.json()["deleted"] == len(ns_keys)
+        assert _node_keys(cluster, f"hma:{on_cluster.ns}:*") == set()
+        assert _node_keys(cluster, f"hma:{OTHER_NS}:*") == {
+            *on_cluster.other_blocks,
+            f"hma:{OTHER_NS}:info",
+        }
+    finally:
+        cluster.settle_slot(slot)
+
+
 def test_doctor_checks_every_master_and_the_cluster_state(on_cluster, cluster, cli):
     run = cli(on_cluster.url, "--json", "doctor")
     data = run.json()
@@ -363,6 +393,32 @@ def test_every_command_works_on_the_master_the_sentinels_name(on_sentinel, senti
     with sentinel.data_client(sentinel.master_port()) as client:
         assert list(client.scan_iter(match=f"hma:{on_sentinel.ns}:*")) == []
         assert client.exists(*FOREIGN) == len(FOREIGN)
+
+
+def test_purge_refuses_when_the_sentinels_name_different_masters(on_sentinel, sentinel, cli):
+    """Two sentinels, each naming its own master for the service: purge (also a dry run)
+    exits 1 with one line and deletes nothing on either."""
+    other = started_sentinel(USER, PASSWORD)
+    try:
+        with other.data_client(other.master_port()) as client:
+            _populate(other.url, client)
+        url = (
+            f"redis+sentinel://{USER}:{PASSWORD}@127.0.0.1:{sentinel.sentinel_port},"
+            f"127.0.0.1:{other.sentinel_port}/{sentinel.service}/0"
+        )
+        masters = sorted(f"127.0.0.1:{s.master_port()}" for s in (sentinel, other))
+        for extra in ([], ["--dry-run"]):
+            run = cli(url, "purge", "--namespace", on_sentinel.ns, "--yes", *extra)
+            assert_one_line_error(run)
+            assert run.code == 1 and run.out == ""
+            assert "sentinels do not agree" in run.err and "nothing deleted" in run.err
+            assert all(master in run.err for master in masters), run.err
+            assert PASSWORD not in run.err
+        for setup in (sentinel, other):
+            with setup.data_client(setup.master_port()) as client:
+                assert len(list(client.scan_iter(match=f"hma:{on_sentinel.ns}:*"))) == 20
+    finally:
+        other.stop()
 
 
 def test_doctor_fails_when_no_sentinel_answers(cli):

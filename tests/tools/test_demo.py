@@ -3,9 +3,14 @@ the demo itself)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from hma_redis.core.config import RedisTierConfig
 from hma_redis.tools.demo.demo import DEFAULT_PROMPT_TOKENS, PromptRun, report
+from hma_redis.tools.demo.openai_example import VllmServer
 from hma_redis.tools.demo.tiny_models import DEMO_SHAPE, HEAD_DIM
 
 # What the engines here may hold: VLLM_CPU_KVCACHE_SPACE=1 (GiB) in the CPU engine defaults.
@@ -56,3 +61,25 @@ def test_verdict_fails_when_nothing_came_from_redis(capsys: pytest.CaptureFixtur
 def test_verdict_says_when_engine_a_was_not_cold(capsys: pytest.CaptureFixture[str]) -> None:
     assert report(_run(2048, 3.9, [5, 6]), _run(4096, 0.31, [5, 6])) == 0
     assert "its time is not a cold one" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://tier:s3cret-pw%21@10.0.0.5:6380/2",
+        "rediss://tier:s3cret-pw!@cache.internal:6380/2",
+        "redis+sentinel://tier:s3cret-pw!@s1:26379,s2:26379/mymaster/2",
+    ],
+)
+def test_vllm_serve_command_line_never_holds_the_redis_password(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HMA_REDIS_PASSWORD", raising=False)
+    server = VllmServer("/models/m", url, extra_args=["--enforce-eager"], log_path=tmp_path / "a")
+    assert not any("s3cret" in arg for arg in server.args), server.args
+    # The server's tier still gets the whole URL, from its environment.
+    config = json.loads(server.args[server.args.index("--kv-transfer-config") + 1])
+    extra = config["kv_connector_extra_config"]
+    tier = RedisTierConfig.from_extra_config(extra, env=server.env)
+    assert (tier.username, tier.password, tier.db) == ("tier", "s3cret-pw!", 2)
+    assert tier.url == url

@@ -10,6 +10,9 @@ credentials and TLS) and sees the deployment as the tier does:
   cluster client, which routes them by slot;
 * Redis Sentinel (``redis+sentinel://``): the master the sentinels name.
 
+A purge finishes on a cluster whose slots move under it (keys UNLINKed where MOVED / ASK
+send them), and refuses to start on a Sentinel service whose sentinels name different masters.
+
 Unlike the store it does not degrade: every Redis failure raises ``redis.RedisError`` for the
 CLI to report. It only ever iterates with ``SCAN`` (never ``KEYS``), pipelines per-key commands
 in batches, and deletes only keys under the configured prefix.
@@ -25,7 +28,7 @@ from typing import Any, NamedTuple
 import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import ResponseError
+from redis.exceptions import AskError, ResponseError, TryAgainError
 from redis.sentinel import SentinelConnectionPool
 
 from hma_redis.core.client import make_client
@@ -39,6 +42,13 @@ CLUSTER_SLOTS = 16384
 _GLOB_SPECIALS = "\\*?[]"
 # A script with a shebang flags line, as the lookup path sends (needs Redis >= 7.0).
 _FLAGS_PROBE = "#!lua flags=no-writes\nreturn 1\n"
+# A cluster node's answers for keys of a slot that is moving or has moved (MOVED is an
+# AskError): the keys live, or may live, on another node now.
+_SLOT_MOVING = (AskError, TryAgainError)
+
+
+class PurgeRefused(Exception):
+    """A purge that could delete on the wrong server; raised before anything is deleted."""
 
 
 @dataclass(frozen=True)
@@ -156,15 +166,21 @@ class SentinelAnswer:
 class NodeAdmin:
     """Node-wide commands on one Redis server: SCAN, INFO, CONFIG, UNLINK of what SCAN found.
 
-    ``in_cluster``: the server is a cluster master, where a multi-key command must keep to one
-    hash slot.
+    ``router``: the cluster client, when the server is a cluster master (where a multi-key
+    command must keep to one hash slot, and a key may have moved to another master).
     """
 
-    def __init__(self, name: str, client: redis.Redis, prefix: str, in_cluster: bool) -> None:
+    def __init__(
+        self, name: str, client: redis.Redis, prefix: str, router: RedisCluster | None = None
+    ) -> None:
         self.name = name
         self.client = client
         self.prefix = prefix
-        self.in_cluster = in_cluster
+        self.router = router
+
+    @property
+    def in_cluster(self) -> bool:
+        return self.router is not None
 
     # ------------------------------------------------------------------ server
 
@@ -322,6 +338,27 @@ class NodeAdmin:
         pipe = self.client.pipeline(transaction=False)
         for same_slot in by_slot.values():
             pipe.unlink(*same_slot)
+        count, moving = 0, []
+        replies = pipe.execute(raise_on_error=False)
+        for same_slot, reply in zip(by_slot.values(), replies, strict=True):
+            if isinstance(reply, _SLOT_MOVING):
+                moving += same_slot
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                count += int(reply)
+        return count + self._unlink_routed(moving)
+
+    def _unlink_routed(self, keys: Sequence[bytes]) -> int:
+        """UNLINK ``keys`` (of slots being migrated, or moved since SCAN found them here) one
+        by one through the cluster client, which follows MOVED and ASK to the node that holds
+        each key now and refreshes its slot table."""
+        if not keys:
+            return 0
+        assert self.router is not None
+        pipe = self.router.pipeline(transaction=False)
+        for key in keys:
+            pipe.unlink(key)
         return sum(int(n) for n in pipe.execute())
 
 
@@ -362,15 +399,15 @@ class RedisAdmin:
             masters = sorted(client.get_primaries(), key=lambda n: (n.host, int(n.port)))
             return [
                 NodeAdmin(
-                    _address(n.host, n.port), client.get_redis_connection(n), self.prefix, True
+                    _address(n.host, n.port), client.get_redis_connection(n), self.prefix, client
                 )
                 for n in masters
             ]
         pool = client.connection_pool
         if isinstance(pool, SentinelConnectionPool):
             host, port = pool.get_master_address()
-            return [NodeAdmin(_address(host, port), client, self.prefix, False)]
-        return [NodeAdmin(self._single_name(), client, self.prefix, False)]
+            return [NodeAdmin(_address(host, port), client, self.prefix)]
+        return [NodeAdmin(self._single_name(), client, self.prefix)]
 
     def _single_name(self) -> str:
         assert isinstance(self.client, redis.Redis)
@@ -550,15 +587,33 @@ class RedisAdmin:
         Returns how many keys were unlinked (with ``dry_run``: how many match), in total and per
         node. Keys written while it runs may survive; a repeated purge catches them. Every node
         is reached before the first key is deleted, so an unreachable master stops the purge
-        before it starts rather than halfway.
+        before it starts rather than halfway. On a cluster, keys whose slot is being migrated,
+        or moved since SCAN found them, are deleted where the cluster sends them. On Sentinel,
+        every sentinel that answers must name the master the purge would run on, else
+        :class:`PurgeRefused` (nothing deleted).
         """
         nodes = self.nodes()
+        if self.kind == "sentinel":
+            self._require_agreed_master(nodes[0].name)
         for node in nodes:
             node.client.ping()
         pattern = self.pattern(namespace)
         owned = f"{self.prefix}:".encode()
         by_node = {node.name: node.purge(pattern, owned, dry_run) for node in nodes}
         return PurgeResult(sum(by_node.values()), by_node)
+
+    def _require_agreed_master(self, master: str) -> None:
+        """:class:`PurgeRefused` unless the sentinels that answer all name ``master``: while
+        they disagree (a failover under way, two deployments' sentinels under one service
+        name) the server the purge reaches may not be the master the tier writes to."""
+        answers = [a for a in self.sentinel_answers() if a.master is not None]
+        if {a.master for a in answers} == {master}:
+            return
+        said = "; ".join(f"{a.sentinel} names {a.master}" for a in answers) or "none answers"
+        raise PurgeRefused(
+            f"purge refused: the sentinels do not agree that {master} is the master of "
+            f"{self.cfg.topology.service!r} ({said}); nothing deleted"
+        )
 
 
 def _same_chunk(key: str, group: int, other: int) -> str:

@@ -31,7 +31,14 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from hma_redis.core.codec import CorruptBlockError, MacKey, decode, decode_header, has_mac
+from hma_redis.core.codec import (
+    CorruptBlockError,
+    MacCheck,
+    MacKey,
+    check_mac,
+    decode,
+    decode_header,
+)
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.keys import parse_block_key
@@ -40,6 +47,7 @@ from hma_redis.tools.cli.admin import (
     GroupUsage,
     KeyEntry,
     NamespaceUsage,
+    PurgeRefused,
     PurgeResult,
     RedisAdmin,
 )
@@ -98,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(admin, args)
     except CliError as exc:
         return _fail(scrub(str(exc), cfg), exc.code)
+    except PurgeRefused as exc:
+        return _fail(scrub(str(exc), cfg), EXIT_FAIL)
     except ValueError as exc:  # an option re-validated by RedisTierConfig (e.g. --namespace)
         return _fail(_config_message(exc), EXIT_USAGE)
     except (RedisError, OSError) as exc:
@@ -575,7 +585,7 @@ def inspect_value(key: str, value: bytes, auth_key: bytes | None = None) -> dict
         report["error"] = None
     except CorruptBlockError as exc:
         report["error"] = str(exc)
-    report["mac"] = _mac_state(value, mac_key is not None, report["error"])
+    report["mac"] = _mac_state(check_mac(value, mac_key), mac_key is not None)
     try:
         header, checksum_ok = decode_header(value)
     except CorruptBlockError:
@@ -597,14 +607,19 @@ def inspect_value(key: str, value: bytes, auth_key: bytes | None = None) -> dict
     return report
 
 
-def _mac_state(value: bytes, have_key: bool, error: str | None) -> str:
-    """``none`` (written without an auth_key), ``verified``, ``unverified`` (no auth_key here)
-    or ``invalid`` (missing where required, or wrong)."""
-    if not has_mac(value):
+def _mac_state(check: MacCheck, have_key: bool) -> str:
+    """``none`` (written without an auth_key), ``verified`` (checked with the auth_key: it
+    matches), ``invalid`` (checked: it does not match; or missing where the key requires one),
+    ``unverified`` (a MAC and no auth_key here to check it) or ``unreadable`` (the value's
+    prefix cannot be read, so nothing was checked)."""
+    if check is MacCheck.ABSENT:
         return "invalid" if have_key else "none"
-    if not have_key:
-        return "unverified"
-    return "invalid" if error is not None and "MAC" in error else "verified"
+    return {
+        MacCheck.OK: "verified",
+        MacCheck.BAD: "invalid",
+        MacCheck.UNCHECKED: "unverified",
+        MacCheck.UNREADABLE: "unreadable",
+    }[check]
 
 
 def _group_of(key: str) -> int | None:
@@ -614,9 +629,11 @@ def _group_of(key: str) -> int | None:
 
 _MAC_TEXT = {
     "none": "none (written without an auth_key)",
-    "verified": "OK (auth_key)",
-    "unverified": "present, not verified: give the auth_key (--auth-key-file, $HMA_REDIS_AUTH_KEY)",
-    "invalid": "INVALID (missing, or written with another auth_key)",
+    "verified": "OK (checked with the auth_key)",
+    "unverified": "present, not checked (no auth_key: give it with --auth-key-file or "
+    "$HMA_REDIS_AUTH_KEY)",
+    "invalid": "BAD (checked with the auth_key: missing, written with another key, or altered)",
+    "unreadable": "not checked (decoding stopped before the MAC: the value's prefix is unreadable)",
 }
 
 
@@ -638,9 +655,9 @@ def _print_inspect(report: Mapping[str, Any]) -> None:
         ]
         rows.append(("checksum", "OK" if report["checksum_ok"] else "MISMATCH"))
         rows.append(("key echo", "OK" if report["key_matches"] else "MISMATCH"))
-        rows.append(("mac", _MAC_TEXT[report["mac"]]))
     else:
         rows.append(("header", "undecodable"))
+    rows.append(("mac", _MAC_TEXT[report["mac"]]))
     verdict = "OK: a valid block" if report["valid"] else f"INVALID: {report['error']}"
     rows.append(("verdict", verdict))
     width = max(len(name) for name, _ in rows)

@@ -48,9 +48,12 @@ LLM_DEFAULTS: dict[str, Any] = {
 }
 
 
-def kv_transfer_config(redis_url: str, **extra: Any) -> dict[str, Any]:
+def kv_transfer_config(redis_url: str | None, **extra: Any) -> dict[str, Any]:
     """``KVTransferConfig`` fields for hma_redis at ``redis_url``; ``extra`` goes to the tier's
-    ``kv_connector_extra_config`` (e.g. ``read_timeout_s=1.0``)."""
+    ``kv_connector_extra_config`` (e.g. ``read_timeout_s=1.0``). With ``redis_url`` None the
+    config names no URL: the engine takes it from ``HMA_REDIS_URL`` in its environment (the
+    way for a URL with a password to stay off command lines and out of vLLM's log)."""
+    url = {} if redis_url is None else {"redis_url": redis_url}
     return {
         "kv_connector": "RedisOffloadingConnector",
         "kv_connector_module_path": "hma_redis.connector",
@@ -59,7 +62,7 @@ def kv_transfer_config(redis_url: str, **extra: Any) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "spec_name": "RedisOffloadingSpec",
             "spec_module_path": "hma_redis.spec",
-            "redis_url": redis_url,
+            **url,
             **extra,
         },
     }

@@ -58,7 +58,12 @@ def vllm_serve_argv(model: str) -> list[str]:
 
 
 class VllmServer:
-    """One ``vllm serve`` process on a loopback port, in its own process group."""
+    """One ``vllm serve`` process on a loopback port, in its own process group.
+
+    The Redis URL (and any password in it) reaches the server through ``HMA_REDIS_URL`` in its
+    environment, never its command line: ``ps`` shows every user the command lines of every
+    process, and vLLM logs its ``--kv-transfer-config``.
+    """
 
     def __init__(
         self,
@@ -77,10 +82,10 @@ class VllmServer:
             *vllm_serve_argv(model),
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--kv-transfer-config", json.dumps(kv_transfer_config(redis_url)),
+            "--kv-transfer-config", json.dumps(kv_transfer_config(None)),
             *extra_args,
         ]  # fmt: skip
-        self.env = {**os.environ, **CPU_ENGINE_ENV, **(env or {})}
+        self.env = {**os.environ, **CPU_ENGINE_ENV, **(env or {}), "HMA_REDIS_URL": redis_url}
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
             os.close(fd)
@@ -257,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hma_redis.tools.demo.openai_example", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--redis-url", help="Redis to share (default: a private redis-server)")
+    parser.add_argument(
+        "--redis-url",
+        help="Redis to share (default: a private redis-server); give its password through "
+        "$HMA_REDIS_PASSWORD rather than here, where ps shows it",
+    )
     parser.add_argument("--model", help="model for both servers (default: a tiny random Llama)")
     parser.add_argument("--prompt-tokens", type=int, default=1900)
     parser.add_argument("--max-tokens", type=int, default=8)
