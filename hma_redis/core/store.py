@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
@@ -92,7 +92,14 @@ _GET_WINDOW = 2
 REFUSAL_LOG_INTERVAL_S = 60.0
 
 _T = TypeVar("_T")
-_R = TypeVar("_R")
+_R = TypeVar("_R", bound="_NativeResult")
+
+
+class _NativeResult(Protocol):
+    """A native job's result for one key (:class:`fastpath.LoadResult`, ``StoreResult``)."""
+
+    @property
+    def error(self) -> str | None: ...
 
 
 class PutResult(Enum):
@@ -545,19 +552,22 @@ class RedisBlockStore:
         within = self._deadline(sum(target.max_len for target in targets), deadline)
 
         def body(sock: Any, idx: Sequence[int]) -> list[fastpath.LoadResult]:
-            results = fastpath.load_values(
+            return fastpath.load_values(
                 sock,
                 [commands[i] for i in idx],
                 [targets[i] for i in idx],
                 self.cfg.read_timeout_s,
                 budget_s=within.remaining(),
             )
+
+        def load() -> list[fastpath.LoadResult]:
+            results = self._on_native_connections(keys, body)
             for result in results:
                 if result.status is fastpath.LoadStatus.ERROR:
                     self._native_error("GET", result.error)
             return results
 
-        return self._guard("GET", lambda: self._on_native_connections(keys, body), None, within)
+        return self._guard("GET", load, None, within)
 
     def put_native(
         self,
@@ -597,17 +607,19 @@ class RedisBlockStore:
 
         within = self._deadline(total, deadline)
 
-        def send(sock: Any, idx: Sequence[int]) -> list[PutResult]:
-            results = fastpath.store_values(
+        def send(sock: Any, idx: Sequence[int]) -> list[fastpath.StoreResult]:
+            return fastpath.store_values(
                 sock,
                 [values[i] for i in idx],
                 self.cfg.read_timeout_s,
                 budget_s=within.remaining(),
             )
-            return [self._store_result(result) for result in results]
+
+        def store() -> list[PutResult]:
+            return [self._store_result(r) for r in self._on_native_connections(keys, send)]
 
         default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", lambda: self._on_native_connections(keys, send), default, within)
+        return self._guard("SET", store, default, within)
 
     def _native_error(self, command: str, error: str | None) -> None:
         """An error reply to one GET of a native job: a refusal (counted, logged)."""
@@ -806,8 +818,10 @@ class RedisBlockStore:
         """``body(socket, positions)`` for the positions of ``keys``, its results back in key
         order. One server: every position on one connection. A Cluster: the positions grouped
         by the node that serves their slot, each group on a connection to its node, one node
-        after the other (a key that moved answers MOVED: an error result, a refusal, so the
-        job fails and is recomputed, and the slot table is refreshed for the next job)."""
+        after the other; a key whose slot is migrating and that answered ASK is sent again to
+        the node named, after ``ASKING`` (:meth:`_follow_asks`). A key that moved answers
+        MOVED: an error result, a refusal, so the job fails and is recomputed, and the slot
+        table is refreshed for the next job."""
         if not isinstance(self._bulk, RedisCluster):
             pool = self._bulk.connection_pool
             return self._on_native_connection(pool, lambda sock: body(sock, range(len(keys))))
@@ -827,6 +841,10 @@ class RedisBlockStore:
                 results = self._on_native_connection(pool, run, counters=False)
                 for idx, result in zip(positions, results, strict=True):
                     out[idx] = result
+            self._follow_asks(out, body)  # type: ignore[arg-type,type-var]  # all filled
+            # A key still redirected (MOVED, an ASK not followed): the slot table is stale.
+            moved = any((r.error or "").startswith(("MOVED", "ASK")) for r in out if r)
+            self._slots_stale = self._slots_stale or moved
         finally:
             if self._slots_stale:
                 self._slots_stale = False
@@ -834,6 +852,36 @@ class RedisBlockStore:
                 with contextlib.suppress(RedisError, RedisClusterException):
                     self._bulk.nodes_manager.initialize()
         return out  # type: ignore[return-value]  # every position was filled
+
+    def _follow_asks(self, out: list[_R], body: Callable[[Any, Sequence[int]], list[_R]]) -> None:
+        """Each position of ``out`` that answered ``ASK <slot> <host>:<port>`` (its slot is
+        being migrated and the key is, or is to be, on that node), run again by ``body`` on a
+        connection to that node, right after ``ASKING``: it admits one command, so one key at
+        a time. An ASK to a node the client does not know stays an error (a refusal)."""
+        assert isinstance(self._bulk, RedisCluster)
+        for idx, result in enumerate(out):
+            node = self._ask_target(result.error)
+            if node is None:
+                continue
+            pool = self._bulk.get_redis_connection(node).connection_pool
+
+            def again(sock: Any, at: int = idx) -> list[_R]:
+                return body(sock, [at])
+
+            (out[idx],) = self._on_native_connection(pool, again, counters=False, asking=True)
+
+    def _ask_target(self, error: str | None) -> Any:
+        """The node an ``ASK`` error reply names, or None (not an ASK, or an unknown node)."""
+        if not error or not error.startswith("ASK "):
+            return None
+        assert isinstance(self._bulk, RedisCluster)
+        fields = error.split()
+        if len(fields) != 3 or ":" not in fields[2]:
+            return None
+        host, port = fields[2].rsplit(":", 1)
+        if not port.isdigit():
+            return None
+        return self._bulk.get_node(host=host.strip("[]"), port=int(port))
 
     def _deliver_counters_to_cluster(self) -> None:
         """Pending counter deltas through the cluster client (the stats key's node), before
@@ -848,14 +896,15 @@ class RedisBlockStore:
             raise
 
     def _on_native_connection(
-        self, pool: Any, body: Callable[[Any], _T], counters: bool = True
+        self, pool: Any, body: Callable[[Any], _T], counters: bool = True, asking: bool = False
     ) -> _T:
         """Run ``body(socket)`` on one connection of ``pool``, which nothing else reads while
         it runs. Pending counter deltas are delivered first (unless ``counters`` is false), in
-        a round trip of their own (a native job reads only the replies to its own commands).
-        A connection holding bytes nobody asked for (a push message) is reconnected first, so
-        the job starts at a reply boundary. Any exception drops the connection (the stream
-        may stop inside a reply) and propagates."""
+        a round trip of their own (a native job reads only the replies to its own commands);
+        with ``asking``, ``ASKING`` goes first (Cluster: the next command may use a slot the
+        node is importing). A connection holding bytes nobody asked for (a push message) is
+        reconnected first, so the job starts at a reply boundary. Any exception drops the
+        connection (the stream may stop inside a reply) and propagates."""
         self._count_round_trip()
         conn = pool.get_connection()
         try:
@@ -864,6 +913,9 @@ class RedisBlockStore:
                 conn.connect()
             if counters:
                 self._deliver_counters_on(conn)
+            if asking:
+                conn.send_command("ASKING")
+                conn.read_response()
             return body(conn._sock)
         except BaseException:
             conn.disconnect()
