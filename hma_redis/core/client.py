@@ -320,7 +320,8 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hma-deadlines", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._queue[0][2] is call:  # it expires first: the thread must wake earlier
+                self._cond.notify()
 
     def _run(self) -> None:
         while True:
