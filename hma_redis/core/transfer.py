@@ -628,10 +628,11 @@ class TransferEngine:
             self._finished.put(JobResult(job.job_id, True, True, stored_bytes, elapsed))
             self._job_done.set()
 
-    def _start_clock(self, job: _Job, nbytes: int) -> None:
-        """Set the job's deadline: two round trips moving ``nbytes``, from its submission."""
+    def _start_clock(self, job: _Job, nbytes: int, paused_s: float = 0.0) -> None:
+        """Set the job's deadline: two round trips moving ``nbytes``, from its submission
+        (plus ``paused_s``: the test hook's pause before a load, which is not the job's)."""
         seconds = budget_s(self._store.cfg.read_timeout_s, nbytes, round_trips=2)
-        job.deadline = Deadline(job.submitted + seconds)
+        job.deadline = Deadline(job.submitted + paused_s + seconds)
 
     def _store_batch(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
         if self._native:
@@ -859,7 +860,7 @@ class TransferEngine:
             return taken[-1]
 
         bounds = [self._value_bound(chunk) for chunk in plan]
-        self._start_clock(job, sum(bounds))
+        self._start_clock(job, sum(bounds), paused_s=self._test_load_delay_s)
         self._budget.acquire(sum(bounds), load=True)
         try:
             if self._native:
