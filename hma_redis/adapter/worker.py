@@ -157,7 +157,9 @@ class RedisOffloadingWorker(OffloadingWorker):
         return failed
 
     def wait(self, job_ids: set[int]) -> None:
-        """Block until the given jobs no longer read their KV-cache blocks."""
+        """Block until the given jobs no longer read their KV-cache blocks: at most until each
+        job's deadline (3 x ``read_timeout_s`` + its bytes at 16 MiB/s from its submission,
+        :meth:`TransferEngine.wait`), whatever Redis does."""
         self._engine.wait(job_ids)
 
     def shutdown(self) -> None:

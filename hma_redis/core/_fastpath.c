@@ -10,10 +10,10 @@
  *       a portable table otherwise.
  *   crc32c_parts(buffers, value=0) -> int
  *       crc32c of the buffers back to back, in one call (a store's header and pages).
- *   load_values(fd, commands, targets, timeout_s, window=0) -> list[tuple]
+ *   load_values(fd, commands, targets, timeout_s, window=0, budget_s=0) -> list[tuple]
  *       Send one command per target (GETs), read one reply per target, receive each value
  *       straight into the target's memory, CRC32C over header || body as it arrives.
- *   store_values(fd, values, timeout_s) -> list[tuple]
+ *   store_values(fd, values, timeout_s, budget_s=0) -> list[tuple]
  *       For each (framing, head, pages, tail) value: CRC32C of header || pages into the
  *       head's CRC field, then send the pieces in place with sendmsg; then read one reply per
  *       value.
@@ -26,7 +26,10 @@
  *
  * Sockets: every recv/send uses MSG_DONTWAIT and waits with poll() for at most timeout_s when
  * the socket has nothing (as a Python socket timeout bounds each wait), so blocking and
- * non-blocking fds behave alike. A timeout, an EOF or a malformed reply raises (TimeoutError,
+ * non-blocking fds behave alike. With budget_s > 0 the whole call has a deadline too: each
+ * poll() waits at most until it, and a call that reaches it fails as a timeout (a server
+ * sending a byte just before every timeout cannot stretch a job). A timeout, an EOF or a
+ * malformed reply raises (TimeoutError,
  * ConnectionError, ProtocolError): the stream is then at an unknown position and the caller
  * must drop the connection.
  */
@@ -43,6 +46,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <nmmintrin.h>
@@ -206,6 +210,7 @@ enum fail_kind { FAIL_NONE, FAIL_TIMEOUT, FAIL_EOF, FAIL_OS, FAIL_PROTOCOL, FAIL
 typedef struct {
     int fd;
     int timeout_ms;
+    int64_t deadline_ns; /* CLOCK_MONOTONIC; 0: the call has no deadline */
     char *rbuf; /* RBUF_BYTES: bytes [rpos, rlen) are received and not consumed */
     size_t rpos, rlen;
     uint8_t *scratch;
@@ -221,14 +226,36 @@ static int conn_failed(conn_t *c, enum fail_kind kind, int err, const char *msg)
     return -1;
 }
 
-/* Wait until the fd is ready for ``events``, at most timeout_ms. */
+static int64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Wait until the fd is ready for ``events``, at most timeout_ms and at most until the call's
+ * deadline. */
 static int conn_wait(conn_t *c, short events) {
     struct pollfd pfd = {.fd = c->fd, .events = events, .revents = 0};
     for (;;) {
-        int ready = poll(&pfd, 1, c->timeout_ms);
+        int wait_ms = c->timeout_ms;
+        int capped = 0; /* the deadline, not timeout_ms, bounds this wait */
+        if (c->deadline_ns) {
+            int64_t left_ns = c->deadline_ns - monotonic_ns();
+            if (left_ns <= 0)
+                return conn_failed(c, FAIL_TIMEOUT, 0,
+                                   "Redis did not finish the job within its deadline");
+            int64_t left_ms = (left_ns + 999999) / 1000000;
+            if (left_ms < wait_ms) {
+                wait_ms = (int)left_ms;
+                capped = 1;
+            }
+        }
+        int ready = poll(&pfd, 1, wait_ms);
         if (ready > 0) return 0;
-        if (ready == 0)
+        if (ready == 0) {
+            if (capped) continue; /* the next round reports the deadline */
             return conn_failed(c, FAIL_TIMEOUT, 0, "Redis did not answer within the timeout");
+        }
         if (errno != EINTR) return conn_failed(c, FAIL_OS, errno, "poll");
     }
 }
@@ -646,14 +673,19 @@ static int run_loads(conn_t *c, target_t *targets, size_t n, size_t window) {
 
 static PyObject *ProtocolError;
 
-static int conn_open(conn_t *c, int fd, double timeout_s) {
+static int conn_open(conn_t *c, int fd, double timeout_s, double budget_s) {
     memset(c, 0, sizeof *c);
     c->fd = fd;
     if (!(timeout_s > 0) || timeout_s > 86400.0) {
         PyErr_SetString(PyExc_ValueError, "timeout_s must be > 0 and at most a day");
         return -1;
     }
+    if (!(budget_s >= 0) || budget_s > 86400.0) {
+        PyErr_SetString(PyExc_ValueError, "budget_s must be >= 0 and at most a day");
+        return -1;
+    }
     c->timeout_ms = (int)(timeout_s * 1000.0 + 0.999);
+    if (budget_s > 0) c->deadline_ns = monotonic_ns() + (int64_t)(budget_s * 1e9);
     c->rbuf = PyMem_RawMalloc(RBUF_BYTES);
     c->scratch = PyMem_RawMalloc(SCRATCH_BYTES);
     if (!c->rbuf || !c->scratch) {
@@ -816,17 +848,17 @@ static PyObject *load_result(target_t *t) {
 }
 
 PyDoc_STRVAR(load_values_doc,
-             "load_values(fd, commands, targets, timeout_s, window=0) -> list[tuple]\n\n"
+             "load_values(fd, commands, targets, timeout_s, window=0, budget_s=0) -> list[tuple]\n\n"
              "See hma_redis.core.fastpath.load_values (the documented wrapper).");
 
 static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"fd", "commands", "targets", "timeout_s", "window", NULL};
+    static char *kwlist[] = {"fd", "commands", "targets", "timeout_s", "window", "budget_s", NULL};
     int fd;
     PyObject *commands, *specs;
-    double timeout_s;
+    double timeout_s, budget_s = 0.0;
     Py_ssize_t window = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOd|n", kwlist, &fd, &commands, &specs,
-                                     &timeout_s, &window))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOd|nd", kwlist, &fd, &commands, &specs,
+                                     &timeout_s, &window, &budget_s))
         return NULL;
     PyObject *cseq = PySequence_Fast(commands, "commands must be a sequence");
     if (!cseq) return NULL;
@@ -856,7 +888,7 @@ static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs
         if (target_parse(&targets[i], PySequence_Fast_GET_ITEM(cseq, i),
                          PySequence_Fast_GET_ITEM(tseq, i)) < 0)
             goto done;
-    if (conn_open(&c, fd, timeout_s) < 0) goto done;
+    if (conn_open(&c, fd, timeout_s, budget_s) < 0) goto done;
     opened = 1;
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -1003,15 +1035,16 @@ done:
 }
 
 PyDoc_STRVAR(store_values_doc,
-             "store_values(fd, values, timeout_s) -> list[tuple]\n\n"
+             "store_values(fd, values, timeout_s, budget_s=0) -> list[tuple]\n\n"
              "See hma_redis.core.fastpath.store_values (the documented wrapper).");
 
 static PyObject *py_store_values(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"fd", "values", "timeout_s", NULL};
+    static char *kwlist[] = {"fd", "values", "timeout_s", "budget_s", NULL};
     int fd;
     PyObject *values;
-    double timeout_s;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOd", kwlist, &fd, &values, &timeout_s))
+    double timeout_s, budget_s = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOd|d", kwlist, &fd, &values, &timeout_s,
+                                     &budget_s))
         return NULL;
     PyObject *vseq = PySequence_Fast(values, "values must be a sequence");
     if (!vseq) return NULL;
@@ -1031,7 +1064,7 @@ static PyObject *py_store_values(PyObject *self, PyObject *args, PyObject *kwarg
         if (store_parse(PySequence_Fast_GET_ITEM(vseq, i), &views, &iov, &nviews, &cap,
                         &outs[i]) < 0)
             goto done;
-    if (conn_open(&c, fd, timeout_s) < 0) goto done;
+    if (conn_open(&c, fd, timeout_s, budget_s) < 0) goto done;
     opened = 1;
     int rc;
     Py_BEGIN_ALLOW_THREADS

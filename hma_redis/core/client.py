@@ -4,19 +4,28 @@
 server (``redis://``, ``rediss://``, ``unix://``), a Redis Cluster (``redis+cluster://``) or the
 master that Sentinels name (``redis+sentinel://``). The few places where redis-py's own behaviour
 had to change (a cluster pipeline's re-sends, a sentinel pool that follows a failover, a packer
-that never copies values) are subclasses here, so nothing else reaches into redis-py.
+that never copies values, connections that a call past its deadline gives up) are subclasses
+here, so nothing else reaches into redis-py.
+
+:func:`bounded` gives a call a deadline: redis-py bounds each socket wait by
+``read_timeout_s``, not a whole call, so a server that sends a byte just before every timeout
+kept a lookup alive for seconds. Every connection the call takes from a pool made here (its
+handshake included) is shut down when the deadline passes; the call then fails with
+``redis.TimeoutError``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import logging
 import os
+import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -29,6 +38,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from hma_redis.core.config import RedisTierConfig, endpoint_url
+from hma_redis.core.deadline import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +132,7 @@ def make_client(
         kwargs["command_packer"] = _zero_copy_packer()
     if topo.kind == "sentinel":
         return _sentinel_client(cfg, kwargs, pool_kwargs)
-    pool = redis.BlockingConnectionPool.from_url(
+    pool = _BoundedPool.from_url(
         endpoint_url(cfg.url), db=cfg.db, retry=Retry(NoBackoff(), 0), **pool_kwargs, **kwargs
     )
     # The client owns its pool: close() disconnects the pool's connections.
@@ -167,7 +177,7 @@ def _cluster_client(
         # One attempt per command: a failed node opens the breaker. MOVED / ASK / TRYAGAIN
         # replies are still followed (they are answers, not failures).
         retry=Retry(NoBackoff(), 0),
-        connection_pool_class=redis.BlockingConnectionPool,
+        connection_pool_class=_BoundedPool,
         **pool_kwargs,
         **kwargs,
     )
@@ -284,7 +294,154 @@ def _sentinel_client(
     )
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+# ---------------------------------------------------------------------------------- deadlines
+
+
+class _Call:
+    """One bounded call: the connections it has taken, shut down if it outlives its deadline.
+
+    The lock orders the watchdog against the calling thread: a connection is either given
+    back before the deadline (untouched) or shut down and then, when given back, dropped, so
+    a pooled connection is never shut down under its next user."""
+
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline = deadline
+        self._lock = threading.Lock()
+        self._connections: set[Any] = set()
+        self.expired = False
+        self._done = False
+
+    def take(self, conn: Any) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._connections.add(conn)
+            if self.expired:
+                _shut_down(conn)
+
+    def give_back(self, conn: Any) -> bool:
+        """Forget ``conn``; whether it may have been shut down (so must be dropped)."""
+        with self._lock:
+            self._connections.discard(conn)
+            return self.expired
+
+    def expire(self) -> bool:
+        """Shut down every connection of the call, unless it has ended; whether one of them
+        was still connecting (no socket yet: the watchdog tries again shortly)."""
+        with self._lock:
+            if self._done:
+                return False
+            self.expired = True
+            for conn in self._connections:
+                _shut_down(conn)
+            return any(conn._sock is None for conn in self._connections)
+
+    def end(self) -> None:
+        with self._lock:
+            self._done = True
+
+
+def _shut_down(conn: Any) -> None:
+    """Wake whoever waits on ``conn``'s socket (recv returns EOF); the socket stays open for
+    redis-py to close (closing it under a waiting thread could hand its fd to another)."""
+    sock = conn._sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+class _Watchdog:
+    """One daemon thread that expires calls at their deadlines."""
+
+    _RETRY_S = 0.01  # a call whose connection was still connecting is expired again after this
+
+    def __init__(self) -> None:
+        self._start()
+        # A forked child has no watchdog thread (nor the parent's calls): it starts its own.
+        os.register_at_fork(after_in_child=self._start)
+
+    def _start(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[tuple[float, int, _Call]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, call: _Call, at: float) -> None:
+        with self._cond:
+            heapq.heappush(self._queue, (at, next(self._order), call))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hma-deadlines", daemon=True)
+                self._thread.start()
+            if self._queue[0][2] is call:  # it expires first: the thread must wake earlier
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue or self._queue[0][0] > time.monotonic():
+                    wait = self._queue[0][0] - time.monotonic() if self._queue else None
+                    self._cond.wait(wait)
+                _, _, call = heapq.heappop(self._queue)
+            if call.expire():
+                self.watch(call, time.monotonic() + self._RETRY_S)
+
+
+_WATCHDOG = _Watchdog()
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def bounded(deadline: Deadline) -> Iterator[None]:
+    """Run the block as one call that must end by ``deadline``: connections it takes from the
+    tier's pools are shut down then, and a Redis or socket error after that is raised as
+    ``redis.TimeoutError``. Calls nest (the inner one's connections follow its deadline)."""
+    call = _Call(deadline)
+    outer = getattr(_current, "call", None)
+    _current.call = call
+    _WATCHDOG.watch(call, deadline.at)
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        if call.expired:
+            raise redis.TimeoutError("Redis did not finish the call within its deadline") from exc
+        raise
+    finally:
+        call.end()
+        _current.call = outer
+
+
+class _BoundedPoolMixin:
+    """Pool behaviour for :func:`bounded`: each connection joins the calling thread's bounded
+    call when it connects (before its handshake) and leaves it when given back."""
+
+    def make_connection(self) -> Any:
+        conn = super().make_connection()  # type: ignore[misc]
+        connect = conn.connect
+
+        def connect_within_call() -> None:
+            call = getattr(_current, "call", None)
+            if call is not None:
+                call.take(conn)
+            connect()
+
+        # Every use of a pooled connection goes through connect() (a no-op once connected).
+        conn.connect = connect_within_call
+        return conn
+
+    def release(self, connection: Any) -> None:
+        call = getattr(_current, "call", None)
+        if call is not None and call.give_back(connection):
+            connection.disconnect()
+        super().release(connection)  # type: ignore[misc]
+
+
+class _BoundedPool(_BoundedPoolMixin, redis.BlockingConnectionPool):
+    """A blocking pool whose connections follow :func:`bounded` calls."""
+
+
+class _BlockingSentinelPool(
+    _BoundedPoolMixin, SentinelConnectionPool, redis.BlockingConnectionPool
+):
     """The master's pool: waits (bounded) for a free connection, like the other pools, and
     asks the sentinels for the master's address at most once per ``recheck_s``.
 

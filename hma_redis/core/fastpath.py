@@ -39,10 +39,11 @@ is only the checksum: the MAC, and magic, version and flags unless ``expected_pr
 them, are the caller's to check (the header bytes being equal to the expected ones covers key,
 group and layout).
 
-A timeout (no progress for ``timeout_s``), an EOF or a malformed reply raises
-(``TimeoutError``, ``ConnectionError``, :class:`ProtocolError`): the stream is then at an
-unknown position and the caller must drop the connection. Destination memory may have been
-written by then.
+A timeout (no progress for ``timeout_s``, or the job not done within ``budget_s`` seconds of
+its start when a budget is given), an EOF or a malformed reply (among them a reply line that
+does not fit :data:`MAX_REPLY_LINE` bytes with its CRLF) raises (``TimeoutError``,
+``ConnectionError``, :class:`ProtocolError`): the stream is then at an unknown position and the
+caller must drop the connection. Destination memory may have been written by then.
 
 :func:`store_values` takes each value as a :class:`StoreValue`: the command's framing up to the
 value (``*4 $3 SET $<keylen> key $<valuelen>``), the head (the codec's prefix and msgpack
@@ -69,7 +70,9 @@ from typing import Any, NamedTuple
 
 import crc32c as _crc32c
 
-from hma_redis.core.resp import send_all
+from hma_redis.core.deadline import Deadline
+from hma_redis.core.resp import MAX_REPLY_LINE, send_all
+from hma_redis.core.resp import ProtocolError as ProtocolError  # raised by both paths
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,7 @@ NATIVE_ENV = "HMA_REDIS_NATIVE"
 PREFIX_BYTES = 48  # the codec's prefix (hma_redis.core.codec.PREFIX_BYTES)
 _HLEN_OFFSET = 8  # header length field (big-endian u32) inside the prefix
 _CRC_OFFSET = 12  # CRC32C field (big-endian u32) inside the prefix
-_LINE_READ = 64 * 1024  # bytes received at a time while looking for a reply line
-_MAX_LINE = _LINE_READ - 1  # a longer reply line is a protocol error
+_LINE_READ = MAX_REPLY_LINE  # bytes received at a time while looking for a reply line
 _SCRATCH_BYTES = 256 * 1024  # bytes received at a time when dropped or only checksummed
 _MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk length is bogus
 # GETs unanswered at once in a load job (the next is sent as soon as a reply's first line
@@ -102,15 +104,6 @@ try:
 except ImportError as exc:  # not built (no compiler at install time), or a broken build
     _native = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-
-if _native is not None:
-    ProtocolError: type[ConnectionError] = _native.ProtocolError
-else:
-
-    class _PyProtocolError(ConnectionError):
-        """Redis sent bytes that are not the expected RESP reply; drop the connection."""
-
-    ProtocolError = _PyProtocolError
 
 
 class LoadStatus(Enum):
@@ -260,26 +253,32 @@ def load_values(
     targets: Sequence[LoadTarget],
     timeout_s: float,
     window: int | None = None,
+    budget_s: float | None = None,
 ) -> list[LoadResult]:
     """Run a load job on ``sock`` (see the module docstring): ``commands[i]`` asks for the value
     that goes to ``targets[i]``; at most ``window`` are unanswered at once (0: all sent first;
-    None: :func:`window_for` the targets). Native unless unavailable or ``sock`` is TLS."""
+    None: :func:`window_for` the targets); the whole job within ``budget_s`` seconds when
+    given (TimeoutError at once when it is not > 0). Native unless unavailable or ``sock`` is
+    TLS."""
     if window is None:
         window = window_for(targets)
     if _native_for(sock):
-        return native_load_values(sock, commands, targets, timeout_s, window)
-    return python_load_values(sock, commands, targets, timeout_s, window)
+        return native_load_values(sock, commands, targets, timeout_s, window, budget_s)
+    return python_load_values(sock, commands, targets, timeout_s, window, budget_s)
 
 
 def store_values(
-    sock: socket.socket, values: Sequence[StoreValue], timeout_s: float
+    sock: socket.socket,
+    values: Sequence[StoreValue],
+    timeout_s: float,
+    budget_s: float | None = None,
 ) -> list[StoreResult]:
     """Run a store job on ``sock`` (see the module docstring): checksum each value into its
-    head, send it with its pages in place, then read one reply per value. Native unless
-    unavailable or ``sock`` is TLS."""
+    head, send it with its pages in place, then read one reply per value; the whole job within
+    ``budget_s`` seconds when given. Native unless unavailable or ``sock`` is TLS."""
     if _native_for(sock):
-        return native_store_values(sock, values, timeout_s)
-    return python_store_values(sock, values, timeout_s)
+        return native_store_values(sock, values, timeout_s, budget_s)
+    return python_store_values(sock, values, timeout_s, budget_s)
 
 
 def native_load_values(
@@ -288,11 +287,13 @@ def native_load_values(
     targets: Sequence[LoadTarget],
     timeout_s: float,
     window: int = DEFAULT_WINDOW,
+    budget_s: float | None = None,
 ) -> list[LoadResult]:
     """:func:`load_values` on the extension (which must be built; plain sockets only)."""
     if _native is None:
         raise RuntimeError(f"the native fast path is not built ({_IMPORT_ERROR})")
-    raw = _native.load_values(sock.fileno(), commands, targets, timeout_s, window)
+    budget = _check_budget(budget_s)
+    raw = _native.load_values(sock.fileno(), commands, targets, timeout_s, window, budget)
     return [
         LoadResult(
             LoadStatus(status), value_len, header_len, crc_ok, landed and Landed(landed), error
@@ -302,24 +303,44 @@ def native_load_values(
 
 
 def native_store_values(
-    sock: socket.socket, values: Sequence[StoreValue], timeout_s: float
+    sock: socket.socket,
+    values: Sequence[StoreValue],
+    timeout_s: float,
+    budget_s: float | None = None,
 ) -> list[StoreResult]:
     """:func:`store_values` on the extension (which must be built; plain sockets only)."""
     if _native is None:
         raise RuntimeError(f"the native fast path is not built ({_IMPORT_ERROR})")
-    raw = _native.store_values(sock.fileno(), values, timeout_s)
+    budget = _check_budget(budget_s)
+    raw = _native.store_values(sock.fileno(), values, timeout_s, budget)
     return [StoreResult(StoreStatus(status), error) for status, error in raw]
 
 
 # ---------------------------------------------------------------------------------- pure Python
 
 
+class _Waits:
+    """Every wait of one job on its socket: at most ``timeout_s``, and at most until the job's
+    deadline (as the C code's poll)."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float, deadline: Deadline | None) -> None:
+        self._sock = sock
+        self._timeout_s = timeout_s
+        self._deadline = deadline
+
+    def arm(self) -> None:
+        """Bound the next socket call (TimeoutError once the deadline has passed)."""
+        if self._deadline is not None:
+            self._sock.settimeout(self._deadline.wait_s(self._timeout_s))
+
+
 class _Stream:
     """The reply side of one socket: a small buffer for reply lines, bodies received straight
     into their destination. Mirrors the C connection step by step."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, waits: _Waits) -> None:
         self._sock = sock
+        self._waits = waits
         self._buf = bytearray()
         self._scratch: memoryview | None = None
 
@@ -327,19 +348,22 @@ class _Stream:
         return len(self._buf)
 
     def _recv(self) -> None:
+        self._waits.arm()
         chunk = self._sock.recv(_LINE_READ)
         if not chunk:
             raise ConnectionError("connection closed by Redis")
         self._buf += chunk
 
     def line(self) -> bytes:
-        """The next reply line without its CRLF."""
+        """The next reply line without its CRLF (line and CRLF within MAX_REPLY_LINE bytes)."""
         start = 0
         while (end := self._buf.find(b"\r\n", start)) < 0:
-            if len(self._buf) > _MAX_LINE:
+            if len(self._buf) >= MAX_REPLY_LINE:
                 raise ProtocolError("reply line too long")
             start = max(0, len(self._buf) - 1)
             self._recv()
+        if end + 2 > MAX_REPLY_LINE:
+            raise ProtocolError("reply line too long")
         line = bytes(self._buf[:end])
         del self._buf[: end + 2]
         return line
@@ -357,6 +381,7 @@ class _Stream:
         target[:have] = self._buf[:have]
         del self._buf[:have]
         while have < target.nbytes:
+            self._waits.arm()
             got = self._sock.recv_into(target[have:])
             if not got:
                 raise ConnectionError("connection closed by Redis")
@@ -403,10 +428,10 @@ def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
     raise ProtocolError("unexpected reply type")
 
 
-def _send(sock: socket.socket, parts: Sequence[Any]) -> None:
+def _send(sock: socket.socket, parts: Sequence[Any], waits: _Waits) -> None:
     """Send ``parts`` back to back (the store's own sender: sendmsg, no joining; TLS piece by
-    piece)."""
-    send_all(sock, [memoryview(p).cast("B") for p in parts])
+    piece), each send bounded by ``waits``."""
+    send_all(sock, [memoryview(p).cast("B") for p in parts], waits.arm)
 
 
 def _be32(view: memoryview, offset: int) -> int:
@@ -492,16 +517,29 @@ def _check_target(target: LoadTarget) -> None:
 
 
 @contextmanager
-def _timeout(sock: socket.socket, timeout_s: float) -> Iterator[None]:
-    """Bound every wait on ``sock`` by ``timeout_s`` for the block (as the C code's poll)."""
+def _timeout(sock: socket.socket, timeout_s: float, budget_s: float | None) -> Iterator[_Waits]:
+    """Bound every wait on ``sock`` by ``timeout_s``, and the block by ``budget_s`` from now
+    when given (as the C code's poll)."""
     if not 0 < timeout_s <= 86400:
         raise ValueError("timeout_s must be > 0 and at most a day")
+    if budget_s is not None and not 0 <= budget_s <= 86400:
+        raise ValueError("budget_s must be >= 0 and at most a day")
+    deadline = Deadline.after(budget_s) if budget_s else None
     before = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        yield
+        yield _Waits(sock, timeout_s, deadline)
     finally:
         sock.settimeout(before)
+
+
+def _check_budget(budget_s: float | None) -> float:
+    """``budget_s`` as the extension takes it (0: none); TimeoutError when it is used up."""
+    if budget_s is None:
+        return 0.0
+    if budget_s <= 0:
+        raise TimeoutError("Redis did not finish the job within its deadline")
+    return budget_s
 
 
 def python_load_values(
@@ -510,8 +548,10 @@ def python_load_values(
     targets: Sequence[LoadTarget],
     timeout_s: float,
     window: int = DEFAULT_WINDOW,
+    budget_s: float | None = None,
 ) -> list[LoadResult]:
     """:func:`load_values` in pure Python: the oracle of the native path, and its fallback."""
+    _check_budget(budget_s)
     if len(commands) != len(targets):
         raise ValueError("one command per target")
     if window < 0:
@@ -520,14 +560,14 @@ def python_load_values(
         _check_target(target)
     count = len(targets)
     out: list[LoadResult] = []
-    with _timeout(sock, timeout_s):
-        stream = _Stream(sock)
+    with _timeout(sock, timeout_s, budget_s) as waits:
+        stream = _Stream(sock, waits)
         sent = count if window == 0 else min(window, count)
-        _send(sock, commands[:sent])
+        _send(sock, commands[:sent], waits)
         for target in targets:
             kind, detail = _reply_line(stream)
             if sent < count:
-                _send(sock, [commands[sent]])
+                _send(sock, [commands[sent]], waits)
                 sent += 1
             out.append(_load_reply(stream, target, kind, detail))
         if stream.leftover():
@@ -557,19 +597,23 @@ def _load_reply(
 
 
 def python_store_values(
-    sock: socket.socket, values: Sequence[StoreValue], timeout_s: float
+    sock: socket.socket,
+    values: Sequence[StoreValue],
+    timeout_s: float,
+    budget_s: float | None = None,
 ) -> list[StoreResult]:
     """:func:`store_values` in pure Python: the oracle of the native path, and its fallback."""
+    _check_budget(budget_s)
     heads = [_store_head(value) for value in values]
     out: list[StoreResult] = []
-    with _timeout(sock, timeout_s):
+    with _timeout(sock, timeout_s, budget_s) as waits:
         for value, head in zip(values, heads, strict=True):
             crc = _crc32c.crc32c(head[PREFIX_BYTES:])
             for page in value.pages:
                 crc = _crc32c.crc32c(page, crc)
             head[_CRC_OFFSET : _CRC_OFFSET + 4] = crc.to_bytes(4, "big")
-            _send(sock, [value.framing, head, *value.pages, value.tail])
-        stream = _Stream(sock)
+            _send(sock, [value.framing, head, *value.pages, value.tail], waits)
+        stream = _Stream(sock, waits)
         for _ in values:
             kind, detail = _reply_line(stream)
             if kind == "status":

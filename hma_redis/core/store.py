@@ -1,12 +1,15 @@
 """RedisBlockStore: the block API, the only place that speaks Redis commands for the tier.
 
-Every operation is one pipelined round trip (per node, on a cluster), bounded by the configured
-timeouts, and safe to call from many threads at once. Every call goes through one guard
-(:meth:`RedisBlockStore._guard`) that tells outages from refusals: an outage (connection error,
-timeout) opens the circuit breaker, so the tier is off until a probe succeeds; a refusal (NOPERM,
-OOM, READONLY: a healthy server saying no) is counted (``refused_*``) and logged at most once a
-minute per kind, and the tier stays on for everything else. Operations that can degrade do:
-existence checks become misses, puts become FAILED, gets become ``None``.
+Every operation is one pipelined round trip (per node, on a cluster), safe to call from many
+threads at once, and bounded in time as a whole: each wait on a socket by ``read_timeout_s``,
+the operation by a deadline (:func:`hma_redis.core.deadline.budget_s` of its bytes, or the
+caller's ``deadline`` when that comes first); past it the operation fails as a timeout. Every
+call goes through one guard (:meth:`RedisBlockStore._guard`) that tells outages from refusals:
+an outage (connection error, timeout) opens the circuit breaker, so the tier is off until a
+probe succeeds; a refusal (NOPERM, OOM, READONLY: a healthy server saying no) is counted
+(``refused_*``) and logged at most once a minute per kind, and the tier stays on for everything
+else. Operations that can degrade do: existence checks become misses, puts become FAILED, gets
+become ``None``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
@@ -36,9 +39,10 @@ from hma_redis.core.breaker import (
     classify,
     refusal_of,
 )
-from hma_redis.core.client import RedisClient, make_client, new_client_name
+from hma_redis.core.client import RedisClient, bounded, make_client, new_client_name
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
+from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.resp import OversizedValue, RawReplies, no_bulk, send_all
 
 __all__ = [
@@ -88,7 +92,14 @@ _GET_WINDOW = 2
 REFUSAL_LOG_INTERVAL_S = 60.0
 
 _T = TypeVar("_T")
-_R = TypeVar("_R")
+_R = TypeVar("_R", bound="_NativeResult")
+
+
+class _NativeResult(Protocol):
+    """A native job's result for one key (:class:`fastpath.LoadResult`, ``StoreResult``)."""
+
+    @property
+    def error(self) -> str | None: ...
 
 
 class PutResult(Enum):
@@ -177,8 +188,9 @@ class RedisBlockStore:
 
     # ------------------------------------------------------------------ blocks
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Which of ``keys`` exist, in one round trip (per node). All ``False`` if Redis fails."""
+    def exists(self, keys: Sequence[str], deadline: Deadline | None = None) -> list[bool]:
+        """Which of ``keys`` exist, in one round trip (per node). All ``False`` if Redis fails
+        (or does not answer by the operation's deadline)."""
         if not keys:
             return []
 
@@ -209,7 +221,8 @@ class RedisBlockStore:
                     flags.extend(bool(v) for v in reply)
             return flags
 
-        return self._guarded("EXISTS", keys, run, collect, default=False)
+        within = self._deadline(0, deadline)
+        return self._guarded("EXISTS", keys, run, collect, default=False, deadline=within)
 
     def exists_and_mark(
         self, chunks: Sequence[Sequence[str]], markers: Sequence[str], marker_ttl_s: int
@@ -274,7 +287,10 @@ class RedisBlockStore:
         return False if self._refusal("EXISTS", reply) else bool(reply)
 
     def put_if_absent(
-        self, items: Sequence[tuple[str, bytes | memoryview]], ttl_s: int | None = None
+        self,
+        items: Sequence[tuple[str, bytes | memoryview]],
+        ttl_s: int | None = None,
+        deadline: Deadline | None = None,
     ) -> list[PutResult]:
         """``SET key value NX [EX ttl]`` for every item in one round trip (per node).
 
@@ -294,13 +310,24 @@ class RedisBlockStore:
         def collect(replies: list[Any], batch: Sequence[str]) -> list[PutResult]:
             return [self._put_result(reply) for reply in replies]
 
-        return self._guarded("SET", keys, run, collect, default=PutResult.FAILED, client=self._bulk)
+        nbytes = sum(memoryview(value).nbytes for _, value in items)
+        return self._guarded(
+            "SET",
+            keys,
+            run,
+            collect,
+            default=PutResult.FAILED,
+            client=self._bulk,
+            deadline=self._deadline(nbytes, deadline),
+        )
 
     def put_parts_if_absent(
         self,
         keys: Sequence[str],
         parts: Callable[[int], Sequence[memoryview]],
         ttl_s: int | None = None,
+        deadline: Deadline | None = None,
+        nbytes: int = 0,
     ) -> list[PutResult]:
         """:meth:`put_if_absent` of values given as pieces, sent without joining them.
 
@@ -310,13 +337,14 @@ class RedisBlockStore:
         go to the socket in one ``sendmsg`` (``writev``): the kernel copies them straight from
         where they are, so a store makes no copy of its own. Every SET is sent before the first
         reply is read (one round trip). TLS sockets send piece by piece; a Cluster joins each
-        value and uses :meth:`put_if_absent`.
+        value and uses :meth:`put_if_absent`. ``nbytes`` (the values' total size) sets the
+        operation's deadline.
         """
         if not keys:
             return []
         if self._is_cluster:
             joined = [(key, b"".join(parts(idx))) for idx, key in enumerate(keys)]
-            return self.put_if_absent(joined, ttl_s)
+            return self.put_if_absent(joined, ttl_s, deadline)
         ttl = ttl_s if ttl_s is not None else self.cfg.ttl_s
         tail = b"\r\n$2\r\nNX\r\n"
         if ttl:
@@ -332,10 +360,12 @@ class RedisBlockStore:
                     raw_key,
                     sum(part.nbytes for part in value),
                 )
-                send_all(conn._sock, [memoryview(head), *value, memoryview(tail)])
+                send_all(conn._sock, [memoryview(head), *value, memoryview(tail)], replies.arm)
             return [self._put_result(replies.read(no_bulk)) for _ in keys]
 
-        return self._streamed("SET", body, [PutResult.FAILED] * len(keys))
+        return self._streamed(
+            "SET", body, [PutResult.FAILED] * len(keys), self._deadline(nbytes, deadline)
+        )
 
     def _put_result(self, reply: Any) -> PutResult:
         """One SET NX reply: OK, nil (the key existed), or a refusal (e.g. OOM under
@@ -344,7 +374,7 @@ class RedisBlockStore:
             return PutResult.FAILED
         return PutResult.STORED if reply else PutResult.EXISTED
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get(self, keys: Sequence[str], deadline: Deadline | None = None) -> list[bytes | None]:
         """Values of ``keys`` in one round trip (per node); ``None`` for missing or on failure."""
         if not keys:
             return []
@@ -356,7 +386,8 @@ class RedisBlockStore:
         def collect(replies: list[Any], batch: Sequence[str]) -> list[bytes | None]:
             return [None if self._refusal("GET", reply) else reply for reply in replies]
 
-        return self._guarded("GET", keys, run, collect, default=None)
+        within = self._deadline(0, deadline)
+        return self._guarded("GET", keys, run, collect, default=None, deadline=within)
 
     def get_into(
         self,
@@ -364,6 +395,7 @@ class RedisBlockStore:
         alloc: Callable[[int], memoryview],
         on_value: Callable[[int, memoryview], None] | None = None,
         max_bytes: Sequence[int] | None = None,
+        deadline: Deadline | None = None,
     ) -> list[memoryview | OversizedValue | None]:
         """Like :meth:`get` (one round trip; ``None`` for missing, refused, or all if Redis
         fails), but each value is received straight into ``alloc(nbytes)``: one copy, where
@@ -385,17 +417,20 @@ class RedisBlockStore:
         """
         if not keys:
             return []
+        within = self._deadline(sum(max_bytes or ()), deadline)
         if self._is_cluster:
-            return self._get_into_cluster(keys, alloc, on_value, max_bytes)
+            return self._get_into_cluster(keys, alloc, on_value, max_bytes, within)
 
         def body(conn: Any, replies: RawReplies) -> list[memoryview | OversizedValue | None]:
             first = [("GET", key) for key in keys[:_GET_WINDOW]]
+            replies.arm()
             conn.send_packed_command(conn.pack_commands(first), check_health=False)
             out: list[memoryview | OversizedValue | None] = []
             for idx in range(len(keys)):
                 reply = replies.read(alloc, None if max_bytes is None else max_bytes[idx])
                 if idx + _GET_WINDOW < len(keys):
                     command = conn.pack_command("GET", keys[idx + _GET_WINDOW])
+                    replies.arm()
                     conn.send_packed_command(command, check_health=False)
                 if self._refusal("GET", reply):
                     reply = None
@@ -407,7 +442,7 @@ class RedisBlockStore:
                 out.append(reply)
             return out
 
-        return self._streamed("GET", body, [None] * len(keys))
+        return self._streamed("GET", body, [None] * len(keys), within)
 
     def _get_into_cluster(
         self,
@@ -415,10 +450,15 @@ class RedisBlockStore:
         alloc: Callable[[int], memoryview],
         on_value: Callable[[int, memoryview], None] | None,
         max_bytes: Sequence[int] | None,
+        deadline: Deadline,
     ) -> list[memoryview | OversizedValue | None]:
         """:meth:`get_into` through redis-py's cluster pipeline: values arrive as ``bytes`` and
         are copied into ``alloc``'d memory (the caller may write to and reuse it)."""
-        fetched = self.get(keys) if max_bytes is None else self._get_bounded(keys, max_bytes)
+        fetched: Sequence[bytes | OversizedValue | None]
+        if max_bytes is None:
+            fetched = self.get(keys, deadline)
+        else:
+            fetched = self._get_bounded(keys, max_bytes, deadline)
         out: list[memoryview | OversizedValue | None] = []
         for idx, value in enumerate(fetched):
             if not isinstance(value, bytes):
@@ -432,7 +472,7 @@ class RedisBlockStore:
         return out
 
     def _get_bounded(
-        self, keys: Sequence[str], max_bytes: Sequence[int]
+        self, keys: Sequence[str], max_bytes: Sequence[int], deadline: Deadline
     ) -> list[bytes | OversizedValue | None]:
         """Values of ``keys`` (one round trip per node), none read past ``max_bytes[i] + 1``
         bytes: GETRANGE stops there, and EXISTS tells a missing key from an empty value."""
@@ -456,7 +496,7 @@ class RedisBlockStore:
                     out.append(value)
             return out
 
-        return self._guarded("GET", keys, run, collect, default=None)
+        return self._guarded("GET", keys, run, collect, default=None, deadline=deadline)
 
     def delete(self, keys: Sequence[str]) -> int:
         """UNLINK ``keys`` (used to drop values that failed validation); 0 if Redis fails."""
@@ -502,7 +542,10 @@ class RedisBlockStore:
         return _warm(self.client, 1)
 
     def load_native(
-        self, keys: Sequence[str], targets: Sequence[fastpath.LoadTarget]
+        self,
+        keys: Sequence[str],
+        targets: Sequence[fastpath.LoadTarget],
+        deadline: Deadline | None = None,
     ) -> list[fastpath.LoadResult] | None:
         """``GET`` every key into its target, the whole job in one native call on one
         connection with the GIL released (:func:`fastpath.load_values`: values land where the
@@ -516,20 +559,25 @@ class RedisBlockStore:
         if not keys:
             return []
         commands = [_get_command(key) for key in keys]
+        within = self._deadline(sum(target.max_len for target in targets), deadline)
 
         def body(sock: Any, idx: Sequence[int]) -> list[fastpath.LoadResult]:
-            results = fastpath.load_values(
+            return fastpath.load_values(
                 sock,
                 [commands[i] for i in idx],
                 [targets[i] for i in idx],
                 self.cfg.read_timeout_s,
+                budget_s=within.remaining(),
             )
+
+        def load() -> list[fastpath.LoadResult]:
+            results = self._on_native_connections(keys, body)
             for result in results:
                 if result.status is fastpath.LoadStatus.ERROR:
                     self._native_error("GET", result.error)
             return results
 
-        return self._guard("GET", lambda: self._on_native_connections(keys, body), None)
+        return self._guard("GET", load, None, within)
 
     def put_native(
         self,
@@ -537,6 +585,7 @@ class RedisBlockStore:
         heads: Sequence[Any],
         bodies: Sequence[Sequence[Any]],
         ttl_s: int | None = None,
+        deadline: Deadline | None = None,
     ) -> list[PutResult]:
         """``SET key value NX [EX ttl]`` for every key, in one native call on one connection
         with the GIL released (:func:`fastpath.store_values`).
@@ -553,9 +602,11 @@ class RedisBlockStore:
         if ttl:
             tail += b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
         values = []
+        total = 0
         for key, head, body in zip(keys, heads, bodies, strict=True):
             raw_key = key.encode()
             size = memoryview(head).nbytes + sum(memoryview(piece).nbytes for piece in body)
+            total += size
             framing = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
                 6 if ttl else 4,
                 len(raw_key),
@@ -564,12 +615,21 @@ class RedisBlockStore:
             )
             values.append(fastpath.StoreValue(framing, head, body, tail))
 
-        def send(sock: Any, idx: Sequence[int]) -> list[PutResult]:
-            results = fastpath.store_values(sock, [values[i] for i in idx], self.cfg.read_timeout_s)
-            return [self._store_result(result) for result in results]
+        within = self._deadline(total, deadline)
+
+        def send(sock: Any, idx: Sequence[int]) -> list[fastpath.StoreResult]:
+            return fastpath.store_values(
+                sock,
+                [values[i] for i in idx],
+                self.cfg.read_timeout_s,
+                budget_s=within.remaining(),
+            )
+
+        def store() -> list[PutResult]:
+            return [self._store_result(r) for r in self._on_native_connections(keys, send)]
 
         default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", lambda: self._on_native_connections(keys, send), default)
+        return self._guard("SET", store, default, within)
 
     def _native_error(self, command: str, error: str | None) -> None:
         """An error reply to one GET of a native job: a refusal (counted, logged)."""
@@ -642,8 +702,22 @@ class RedisBlockStore:
 
     # ------------------------------------------------------------------ the guard
 
-    def _guard(self, command: str, call: Callable[[], _T], default: _T) -> _T:
+    def _deadline(self, nbytes: int = 0, within: Deadline | None = None) -> Deadline:
+        """The deadline of an operation moving ``nbytes`` that starts now, or ``within`` when
+        that comes first."""
+        return Deadline.after(budget_s(self.cfg.read_timeout_s, nbytes)).earliest(within)
+
+    def _guard(
+        self,
+        command: str,
+        call: Callable[[], _T],
+        default: _T,
+        deadline: Deadline | None = None,
+    ) -> _T:
         """Run ``call`` (one Redis round trip) under the breaker; every Redis call goes here.
+        It must end by ``deadline`` (default: :meth:`_deadline` of no bytes): past it, its
+        connections are shut down (:func:`~hma_redis.core.client.bounded`) and it counts as
+        an outage (a timeout).
 
         While the breaker is open ``default`` at once, except for one probe per interval. An
         outage (see :func:`~hma_redis.core.breaker.classify`) opens the breaker and yields
@@ -655,7 +729,8 @@ class RedisBlockStore:
         if not self.breaker.allow():
             return default
         try:
-            out = call()
+            with bounded(deadline or self._deadline()):
+                out = call()
         except (RedisError, OSError) as exc:
             if classify(exc) is ErrorKind.OUTAGE:
                 self.breaker.record_failure(exc)
@@ -699,12 +774,21 @@ class RedisBlockStore:
         with self._stats_lock:
             self.round_trips += 1
 
-    def _streamed(self, command: str, body: Callable[[Any, RawReplies], _T], default: _T) -> _T:
-        """Run ``body`` on one connection of the bulk pool, replies read by :class:`RawReplies`,
-        under :meth:`_guard` (an outage opens the breaker and yields ``default``)."""
-        return self._guard(command, lambda: self._on_bulk_connection(body), default)
+    def _streamed(
+        self,
+        command: str,
+        body: Callable[[Any, RawReplies], _T],
+        default: _T,
+        deadline: Deadline,
+    ) -> _T:
+        """Run ``body`` on one connection of the bulk pool, replies read by :class:`RawReplies`
+        (every wait bounded by ``deadline``), under :meth:`_guard` (an outage opens the breaker
+        and yields ``default``)."""
+        return self._guard(
+            command, lambda: self._on_bulk_connection(body, deadline), default, deadline
+        )
 
-    def _on_bulk_connection(self, body: Callable[[Any, RawReplies], _T]) -> _T:
+    def _on_bulk_connection(self, body: Callable[[Any, RawReplies], _T], deadline: Deadline) -> _T:
         """Pending counter deltas go first on the same connection (same round trip). Any
         exception resets the connection (it may stop inside a reply) and propagates."""
         self._count_round_trip()
@@ -716,10 +800,14 @@ class RedisBlockStore:
         try:
             conn = pool.get_connection()
             replies = RawReplies(
-                conn, skip=len(pending), on_skipped=lambda r: self._check_counter_replies([r])
+                conn,
+                skip=len(pending),
+                on_skipped=lambda r: self._check_counter_replies([r]),
+                deadline=deadline,
             )
             if pending:
                 counters = [("HINCRBY", self.stats_key, n, d) for n, d in pending.items()]
+                replies.arm()
                 conn.send_packed_command(conn.pack_commands(counters), check_health=False)
             return body(conn, replies)
         except BaseException:
@@ -729,6 +817,8 @@ class RedisBlockStore:
                 self.counters.restore(pending)
             raise
         finally:
+            if replies is not None:
+                replies.restore_timeout()
             if conn is not None:
                 pool.release(conn)
 
@@ -738,8 +828,10 @@ class RedisBlockStore:
         """``body(socket, positions)`` for the positions of ``keys``, its results back in key
         order. One server: every position on one connection. A Cluster: the positions grouped
         by the node that serves their slot, each group on a connection to its node, one node
-        after the other (a key that moved answers MOVED: an error result, a refusal, so the
-        job fails and is recomputed, and the slot table is refreshed for the next job)."""
+        after the other; a key whose slot is migrating and that answered ASK is sent again to
+        the node named, after ``ASKING`` (:meth:`_follow_asks`). A key that moved answers
+        MOVED: an error result, a refusal, so the job fails and is recomputed, and the slot
+        table is refreshed for the next job."""
         if not isinstance(self._bulk, RedisCluster):
             pool = self._bulk.connection_pool
             return self._on_native_connection(pool, lambda sock: body(sock, range(len(keys))))
@@ -759,6 +851,10 @@ class RedisBlockStore:
                 results = self._on_native_connection(pool, run, counters=False)
                 for idx, result in zip(positions, results, strict=True):
                     out[idx] = result
+            self._follow_asks(out, body)  # type: ignore[arg-type,type-var]  # all filled
+            # A key still redirected (MOVED, an ASK not followed): the slot table is stale.
+            moved = any((r.error or "").startswith(("MOVED", "ASK")) for r in out if r)
+            self._slots_stale = self._slots_stale or moved
         finally:
             if self._slots_stale:
                 self._slots_stale = False
@@ -766,6 +862,36 @@ class RedisBlockStore:
                 with contextlib.suppress(RedisError, RedisClusterException):
                     self._bulk.nodes_manager.initialize()
         return out  # type: ignore[return-value]  # every position was filled
+
+    def _follow_asks(self, out: list[_R], body: Callable[[Any, Sequence[int]], list[_R]]) -> None:
+        """Each position of ``out`` that answered ``ASK <slot> <host>:<port>`` (its slot is
+        being migrated and the key is, or is to be, on that node), run again by ``body`` on a
+        connection to that node, right after ``ASKING``: it admits one command, so one key at
+        a time. An ASK to a node the client does not know stays an error (a refusal)."""
+        assert isinstance(self._bulk, RedisCluster)
+        for idx, result in enumerate(out):
+            node = self._ask_target(result.error)
+            if node is None:
+                continue
+            pool = self._bulk.get_redis_connection(node).connection_pool
+
+            def again(sock: Any, at: int = idx) -> list[_R]:
+                return body(sock, [at])
+
+            (out[idx],) = self._on_native_connection(pool, again, counters=False, asking=True)
+
+    def _ask_target(self, error: str | None) -> Any:
+        """The node an ``ASK`` error reply names, or None (not an ASK, or an unknown node)."""
+        if not error or not error.startswith("ASK "):
+            return None
+        assert isinstance(self._bulk, RedisCluster)
+        fields = error.split()
+        if len(fields) != 3 or ":" not in fields[2]:
+            return None
+        host, port = fields[2].rsplit(":", 1)
+        if not port.isdigit():
+            return None
+        return self._bulk.get_node(host=host.strip("[]"), port=int(port))
 
     def _deliver_counters_to_cluster(self) -> None:
         """Pending counter deltas through the cluster client (the stats key's node), before
@@ -780,14 +906,15 @@ class RedisBlockStore:
             raise
 
     def _on_native_connection(
-        self, pool: Any, body: Callable[[Any], _T], counters: bool = True
+        self, pool: Any, body: Callable[[Any], _T], counters: bool = True, asking: bool = False
     ) -> _T:
         """Run ``body(socket)`` on one connection of ``pool``, which nothing else reads while
         it runs. Pending counter deltas are delivered first (unless ``counters`` is false), in
-        a round trip of their own (a native job reads only the replies to its own commands).
-        A connection holding bytes nobody asked for (a push message) is reconnected first, so
-        the job starts at a reply boundary. Any exception drops the connection (the stream
-        may stop inside a reply) and propagates."""
+        a round trip of their own (a native job reads only the replies to its own commands);
+        with ``asking``, ``ASKING`` goes first (Cluster: the next command may use a slot the
+        node is importing). A connection holding bytes nobody asked for (a push message) is
+        reconnected first, so the job starts at a reply boundary. Any exception drops the
+        connection (the stream may stop inside a reply) and propagates."""
         self._count_round_trip()
         conn = pool.get_connection()
         try:
@@ -796,6 +923,9 @@ class RedisBlockStore:
                 conn.connect()
             if counters:
                 self._deliver_counters_on(conn)
+            if asking:
+                conn.send_command("ASKING")
+                conn.read_response()
             return body(conn._sock)
         except BaseException:
             conn.disconnect()
@@ -827,13 +957,16 @@ class RedisBlockStore:
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
         default: _T,
         client: RedisClient | None = None,
+        deadline: Deadline | None = None,
     ) -> list[_T]:
         """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``,
-        under :meth:`_guard` (an outage yields ``default`` for every key)."""
+        under :meth:`_guard` (an outage, or no answer by the deadline, yields ``default`` for
+        every key)."""
         return self._guard(
             command,
             lambda: self._execute(client or self.client, keys, run, collect),
             [default] * len(keys),
+            deadline,
         )
 
     def _execute(

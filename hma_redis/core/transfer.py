@@ -59,6 +59,7 @@ import torch
 from hma_redis import FORMAT_VERSION
 from hma_redis.core import codec, fastpath
 from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
+from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,9 @@ class _Job:
     ready: torch.cuda.Event | None = None
     chunks_loaded: int = 0
     chunks_counted: int = 0  # store: chunks counted as stored, skipped or failed so far
+    submitted: float = field(default_factory=time.monotonic)
+    # When every Redis operation of the job must have ended (set when it starts running).
+    deadline: Deadline | None = None
 
 
 @dataclass(frozen=True)
@@ -500,7 +504,12 @@ class TransferEngine:
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the given jobs no longer read their blocks (stores) or are completely
-        done (loads). Unknown or finished jobs return at once."""
+        done (loads). Unknown or finished jobs return at once.
+
+        Bounded whatever Redis does: every Redis operation of a job ends by the job's deadline,
+        :func:`~hma_redis.core.deadline.budget_s` of its bytes over two round trips counted
+        from its submission (3 x ``read_timeout_s`` + its bytes at 16 MiB/s), so a job waited
+        on is done by then plus its own CPU work (checksums, copies)."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is not None:
@@ -599,8 +608,9 @@ class TransferEngine:
             if isinstance(chunks, LayoutMismatch):
                 logger.error("hma_redis: store job %d has an inconsistent block layout", job.job_id)
                 return
+            self._start_clock(job, sum(self._value_bound(chunk) for chunk in chunks))
             # Another instance may have stored some chunks already: skip them (one round trip).
-            present = self._store.exists([c.redis_key for c in chunks])
+            present = self._store.exists([c.redis_key for c in chunks], job.deadline)
             self._store.counters.add(store_skipped_chunks=sum(present))
             job.chunks_counted += sum(present)
             plan = [c for c, there in zip(chunks, present, strict=True) if not there]
@@ -619,6 +629,12 @@ class TransferEngine:
             self._finished.put(JobResult(job.job_id, True, True, stored_bytes, elapsed))
             self._job_done.set()
 
+    def _start_clock(self, job: _Job, nbytes: int, paused_s: float = 0.0) -> None:
+        """Set the job's deadline: two round trips moving ``nbytes``, from its submission
+        (plus ``paused_s``: the test hook's pause before a load, which is not the job's)."""
+        seconds = budget_s(self._store.cfg.read_timeout_s, nbytes, round_trips=2)
+        job.deadline = Deadline(job.submitted + paused_s + seconds)
+
     def _store_batch(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
         if self._native:
             return self._store_batch_native(job, chunks)
@@ -633,8 +649,11 @@ class TransferEngine:
                 )
 
             keys = [c.redis_key for c in chunks]
-            results = self._store.put_parts_if_absent(keys, parts)
-            return self._count_stored(job, [codec.value_size(h) for h in headers], results)
+            sizes = [codec.value_size(h) for h in headers]
+            results = self._store.put_parts_if_absent(
+                keys, parts, deadline=job.deadline, nbytes=sum(sizes)
+            )
+            return self._count_stored(job, sizes, results)
         sizes = [codec.value_size(h) for h in headers]
         self._budget.acquire(sum(sizes), load=False)
         taken: list[memoryview] = []
@@ -648,7 +667,7 @@ class TransferEngine:
                 for chunk, block in zip(chunks, encoded, strict=True):
                     self._gather(chunk, block.body)
             items = [(c.redis_key, block.seal()) for c, block in zip(chunks, encoded, strict=True)]
-            results = self._store.put_if_absent(items)
+            results = self._store.put_if_absent(items, deadline=job.deadline)
         finally:
             self._buffers.give(taken)
             self._budget.release(sum(sizes))
@@ -665,7 +684,7 @@ class TransferEngine:
         if self._in_place:
             bodies = [self._pages_in_place(chunk) for chunk in chunks]
             heads = [self._value_head(lay, body) for lay, body in zip(layouts, bodies, strict=True)]
-            results = self._put_in_parts(sizes, keys, heads, bodies)
+            results = self._put_in_parts(job, sizes, keys, heads, bodies)
             return self._count_stored(job, sizes, results)
         self._budget.acquire(sum(sizes), load=False)
         taken = [self._buffers.take(size) for size in sizes]
@@ -681,7 +700,7 @@ class TransferEngine:
             for layout, (head, body) in zip(layouts, views, strict=True):
                 head[:] = self._value_head(layout, [body])
             results = self._put_in_parts(
-                sizes, keys, [head for head, _ in views], [[body] for _, body in views]
+                job, sizes, keys, [head for head, _ in views], [[body] for _, body in views]
             )
         finally:
             self._buffers.give(taken)
@@ -690,13 +709,16 @@ class TransferEngine:
 
     def _put_in_parts(
         self,
+        job: _Job,
         sizes: Sequence[int],
         keys: Sequence[str],
         heads: Sequence[memoryview | bytearray],
         bodies: Sequence[Sequence[memoryview]],
     ) -> list[PutResult]:
         def put(part: slice) -> list[PutResult]:
-            return self._store.put_native(keys[part], heads[part], bodies[part])
+            return self._store.put_native(
+                keys[part], heads[part], bodies[part], deadline=job.deadline
+            )
 
         results = self._in_parts(sizes, put)
         assert results is not None  # a put degrades to FAILED, never to None
@@ -861,12 +883,13 @@ class TransferEngine:
             return taken[-1]
 
         bounds = [self._value_bound(chunk) for chunk in plan]
+        self._start_clock(job, sum(bounds), paused_s=self._test_load_delay_s)
         self._budget.acquire(sum(bounds), load=True)
         try:
             if self._native:
-                got = self._receive_native(plan, bounds, take)
+                got = self._receive_native(plan, bounds, take, job.deadline)
             else:
-                got = self._receive(plan, bounds, take)
+                got = self._receive(plan, bounds, take, job.deadline)
             if got.invalid:
                 self._store.delete(list(got.invalid))
             if got.missing or got.invalid:
@@ -891,6 +914,7 @@ class TransferEngine:
         plan: Sequence[ChunkTransfer],
         bounds: Sequence[int],
         take: Callable[[int], memoryview],
+        deadline: Deadline | None,
     ) -> _Received:
         """The Python path: every value received into a buffer from ``take`` and decoded."""
         got = _Received()
@@ -902,7 +926,7 @@ class TransferEngine:
                 got.invalid[plan[idx].redis_key] = exc
 
         keys = [c.redis_key for c in plan]
-        values = self._store.get_into(keys, take, check, max_bytes=bounds)
+        values = self._store.get_into(keys, take, check, max_bytes=bounds, deadline=deadline)
         for key, value, bound in zip(keys, values, bounds, strict=True):
             if value is None:
                 got.missing.append(key)
@@ -919,6 +943,7 @@ class TransferEngine:
         plan: Sequence[ChunkTransfer],
         bounds: Sequence[int],
         take: Callable[[int], memoryview],
+        deadline: Deadline | None,
     ) -> _Received:
         """The native path: each value must be exactly what this engine would have written
         for its chunk (prefix fields, header, length) to land, in the KV cache's pages or in
@@ -929,7 +954,7 @@ class TransferEngine:
         keys = [chunk.redis_key for chunk in plan]
 
         def load(part: slice) -> list[fastpath.LoadResult] | None:
-            return self._store.load_native(keys[part], targets[part])
+            return self._store.load_native(keys[part], targets[part], deadline)
 
         results = self._in_parts(bounds, load)
         got = _Received()
@@ -963,7 +988,7 @@ class TransferEngine:
             self._merge(
                 got,
                 again,
-                self._receive([plan[i] for i in again], [bounds[i] for i in again], take),
+                self._receive([plan[i] for i in again], [bounds[i] for i in again], take, deadline),
             )
         return got
 

@@ -370,3 +370,42 @@ def test_a_native_load_of_a_moved_key_fails_whole_then_the_next_one_succeeds(
     finally:
         pages.close()
         store.close()
+
+
+def test_native_loads_and_stores_follow_ask_while_a_slot_migrates(clean: LocalCluster) -> None:
+    """While a slot is MIGRATING its old owner answers ASK for keys it no longer (or never)
+    held: a native load of a key already moved, and a native store of a new key, follow the
+    ASK to the importing node (ASKING first) and succeed; nothing is counted as refused."""
+    store = _store(clean.url, stats_key="hma:stats:worker-test")
+    pages = make_pages(store)
+    assert pages.engine.native
+    others = tuple([h[:-1] + b"\xee" for h in group] for group in HASHES)
+    moved_key = chunks(SRC)[0].redis_key
+    new_key = chunks(SRC, others)[0].redis_key
+    migrating: list[tuple[int, int]] = []
+    try:
+        assert pages.store_job(1, chunks(SRC)).ok
+        owners = clean.slot_owners()
+        for key in (moved_key, new_key):
+            slot = key_slot(key.encode())
+            target = next(p for p in clean.ports if p != owners[slot])
+            clean.begin_migration(slot, target)  # moves moved_key; new_key is not stored yet
+            migrating.append((slot, target))
+
+        assert pages.load_job(2, chunks(DST)).ok  # moved_key is on its new node only
+        assert pages.moved(SRC, DST)
+        assert pages.store_job(3, chunks(SRC, others)).ok
+        assert pages.load_job(4, chunks(DST, others)).ok  # new_key went to the new node
+        assert pages.moved(SRC, DST)
+        for slot, target in migrating:
+            with redis.Redis(port=target, username=USER, password=PASSWORD) as node:
+                assert node.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 1
+        store.flush_counters()
+        totals = store.counters.totals
+        assert not any(totals.get(f"refused_{kind}", 0) for kind in ("other", "noperm"))
+        assert totals.get("store_failed_chunks", 0) == 0
+    finally:
+        for slot, target in migrating:
+            clean.end_migration(slot, target)
+        pages.close()
+        store.close()

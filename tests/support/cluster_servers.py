@@ -186,6 +186,12 @@ class LocalCluster:
 
     def move_slot(self, slot: int, to_port: int) -> None:
         """Reshard one slot (and its keys) to the node on ``to_port``, as an operator would."""
+        self.begin_migration(slot, to_port)
+        self.end_migration(slot, to_port)
+
+    def begin_migration(self, slot: int, to_port: int) -> None:
+        """Start resharding one slot to the node on ``to_port`` and move its keys there, but
+        leave it MIGRATING / IMPORTING: its old owner answers ASK for keys it does not hold."""
         from_port = self.slot_owners()[slot]
         creds = {"username": self.username, "password": self.password}
         src = redis.Redis(port=from_port, socket_timeout=10, **creds)
@@ -200,9 +206,13 @@ class LocalCluster:
                 src.execute_command(
                     "MIGRATE", "127.0.0.1", to_port, "", 0, 10000, *auth, "KEYS", *keys
                 )
-            for client in self.clients():
-                with client:
-                    client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+    def end_migration(self, slot: int, to_port: int) -> None:
+        """Finish a :meth:`begin_migration`: every node assigns the slot to ``to_port``."""
+        dst_id = self.node_id(to_port)
+        for client in self.clients():
+            with client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
         _wait(f"slot {slot} to move", lambda: self.slot_owners()[slot] == to_port, timeout_s=30)
 
     def start_moving_slot(self, slot: int, to_port: int, keys: list[bytes]) -> None:

@@ -6,6 +6,10 @@ Each new connection forwards at most ``limit`` bytes of the server's replies and
 keeping the connection open (``"stall"``) or closes it (``"close"``). ``None`` forwards
 everything. Settings apply to connections accepted after they are changed, so a client that
 reconnects can be let through.
+
+``byte_delay_s`` (applies at once, to every connection) makes it a slow server: replies are
+forwarded one byte at a time, that many seconds apart, so no single wait is long but the whole
+reply is.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from typing import Literal
 
 from hma_redis.tools.demo.local_redis import free_port
@@ -25,6 +30,7 @@ class BreakingProxy:
         self.limit: int | None = None
         self.request_limit: int | None = None
         self.mode: Literal["stall", "close"] = "stall"
+        self.byte_delay_s: float | None = None
         self.connections = 0
         self._sockets: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", self.port))
@@ -47,10 +53,12 @@ class BreakingProxy:
                 target=self._pump, args=(client, server, self.request_limit), daemon=True
             ).start()
             threading.Thread(
-                target=self._pump, args=(server, client, self.limit), daemon=True
+                target=self._pump, args=(server, client, self.limit, True), daemon=True
             ).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, limit: int | None, replies: bool = False
+    ) -> None:
         sent = 0
         mode = self.mode
         with contextlib.suppress(OSError):
@@ -58,12 +66,21 @@ class BreakingProxy:
                 data = src.recv(65536 if limit is None else min(65536, limit - sent))
                 if not data:
                     break
-                dst.sendall(data)
+                self._forward(dst, data, replies)
                 sent += len(data)
             if mode == "close" or limit is None:
                 src.close()
                 dst.close()
         # "stall": keep both sockets open and forward nothing more.
+
+    def _forward(self, dst: socket.socket, data: bytes, replies: bool) -> None:
+        for at in range(len(data)):
+            delay = self.byte_delay_s if replies else None
+            if delay is None:
+                dst.sendall(data[at:])
+                return
+            time.sleep(delay)
+            dst.sendall(data[at : at + 1])
 
     def close(self) -> None:
         self._listener.close()

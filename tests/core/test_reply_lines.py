@@ -1,0 +1,106 @@
+"""Every reader of replies takes a reply line of at most 64 KiB with its CRLF and refuses a longer
+one with ProtocolError before holding more: the native reader, its pure-Python twin and the
+reader of the Python data path (TLS, ``HMA_REDIS_NATIVE=0``) draw the line at the same byte.
+The long lines are real Redis error replies (a script's ``redis.error_reply``)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+
+from hma_redis.core import fastpath
+from hma_redis.core.fastpath import LoadTarget
+from hma_redis.core.resp import MAX_REPLY_LINE, ProtocolError, RawReplies, no_bulk
+
+# A script whose error reply line is "-ERR " and ARGV[1] x's: 5 + n bytes before the CRLF.
+_LONG_ERROR = "return redis.error_reply(string.rep('x', tonumber(ARGV[1])))"
+_ERR_PREFIX = 5
+# The longest line accepted: it and its CRLF fill MAX_REPLY_LINE bytes.
+_BOUND = MAX_REPLY_LINE - 2
+
+Outcome = tuple[str, int]  # ("error", the error text's length) or ("refused", 0)
+
+
+def _resp(*args: str | int) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        raw = str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+    return b"".join(out)
+
+
+def _command(line_bytes: int) -> bytes:
+    return _resp("EVAL", _LONG_ERROR, 0, line_bytes - _ERR_PREFIX)
+
+
+def _fastpath_reader(
+    load: Callable[..., list[fastpath.LoadResult]],
+) -> Callable[[str, int], Outcome]:
+    def read(url: str, line_bytes: int) -> Outcome:
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=5) as sock:
+            target = LoadTarget(bytearray(100), b"", [], None, 100)
+            try:
+                (result,) = load(sock, [_command(line_bytes)], [target], 5.0)
+            except ProtocolError:
+                return "refused", 0
+        assert result.status is fastpath.LoadStatus.ERROR and result.error is not None
+        return "error", len(result.error)
+
+    return read
+
+
+def _python_path_reader(url: str, line_bytes: int) -> Outcome:
+    """RawReplies, the reader of the store's Python data path, on a redis-py connection."""
+    pool = redis.ConnectionPool.from_url(url)
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command([_command(line_bytes)], check_health=False)
+        try:
+            reply = RawReplies(conn).read(no_bulk)
+        except ProtocolError:
+            return "refused", 0
+        assert isinstance(reply, redis.ResponseError)
+        return "error", len(str(reply))
+    finally:
+        pool.release(conn)
+        pool.disconnect()
+
+
+READERS: dict[str, Callable[[str, int], Outcome]] = {
+    "native": _fastpath_reader(fastpath.native_load_values),
+    "python-twin": _fastpath_reader(fastpath.python_load_values),
+    "python-path": _python_path_reader,
+}
+
+
+@pytest.fixture(autouse=True)
+def _native_required() -> Iterator[None]:
+    assert fastpath.available(), f"native fast path unavailable: {fastpath.unavailable_reason()}"
+    yield
+
+
+@pytest.mark.parametrize(
+    "line_bytes", [_BOUND - 1, _BOUND, _BOUND + 1], ids=["bound-1", "bound", "bound+1"]
+)
+def test_every_reader_draws_the_reply_line_bound_at_the_same_byte(
+    redis_url: str, line_bytes: int
+) -> None:
+    outcomes = {name: read(redis_url, line_bytes) for name, read in READERS.items()}
+    want: Outcome = ("refused", 0) if line_bytes > _BOUND else ("error", line_bytes - 1)
+    assert outcomes == dict.fromkeys(READERS, want)
+
+
+def test_the_python_path_refuses_a_huge_reply_line_without_reading_it_all(
+    redis_url: str,
+) -> None:
+    """A 16 MiB error line is refused after its first 64 KiB, at once (it used to be buffered
+    whole, copied once per 4 KiB received: a 64 MiB line took minutes)."""
+    started = time.monotonic()
+    assert _python_path_reader(redis_url, 16 << 20) == ("refused", 0)
+    assert time.monotonic() - started < 10
