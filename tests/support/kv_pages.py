@@ -138,3 +138,20 @@ def make_pages(
         shutdown_timeout_s=1.0,
     )
     return Pages(engine, tensors, store)
+
+
+def as_before_or_cleared(
+    before: Sequence[torch.Tensor],
+    after: Sequence[torch.Tensor],
+    pages: Sequence[int] | None = None,
+) -> bool:
+    """Whether every block (row) of every layer holds what it held ``before``, or zeros in its
+    page and its padding unchanged: what a failed load may leave (an in-place load zeroes
+    every page it may have written). ``pages``: each layer's page bytes (None: whole rows)."""
+    for idx, (old, new) in enumerate(zip(before, after, strict=True)):
+        page = new.shape[1] if pages is None else pages[idx]
+        same = (old == new).all(dim=1)
+        cleared = ~new[:, :page].any(dim=1) & (old[:, page:] == new[:, page:]).all(dim=1)
+        if not bool((same | cleared).all()):
+            return False
+    return True
