@@ -32,6 +32,7 @@ from hma_redis.core.breaker import (
     BreakerState,
     CircuitBreaker,
     ErrorKind,
+    JobOutcome,
     RateLimitedLog,
     classify,
     refusal_of,
@@ -492,7 +493,10 @@ class RedisBlockStore:
         return _warm(self.client, 1)
 
     def load_native(
-        self, keys: Sequence[str], targets: Sequence[fastpath.LoadTarget]
+        self,
+        keys: Sequence[str],
+        targets: Sequence[fastpath.LoadTarget],
+        outcome: JobOutcome | None = None,
     ) -> list[fastpath.LoadResult] | None:
         """``GET`` every key into its target, the whole job in one native call on one
         connection with the GIL released (:func:`fastpath.load_values`: values land where the
@@ -501,7 +505,8 @@ class RedisBlockStore:
         An error reply is a refusal (counted and logged; its result stays ``ERROR``) unless it
         is an outage. None when Redis failed (outage: the breaker opens) or the breaker is
         open. Counters pending delivery go first on the same connection, one round trip of
-        their own. Only where :meth:`native_unavailable_reason` is None.
+        their own. ``outcome``: this call is one part of a job (see :meth:`job_outcome`).
+        Only where :meth:`native_unavailable_reason` is None.
         """
         if not keys:
             return []
@@ -519,7 +524,7 @@ class RedisBlockStore:
                     self._native_error("GET", result.error)
             return results
 
-        return self._guard("GET", lambda: self._on_native_connections(keys, body), None)
+        return self._guard("GET", lambda: self._on_native_connections(keys, body), None, outcome)
 
     def put_native(
         self,
@@ -527,6 +532,7 @@ class RedisBlockStore:
         heads: Sequence[Any],
         bodies: Sequence[Sequence[Any]],
         ttl_s: int | None = None,
+        outcome: JobOutcome | None = None,
     ) -> list[PutResult]:
         """``SET key value NX [EX ttl]`` for every key, in one native call on one connection
         with the GIL released (:func:`fastpath.store_values`).
@@ -534,7 +540,8 @@ class RedisBlockStore:
         A value is ``heads[i]`` (the codec's prefix and header, every field filled but the
         CRC32C, which is computed over header and body and written into the head here) then
         ``bodies[i]``'s pieces, sent in place by ``sendmsg``. Results as
-        :meth:`put_if_absent`. Only where :meth:`native_unavailable_reason` is None.
+        :meth:`put_if_absent`. ``outcome``: this call is one part of a job (see
+        :meth:`job_outcome`). Only where :meth:`native_unavailable_reason` is None.
         """
         if not keys:
             return []
@@ -559,7 +566,14 @@ class RedisBlockStore:
             return [self._store_result(result) for result in results]
 
         default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", lambda: self._on_native_connections(keys, send), default)
+        return self._guard("SET", lambda: self._on_native_connections(keys, send), default, outcome)
+
+    def job_outcome(self) -> JobOutcome:
+        """One breaker outcome for the parts of a job that run on several connections at once
+        (:meth:`load_native` / :meth:`put_native` with ``outcome``): the job is let through or
+        not as a whole now, and :meth:`JobOutcome.settle`, once every part has finished,
+        reports one failure if any part met an outage (else one success)."""
+        return self.breaker.job()
 
     def _native_error(self, command: str, error: str | None) -> None:
         """An error reply to one GET of a native job: a refusal (counted, logged)."""
@@ -632,7 +646,13 @@ class RedisBlockStore:
 
     # ------------------------------------------------------------------ the guard
 
-    def _guard(self, command: str, call: Callable[[], _T], default: _T) -> _T:
+    def _guard(
+        self,
+        command: str,
+        call: Callable[[], _T],
+        default: _T,
+        outcome: JobOutcome | None = None,
+    ) -> _T:
         """Run ``call`` (one Redis round trip) under the breaker; every Redis call goes here.
 
         While the breaker is open ``default`` at once, except for one probe per interval. An
@@ -640,19 +660,27 @@ class RedisBlockStore:
         ``default``. A refusal raised by the whole call (NOPERM, OOM, READONLY, another error
         reply) yields ``default`` too but proves the server answers: it is counted and logged
         (rate-limited) and the breaker stays (or becomes) closed. Exceptions that are not
-        Redis errors (a caller's bug, a failed allocation) propagate.
+        Redis errors (a caller's bug, a failed allocation) propagate. With ``outcome`` (one
+        part of a job) the job was let through or not as a whole, and the breaker hears of
+        the part only through the job's outcome.
         """
-        if not self.breaker.allow():
+        report = outcome if outcome is not None else self.breaker.job()
+        if not report.allowed:
             return default
         try:
             out = call()
         except (RedisError, OSError) as exc:
             if classify(exc) is ErrorKind.OUTAGE:
-                self.breaker.record_failure(exc)
-                return default
-            self._refused(command, exc, count=True)
-            out = default
-        self.breaker.record_success()
+                report.failed(exc)
+                out = default
+            else:
+                self._refused(command, exc, count=True)
+                out = default
+                report.answered()
+        else:
+            report.answered()
+        if outcome is None:
+            report.settle()
         return out
 
     def _refusal(self, command: str, reply: Any, count: bool = True) -> bool:

@@ -5,7 +5,8 @@ Each new connection forwards at most ``limit`` bytes of the server's replies and
 ``request_limit`` bytes of the client's requests, then either stops forwarding that way while
 keeping the connection open (``"stall"``) or closes it (``"close"``). ``None`` forwards
 everything. Settings apply to connections accepted after they are changed, so a client that
-reconnects can be let through.
+reconnects can be let through; ``reply_delay_s`` (a pause before each piece of a reply is
+forwarded) applies at once to every connection.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from typing import Literal
 
 from hma_redis.tools.demo.local_redis import free_port
@@ -25,6 +27,7 @@ class BreakingProxy:
         self.limit: int | None = None
         self.request_limit: int | None = None
         self.mode: Literal["stall", "close"] = "stall"
+        self.reply_delay_s = 0.0
         self.connections = 0
         self._sockets: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", self.port))
@@ -47,10 +50,12 @@ class BreakingProxy:
                 target=self._pump, args=(client, server, self.request_limit), daemon=True
             ).start()
             threading.Thread(
-                target=self._pump, args=(server, client, self.limit), daemon=True
+                target=self._pump, args=(server, client, self.limit, True), daemon=True
             ).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, limit: int | None, replies: bool = False
+    ) -> None:
         sent = 0
         mode = self.mode
         with contextlib.suppress(OSError):
@@ -58,6 +63,8 @@ class BreakingProxy:
                 data = src.recv(65536 if limit is None else min(65536, limit - sent))
                 if not data:
                     break
+                if replies and self.reply_delay_s:
+                    time.sleep(self.reply_delay_s)
                 dst.sendall(data)
                 sent += len(data)
             if mode == "close" or limit is None:
