@@ -215,11 +215,17 @@ class RemovalWatcher:
             return sorted(self._nodes)
 
     def drain(self, limit: int | None = None) -> tuple[list[str], bool]:
-        """``(keys, overflowed)``: the removed keys that arrived since the last call (at most
-        ``limit``), and whether some were dropped because the queue was full."""
+        """``(keys, overflowed)``: the removed keys that arrived since the last call, and
+        whether some were dropped (the queue was full, a connection dropped). More than
+        ``limit`` keys waiting is an overflow too: they are all dropped (none returned), so a
+        flood costs the caller no more than ``limit`` keys' work."""
         with self._lock:
-            count = len(self._pending) if limit is None else min(limit, len(self._pending))
-            keys = [self._pending.popleft() for _ in range(count)]
+            if limit is not None and len(self._pending) > limit:
+                self.dropped += len(self._pending)
+                self._pending.clear()
+                self._overflowed = True
+            keys = list(self._pending)
+            self._pending.clear()
             overflowed, self._overflowed = self._overflowed, False
         return keys, overflowed
 
