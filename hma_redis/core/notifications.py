@@ -170,6 +170,8 @@ class RemovalWatcher:
         self._pending: deque[str] = deque(maxlen=max_pending)
         self._overflowed = False
         self._lock = threading.Lock()
+        # Held while the state is worked out and set (node threads report concurrently).
+        self._state_lock = threading.Lock()
         self._stop = threading.Event()
         # Set by a node that lost its connection: the masters are asked for again.
         self._wake = threading.Event()
@@ -259,7 +261,9 @@ class RemovalWatcher:
             except (RedisError, RedisClusterException, OSError) as exc:
                 client.close()
                 if not self._nodes:
-                    self._set_state(NotificationState.UNREACHABLE, f"{type(exc).__name__}: {exc}")
+                    with self._state_lock:
+                        detail = f"{type(exc).__name__}: {exc}"
+                        self._set_state(NotificationState.UNREACHABLE, detail)
                 self._stop.wait(delay)
                 delay = min(delay * 2, _RECONNECT_MAX_S)
                 continue
@@ -396,6 +400,10 @@ class RemovalWatcher:
     def _update_state(self) -> None:
         """The watcher's state from its nodes': ON only if every node is subscribed with its
         flags on; NOT_ENABLED or UNREACHABLE if every node is; DEGRADED for a mix."""
+        with self._state_lock:
+            self._work_out_state()
+
+    def _work_out_state(self) -> None:
         with self._lock:
             nodes = list(self._nodes.values())
         if not nodes:
