@@ -148,15 +148,6 @@ def test_watcher_started_while_the_cluster_is_down_watches_every_master_once_it_
         cluster.stop()
 
 
-def _replica_of(cluster: LocalCluster, master_port: int) -> int:
-    for client in cluster.clients():
-        with client:
-            info = client.info("replication")
-            if info.get("role") == "slave" and int(info["master_port"]) == master_port:
-                return int(client.connection_pool.connection_kwargs["port"])
-    raise AssertionError(f"no replica of {master_port}")
-
-
 def _role(cluster: LocalCluster, port: int) -> str:
     with redis.Redis(port=port, username=USER, password=PASSWORD, socket_timeout=5) as client:
         return str(client.info("replication")["role"])
@@ -175,10 +166,8 @@ def test_a_master_promoted_by_a_cluster_failover_is_watched() -> None:
         assert watcher.wait_subscribed(WAIT_S)
         assert watcher.state is NotificationState.ON
         old = next(p for p in cluster.ports if _role(cluster, p) == "master")
-        promoted = _replica_of(cluster, old)
-        with redis.Redis(port=promoted, username=USER, password=PASSWORD) as replica:
-            replica.execute_command("CLUSTER", "FAILOVER")
-        _until("the replica to take over", lambda: _role(cluster, promoted) == "master")
+        promoted = cluster.replica_of(old)
+        cluster.failover(promoted)
         next(n for n in cluster.nodes if n.port == old).kill()
 
         writer = make_client(_cfg(cluster.url))

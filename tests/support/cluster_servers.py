@@ -14,6 +14,7 @@ pid. A missing binary raises ``RuntimeError``; :func:`started_cluster` and
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -211,6 +212,49 @@ class LocalCluster:
                 with client:
                     client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
         _wait(f"slot {slot} to move", lambda: self.slot_owners()[slot] == to_port, timeout_s=30)
+
+    def replica_of(self, master_port: int) -> int:
+        """The port of a replica of the master on ``master_port``."""
+        for client in self.clients():
+            with client:
+                info = client.info("replication")
+                if info.get("role") == "slave" and int(info["master_port"]) == master_port:
+                    return int(client.connection_pool.connection_kwargs["port"])
+        raise RuntimeError(f"no replica of the master on port {master_port}")
+
+    def failover(self, replica_port: int, timeout_s: float = 60.0) -> None:
+        """``CLUSTER FAILOVER`` on the replica on ``replica_port`` (sent again if a try times
+        out); returns once it is a master and every running node names it for its slots."""
+        creds = {"username": self.username, "password": self.password}
+        replica = redis.Redis(port=replica_port, socket_timeout=5, **creds)
+        with replica:
+            _wait(
+                "the replica's link to its master",
+                lambda: replica.info("replication").get("master_link_status") == "up",
+                timeout_s=timeout_s,
+            )
+            old = int(replica.info("replication")["master_port"])
+            deadline = time.monotonic() + timeout_s
+            while replica.info("replication").get("role") != "master":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the replica on port {replica_port} was not promoted")
+                replica.execute_command("CLUSTER", "FAILOVER")
+                with contextlib.suppress(RuntimeError):
+                    _wait(
+                        "the promotion",
+                        lambda: replica.info("replication").get("role") == "master",
+                        timeout_s=10,
+                    )
+
+        def agreed() -> bool:
+            for client in self.clients():
+                with client:
+                    ranges = client.execute_command("CLUSTER", "SLOTS")
+                    if any(int(node[1]) == old for _, _, node, *_ in ranges):
+                        return False
+            return True
+
+        _wait("every node to name the new master", agreed, timeout_s=timeout_s)
 
     def flushall(self) -> None:
         for client in self.clients():
