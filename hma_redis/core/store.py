@@ -670,12 +670,11 @@ class RedisBlockStore:
         try:
             out = call()
         except (RedisError, OSError) as exc:
+            out = default
             if classify(exc) is ErrorKind.OUTAGE:
                 report.failed(exc)
-                out = default
             else:
                 self._refused(command, exc, count=True)
-                out = default
                 report.answered()
         else:
             report.answered()
