@@ -62,6 +62,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# Removed keys one step handles at most; more waiting is an overflow (every cached answer is
+# forgotten), so a flood of removals never holds a scheduler step for long.
+MAX_REMOVALS_PER_STEP = 2048
+
 # Labels of vLLM's vllm:kv_offload_config_info metric (0.33+), filled by config_info().
 CONFIG_INFO_KEYS = ("key_prefix", "namespace", "redis_url", "format_version")
 
@@ -438,10 +442,11 @@ class RedisOffloadingManager(OffloadingManager):
 
     def _absorb_removals(self) -> None:
         """Drain the watcher: forget the answers for removed chunks (every group: a chunk one
-        group lost is no usable hit), and queue one removal event for all of them."""
+        group lost is no usable hit), and queue one removal event for all of them. More than
+        ``MAX_REMOVALS_PER_STEP`` waiting is handled as an overflow."""
         if self._removals is None:
             return
-        removed, overflowed = self._removals.drain()
+        removed, overflowed = self._removals.drain(limit=MAX_REMOVALS_PER_STEP)
         if overflowed:
             # Some removals were lost (queue full, or a notification connection dropped):
             # nothing believed present can be trusted, ask Redis again.

@@ -60,6 +60,10 @@ class CircuitBreaker:
             self._next_probe = now + self._interval_s
             return True
 
+    def job(self) -> JobOutcome:
+        """One outcome for the parts of a job, let through (or not) now as one call."""
+        return JobOutcome(self, self.allow())
+
     def record_success(self) -> None:
         if self._state is BreakerState.CLOSED:
             return
@@ -84,6 +88,36 @@ class CircuitBreaker:
             exc,
             self._interval_s,
         )
+
+
+class JobOutcome:
+    """The calls of one job's parts (on their own connections and threads), reported to the
+    breaker as one call: the job is let through or not once, at :meth:`CircuitBreaker.job`;
+    :meth:`settle`, once every part has finished, records one failure if any part met an
+    outage, else one success if any part got an answer. A part that succeeds thus never
+    closes the breaker while another part of its job is failing."""
+
+    def __init__(self, breaker: CircuitBreaker, allowed: bool) -> None:
+        self._breaker = breaker
+        self.allowed = allowed
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+        self._answered = False
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+
+    def answered(self) -> None:
+        self._answered = True
+
+    def settle(self) -> None:
+        """Report the job's outcome to the breaker (call once, after every part)."""
+        if self._failure is not None:
+            self._breaker.record_failure(self._failure)
+        elif self._answered:
+            self._breaker.record_success()
 
 
 # ---------------------------------------------------------------------------------- error kinds

@@ -194,6 +194,9 @@ class _BoundedCluster(RedisCluster):
       becomes ``redis.ConnectionError``, so the store's breaker handles it like any outage.
     * Built while no node answers, the client does not fail: the topology is discovered on
       first use (the store's breaker paces the attempts), as a plain client connects lazily.
+      Every entry point the tier uses (commands, pipelines, and the node lookups the native
+      path and the removal watcher make) discovers it first, or raises
+      ``redis.ConnectionError`` while no node answers.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -220,6 +223,22 @@ class _BoundedCluster(RedisCluster):
             finally:
                 self._initializing = False
             self._ready = True
+
+    def get_node_from_key(self, key: Any, replica: bool = False) -> Any:
+        self._ensure_ready()
+        return super().get_node_from_key(key, replica)
+
+    def get_redis_connection(self, node: ClusterNode) -> redis.Redis:
+        self._ensure_ready()
+        return super().get_redis_connection(node)
+
+    def get_primaries(self) -> list[ClusterNode]:
+        self._ensure_ready()
+        return super().get_primaries()
+
+    def get_nodes(self) -> list[ClusterNode]:
+        self._ensure_ready()
+        return super().get_nodes()
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         self._ensure_ready()

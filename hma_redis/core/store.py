@@ -35,6 +35,7 @@ from hma_redis.core.breaker import (
     BreakerState,
     CircuitBreaker,
     ErrorKind,
+    JobOutcome,
     RateLimitedLog,
     classify,
     refusal_of,
@@ -546,6 +547,7 @@ class RedisBlockStore:
         keys: Sequence[str],
         targets: Sequence[fastpath.LoadTarget],
         deadline: Deadline | None = None,
+        outcome: JobOutcome | None = None,
     ) -> list[fastpath.LoadResult] | None:
         """``GET`` every key into its target, the whole job in one native call on one
         connection with the GIL released (:func:`fastpath.load_values`: values land where the
@@ -554,7 +556,8 @@ class RedisBlockStore:
         An error reply is a refusal (counted and logged; its result stays ``ERROR``) unless it
         is an outage. None when Redis failed (outage: the breaker opens) or the breaker is
         open. Counters pending delivery go first on the same connection, one round trip of
-        their own. Only where :meth:`native_unavailable_reason` is None.
+        their own. ``outcome``: this call is one part of a job (see :meth:`job_outcome`).
+        Only where :meth:`native_unavailable_reason` is None.
         """
         if not keys:
             return []
@@ -577,7 +580,7 @@ class RedisBlockStore:
                     self._native_error("GET", result.error)
             return results
 
-        return self._guard("GET", load, None, within)
+        return self._guard("GET", load, None, within, outcome)
 
     def put_native(
         self,
@@ -586,6 +589,7 @@ class RedisBlockStore:
         bodies: Sequence[Sequence[Any]],
         ttl_s: int | None = None,
         deadline: Deadline | None = None,
+        outcome: JobOutcome | None = None,
     ) -> list[PutResult]:
         """``SET key value NX [EX ttl]`` for every key, in one native call on one connection
         with the GIL released (:func:`fastpath.store_values`).
@@ -593,7 +597,8 @@ class RedisBlockStore:
         A value is ``heads[i]`` (the codec's prefix and header, every field filled but the
         CRC32C, which is computed over header and body and written into the head here) then
         ``bodies[i]``'s pieces, sent in place by ``sendmsg``. Results as
-        :meth:`put_if_absent`. Only where :meth:`native_unavailable_reason` is None.
+        :meth:`put_if_absent`. ``outcome``: this call is one part of a job (see
+        :meth:`job_outcome`). Only where :meth:`native_unavailable_reason` is None.
         """
         if not keys:
             return []
@@ -629,7 +634,14 @@ class RedisBlockStore:
             return [self._store_result(r) for r in self._on_native_connections(keys, send)]
 
         default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", store, default, within)
+        return self._guard("SET", store, default, within, outcome)
+
+    def job_outcome(self) -> JobOutcome:
+        """One breaker outcome for the parts of a job that run on several connections at once
+        (:meth:`load_native` / :meth:`put_native` with ``outcome``): the job is let through or
+        not as a whole now, and :meth:`JobOutcome.settle`, once every part has finished,
+        reports one failure if any part met an outage (else one success)."""
+        return self.breaker.job()
 
     def _native_error(self, command: str, error: str | None) -> None:
         """An error reply to one GET of a native job: a refusal (counted, logged)."""
@@ -713,6 +725,7 @@ class RedisBlockStore:
         call: Callable[[], _T],
         default: _T,
         deadline: Deadline | None = None,
+        outcome: JobOutcome | None = None,
     ) -> _T:
         """Run ``call`` (one Redis round trip) under the breaker; every Redis call goes here.
         It must end by ``deadline`` (default: :meth:`_deadline` of no bytes): past it, its
@@ -724,20 +737,27 @@ class RedisBlockStore:
         ``default``. A refusal raised by the whole call (NOPERM, OOM, READONLY, another error
         reply) yields ``default`` too but proves the server answers: it is counted and logged
         (rate-limited) and the breaker stays (or becomes) closed. Exceptions that are not
-        Redis errors (a caller's bug, a failed allocation) propagate.
+        Redis errors (a caller's bug, a failed allocation) propagate. With ``outcome`` (one
+        part of a job) the job was let through or not as a whole, and the breaker hears of
+        the part only through the job's outcome.
         """
-        if not self.breaker.allow():
+        report = outcome if outcome is not None else self.breaker.job()
+        if not report.allowed:
             return default
         try:
             with bounded(deadline or self._deadline()):
                 out = call()
         except (RedisError, OSError) as exc:
-            if classify(exc) is ErrorKind.OUTAGE:
-                self.breaker.record_failure(exc)
-                return default
-            self._refused(command, exc, count=True)
             out = default
-        self.breaker.record_success()
+            if classify(exc) is ErrorKind.OUTAGE:
+                report.failed(exc)
+            else:
+                self._refused(command, exc, count=True)
+                report.answered()
+        else:
+            report.answered()
+        if outcome is None:
+            report.settle()
         return out
 
     def _refusal(self, command: str, reply: Any, count: bool = True) -> bool:

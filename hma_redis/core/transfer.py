@@ -58,6 +58,7 @@ import torch
 
 from hma_redis import FORMAT_VERSION
 from hma_redis.core import codec, fastpath
+from hma_redis.core.breaker import JobOutcome
 from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore
@@ -573,21 +574,28 @@ class TransferEngine:
         )
 
     def _in_parts(
-        self, sizes: Sequence[int], run: Callable[[slice], list[_T] | None]
+        self, sizes: Sequence[int], run: Callable[[slice, JobOutcome], list[_T] | None]
     ) -> list[_T] | None:
         """``run`` over the job's items cut into at most ``connections_per_job`` consecutive
         slices of about equal ``sizes``, each on its own connection and thread (this thread
         runs the first); the results in item order, None if any part gave None. Returns (or
         raises the first part's exception) only once every part has finished, so no part is
-        still writing into the job's pages."""
+        still writing into the job's pages. The parts report to the store's breaker as one
+        outcome: the job fails as a whole if one part meets an outage, and another part's
+        success does not close the breaker behind it."""
         cuts = _split(sizes, self._connections)
+        outcome = self._store.job_outcome()
         if len(cuts) == 1 or self._parts is None:
-            return run(cuts[0])
-        others = [self._parts.submit(run, cut) for cut in cuts[1:]]
+            try:
+                return run(cuts[0], outcome)
+            finally:
+                outcome.settle()
+        others = [self._parts.submit(run, cut, outcome) for cut in cuts[1:]]
         try:
-            first = run(cuts[0])
+            first = run(cuts[0], outcome)
         finally:
             wait(others)
+            outcome.settle()
         parts = [first, *(future.result() for future in others)]
         out: list[_T] = []
         for part in parts:
@@ -715,9 +723,9 @@ class TransferEngine:
         heads: Sequence[memoryview | bytearray],
         bodies: Sequence[Sequence[memoryview]],
     ) -> list[PutResult]:
-        def put(part: slice) -> list[PutResult]:
+        def put(part: slice, outcome: JobOutcome) -> list[PutResult]:
             return self._store.put_native(
-                keys[part], heads[part], bodies[part], deadline=job.deadline
+                keys[part], heads[part], bodies[part], deadline=job.deadline, outcome=outcome
             )
 
         results = self._in_parts(sizes, put)
@@ -953,8 +961,8 @@ class TransferEngine:
         targets, bodies = self._native_targets(plan, layouts, bounds, take)
         keys = [chunk.redis_key for chunk in plan]
 
-        def load(part: slice) -> list[fastpath.LoadResult] | None:
-            return self._store.load_native(keys[part], targets[part], deadline)
+        def load(part: slice, outcome: JobOutcome) -> list[fastpath.LoadResult] | None:
+            return self._store.load_native(keys[part], targets[part], deadline, outcome)
 
         results = self._in_parts(bounds, load)
         got = _Received()

@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from hma_redis.adapter.manager import RedisOffloadingManager
+from hma_redis.adapter.manager import MAX_REMOVALS_PER_STEP, RedisOffloadingManager
 from hma_redis.adapter.metrics import RedisMetricName
 from hma_redis.core.client import make_client
 from hma_redis.core.config import RedisTierConfig
@@ -384,3 +384,47 @@ def test_second_sighting_on_a_cluster(cluster: LocalCluster) -> None:
     assert _ask(second, [seen], "b") == [LookupResult.MISS]
     out = second.prepare_store([seen], ReqContext(req_id="b"))
     assert out is not None and out.keys_to_store == [seen]
+
+
+# ARGV[2] block keys: ARGV[1] then 64 hex digits of 1, 2, ...
+_FLOOD_KEY = "ARGV[1] .. string.format('%064x', i)"
+_FLOOD_SET = f"for i = 1, tonumber(ARGV[2]) do redis.call('SET', {_FLOOD_KEY}, 'v') end"
+_FLOOD_UNLINK = f"for i = 1, tonumber(ARGV[2]) do redis.call('UNLINK', {_FLOOD_KEY}) end"
+
+
+def test_a_flood_of_removals_costs_one_step_at_most_the_bound(local_redis: LocalRedis) -> None:
+    """200 000 keys deleted between two steps: the step handles none of them one by one (more
+    than MAX_REMOVALS_PER_STEP is an overflow: every cached answer is forgotten), and a
+    chunk cached as a HIT that the flood removed is asked of Redis again, never served."""
+    client = redis.Redis.from_url(local_redis.url)
+    client.config_set("client-output-buffer-limit", "pubsub 0 0 0")  # the whole flood arrives
+    keyspace = KeySpace("hma", "flood")
+    store = _store(local_redis.url)
+    watcher = RemovalWatcher(store.cfg, keyspace.block_pattern(), max_pending=300_000).start()
+    assert watcher.wait_subscribed(10.0)
+    manager = RedisOffloadingManager(
+        store, keyspace, lookup_wait_s=1.0, removals=watcher, group_chunk_tokens=(16, 16)
+    )
+    try:
+        kept = make_offload_key(b"\x51" * 32, 0)
+        client.set(keyspace.block_key(0, b"\x51" * 32), b"v")
+        assert _ask(manager, [kept], "r1") == [LookupResult.HIT]
+        flood = 200_000
+        prefix = keyspace.block_key(0, b"")  # every key of the flood is a block key
+        client.eval(_FLOOD_SET, 0, prefix, flood)
+        client.unlink(keyspace.block_key(0, b"\x51" * 32))
+        client.eval(_FLOOD_UNLINK, 0, prefix, flood)
+        deadline = time.monotonic() + 120
+        while watcher.received < flood + 1:
+            assert time.monotonic() < deadline, f"only {watcher.received} removals arrived"
+            time.sleep(0.05)
+
+        manager.on_schedule_end(END_OF_STEP)
+        assert manager.detail_stats.removal_overflows == 1
+        assert manager.detail_stats.removed_chunks <= MAX_REMOVALS_PER_STEP * 2
+        assert manager.lookup(kept, ReqContext(req_id="r2")) is LookupResult.RETRY
+        manager.on_schedule_end(END_OF_STEP)
+        assert manager.lookup(kept, ReqContext(req_id="r2")) is LookupResult.MISS
+    finally:
+        manager.shutdown()
+        client.close()

@@ -409,3 +409,31 @@ def test_native_loads_and_stores_follow_ask_while_a_slot_migrates(clean: LocalCl
             clean.end_migration(slot, target)
         pages.close()
         store.close()
+
+
+def test_a_cluster_down_at_start_serves_native_loads_and_stores_once_it_is_up() -> None:
+    """A worker built while no node answers (the cluster starts after it): jobs fail while
+    the cluster is down, then the native path finds the topology by itself and stores and
+    loads every byte, without a restart."""
+    later = LocalCluster(masters=3, username=USER, password=PASSWORD)
+    store = _store(later.url, retry_interval_s=0.1, connect_timeout_s=0.2)
+    pages = make_pages(store)
+    assert pages.engine.native
+    try:
+        assert not pages.load_job(1, chunks(DST)).ok
+        later.start()
+        deadline = time.monotonic() + 60
+        job = 2
+        while True:
+            pages.store_job(job, chunks(SRC))
+            if pages.load_job(job + 1, chunks(DST)).ok:
+                break
+            assert time.monotonic() < deadline, "the native path never recovered"
+            job += 2
+            time.sleep(0.2)
+        assert pages.moved(SRC, DST)
+        assert len(_per_node(later, [c.redis_key for c in chunks(SRC)])) >= 2
+    finally:
+        pages.close()
+        store.close()
+        later.stop()

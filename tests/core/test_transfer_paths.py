@@ -6,6 +6,7 @@ connection."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -31,6 +32,7 @@ from tests.support.kv_pages import (
     make_pages,
 )
 from tests.support.redis_server import store_connections
+from tests.support.tcp_proxy import BreakingProxy
 
 AUTH_KEY = b"transfer-paths-secret-0001"
 # One group-1 block less than DST from its first index on: the first chunk's value holds one
@@ -279,3 +281,42 @@ def test_the_start_up_line_says_which_path_runs_and_why(
     finally:
         rig.close()
         store.close()
+
+
+def test_a_job_with_one_failing_connection_opens_the_breaker_once(local_redis, caplog) -> None:
+    """``connections_per_job=3`` and one of a job's connections broken (Redis drops it, and
+    every new connection is cut at once) while the other two still answer: the job fails,
+    the breaker opens once and stays open (the other parts' answers do not close it), so
+    five failing jobs log one WARNING and send no GET after the first job's."""
+    caplog.set_level(logging.WARNING, logger="hma_redis.core.breaker")
+    proxy = BreakingProxy(local_redis.port)
+    store = _store(proxy.url, connections_per_job=3, retry_interval_s=600)
+    rig = make_pages(store)
+    admin = redis.Redis(port=local_redis.port)
+    try:
+        assert rig.engine.native
+        assert rig.store_job(1, chunks(SRC)).ok
+        # Slow replies: a job's parts overlap, so each holds a connection of its own, and
+        # the parts that still answer end after the broken one.
+        proxy.reply_delay_s = 0.05
+        assert rig.load_job(2, chunks(DST)).ok  # the pool's last three connections
+        proxy.limit, proxy.mode = 0, "close"  # every connection from now on is cut at once
+        bulk = [c for c in admin.client_list() if c["cmd"] == "get"]
+        assert len(bulk) == 3
+        admin.client_kill_filter(_id=bulk[0]["id"])
+        gets = int(admin.info("commandstats")["cmdstat_get"]["calls"])
+        caplog.clear()
+
+        for job in range(3, 8):
+            assert not rig.load_job(job, chunks(DST)).ok
+        warnings = [r for r in caplog.records if r.name == "hma_redis.core.breaker"]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert "failed" in warnings[0].getMessage()
+        assert store.breaker.state is BreakerState.OPEN
+        sent = int(admin.info("commandstats")["cmdstat_get"]["calls"]) - gets
+        assert sent <= len(chunks(DST))  # the first job's answering parts only
+    finally:
+        rig.close()
+        store.close()
+        proxy.close()
+        admin.close()

@@ -1,8 +1,9 @@
 """Real Redis Cluster and Redis Sentinel deployments on loopback ports, for tests (no mocks).
 
-* :class:`LocalCluster`: three ``redis-server --cluster-enabled yes`` masters joined with
-  ``redis-cli --cluster create ... --cluster-replicas 0 --cluster-yes``; ready once every node
-  reports ``cluster_state:ok`` with all 16384 slots assigned.
+* :class:`LocalCluster`: three ``redis-server --cluster-enabled yes`` masters (optionally each
+  with replicas) joined with ``redis-cli --cluster create ... --cluster-yes``; ready once every
+  node reports ``cluster_state:ok`` with all 16384 slots assigned. Its ports (and URL) are
+  chosen when it is built, so a client can be pointed at it before it starts.
 * :class:`LocalSentinel`: one master, one replica and one ``redis-server --sentinel`` with quorum
   1 and short ``down-after-milliseconds`` / ``failover-timeout``, so a failover takes seconds.
 
@@ -13,6 +14,7 @@ pid. A missing binary raises ``RuntimeError``; :func:`started_cluster` and
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -70,7 +72,8 @@ def _wait(what: str, check: object, timeout_s: float, interval_s: float = 0.1) -
 
 
 class LocalCluster:
-    """A Redis Cluster of ``masters`` primaries (no replicas) on loopback ports.
+    """A Redis Cluster of ``masters`` primaries, each with ``replicas`` replicas, on loopback
+    ports chosen when it is built (:attr:`url` is known before :meth:`start`).
 
     With ``username`` and ``password``, every node gets that ACL user (all commands, all keys)
     and its ``default`` user is switched off once the cluster is formed, so a client must send
@@ -83,18 +86,23 @@ class LocalCluster:
         node_timeout_ms: int = 15000,
         username: str | None = None,
         password: str | None = None,
+        replicas: int = 0,
     ) -> None:
         self.redis_cli = _binary("redis-cli")
         _binary("redis-server")
         self.masters = masters
+        self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         self.username = username
         self.password = password
         self.nodes: list[LocalRedis] = []
+        # A client port and a cluster-bus port per node, in node order.
+        self._planned = _free_ports(2 * masters * (1 + replicas))
 
     @property
     def ports(self) -> list[int]:
-        return [n.port for n in self.nodes]
+        """The nodes' client ports (masters first as created; roles change on failover)."""
+        return self._planned[::2]
 
     @property
     def url(self) -> str:
@@ -104,8 +112,7 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         try:
-            ports = _free_ports(2 * self.masters)
-            for port, bus_port in zip(ports[::2], ports[1::2], strict=True):
+            for port, bus_port in zip(self._planned[::2], self._planned[1::2], strict=True):
                 node = LocalRedis(
                     port=port,
                     extra_args=[
@@ -134,7 +141,7 @@ class LocalCluster:
         args = [
             self.redis_cli, *auth, "--no-auth-warning", "--cluster", "create",
             *(f"127.0.0.1:{p}" for p in self.ports),
-            "--cluster-replicas", "0", "--cluster-yes",
+            "--cluster-replicas", str(self.replicas), "--cluster-yes",
         ]  # fmt: skip
         proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
         if proc.returncode != 0:
@@ -156,18 +163,19 @@ class LocalCluster:
                         return False
                     if int(info.get("cluster_slots_assigned", 0)) != 16384:
                         return False
-                    if int(info.get("cluster_known_nodes", 0)) != self.masters:
+                    if int(info.get("cluster_known_nodes", 0)) != len(self.ports):
                         return False
             return True
 
         _wait("cluster_state:ok on every node", ready, timeout_s=timeout_s)
 
     def clients(self, authenticated: bool = True) -> list[redis.Redis]:
-        """One plain (non-cluster) client per node, in port order."""
+        """One plain (non-cluster) client per running node, in port order."""
         creds = {"username": self.username, "password": self.password} if authenticated else {}
         return [
-            redis.Redis(port=p, socket_timeout=5, socket_connect_timeout=5, **creds)
-            for p in self.ports
+            redis.Redis(port=n.port, socket_timeout=5, socket_connect_timeout=5, **creds)
+            for n in self.nodes
+            if n.proc is not None
         ]
 
     def slot_owners(self) -> dict[int, int]:
@@ -234,6 +242,49 @@ class LocalCluster:
         for client in self.clients():
             with client:
                 client.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+
+    def replica_of(self, master_port: int) -> int:
+        """The port of a replica of the master on ``master_port``."""
+        for client in self.clients():
+            with client:
+                info = client.info("replication")
+                if info.get("role") == "slave" and int(info["master_port"]) == master_port:
+                    return int(client.connection_pool.connection_kwargs["port"])
+        raise RuntimeError(f"no replica of the master on port {master_port}")
+
+    def failover(self, replica_port: int, timeout_s: float = 60.0) -> None:
+        """``CLUSTER FAILOVER`` on the replica on ``replica_port`` (sent again if a try times
+        out); returns once it is a master and every running node names it for its slots."""
+        creds = {"username": self.username, "password": self.password}
+        replica = redis.Redis(port=replica_port, socket_timeout=5, **creds)
+        with replica:
+            _wait(
+                "the replica's link to its master",
+                lambda: replica.info("replication").get("master_link_status") == "up",
+                timeout_s=timeout_s,
+            )
+            old = int(replica.info("replication")["master_port"])
+            deadline = time.monotonic() + timeout_s
+            while replica.info("replication").get("role") != "master":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the replica on port {replica_port} was not promoted")
+                replica.execute_command("CLUSTER", "FAILOVER")
+                with contextlib.suppress(RuntimeError):
+                    _wait(
+                        "the promotion",
+                        lambda: replica.info("replication").get("role") == "master",
+                        timeout_s=10,
+                    )
+
+        def agreed() -> bool:
+            for client in self.clients():
+                with client:
+                    ranges = client.execute_command("CLUSTER", "SLOTS")
+                    if any(int(node[1]) == old for _, _, node, *_ in ranges):
+                        return False
+            return True
+
+        _wait("every node to name the new master", agreed, timeout_s=timeout_s)
 
     def flushall(self) -> None:
         for client in self.clients():

@@ -9,7 +9,8 @@ reconnects can be let through.
 
 ``byte_delay_s`` (applies at once, to every connection) makes it a slow server: replies are
 forwarded one byte at a time, that many seconds apart, so no single wait is long but the whole
-reply is.
+reply is. ``reply_delay_s`` (a pause before each piece of a reply is forwarded) also applies at
+once to every connection.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class BreakingProxy:
         self.request_limit: int | None = None
         self.mode: Literal["stall", "close"] = "stall"
         self.byte_delay_s: float | None = None
+        self.reply_delay_s = 0.0
         self.connections = 0
         self._sockets: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", self.port))
@@ -66,6 +68,8 @@ class BreakingProxy:
                 data = src.recv(65536 if limit is None else min(65536, limit - sent))
                 if not data:
                     break
+                if replies and self.reply_delay_s:
+                    time.sleep(self.reply_delay_s)
                 self._forward(dst, data, replies)
                 sent += len(data)
             if mode == "close" or limit is None:
