@@ -4,8 +4,3 @@
 into vLLM, ``hma_redis.tools`` holds the CLI, benchmarks and demos (never imported by the
 runtime). vLLM loads ``hma_redis.spec`` and ``hma_redis.connector`` (see docs/architecture.md).
 """
-
-# Version of the value envelope (docs/payload-format.md); part of every namespace.
-FORMAT_VERSION = 2
-
-__all__ = ["FORMAT_VERSION"]

@@ -47,10 +47,10 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from hma_redis import FORMAT_VERSION
 from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics
 from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
 from hma_redis.core.breaker import BreakerState
+from hma_redis.core.codec import FORMAT_VERSION
 from hma_redis.core.keys import KeySpace, parse_block_key
 from hma_redis.core.notifications import RemovalWatcher
 from hma_redis.core.store import RedisBlockStore, Sighting

@@ -31,11 +31,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from hma_redis import FORMAT_VERSION
 from hma_redis.adapter import compat
 from hma_redis.adapter.manager import CONFIG_INFO_KEYS, RedisOffloadingManager
 from hma_redis.adapter.metrics import metric_definitions
 from hma_redis.adapter.worker import RedisOffloadingWorker
+from hma_redis.core.codec import FORMAT_VERSION
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import GroupLayout, KeySpace, NamespaceFingerprint
 from hma_redis.core.notifications import RemovalWatcher

@@ -36,7 +36,8 @@ import blake3
 import crc32c
 import msgpack
 
-from hma_redis import FORMAT_VERSION
+# Version of the value envelope (docs/payload-format.md); part of every namespace.
+FORMAT_VERSION = 2
 
 MAGIC = b"HMAK"
 MAC_BYTES = 32

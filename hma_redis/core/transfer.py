@@ -56,10 +56,9 @@ from typing import TypeVar
 
 import torch
 
-from hma_redis import FORMAT_VERSION
 from hma_redis.core import codec, fastpath
 from hma_redis.core.breaker import JobOutcome
-from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
+from hma_redis.core.codec import FORMAT_VERSION, BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore
 

@@ -25,9 +25,9 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from hma_redis import FORMAT_VERSION
 from hma_redis.adapter.manager import RedisOffloadingManager
 from hma_redis.adapter.metrics import RedisMetricName
+from hma_redis.core.codec import FORMAT_VERSION
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.notifications import RemovalWatcher

@@ -1,6 +1,8 @@
-"""The package's layers, read from its source: core imports nothing above it, the adapter
-nothing of the tools, the runtime (core, adapter, the entry points) never the tools, and no
-module imports itself back through others (no import circles)."""
+"""The package's layers, read from its source: core imports nothing above it (nor vLLM, at any
+depth of its code), the adapter nothing of the tools, the runtime (core, adapter, the entry
+points) never the tools, and no module imports itself back through others (no import circles).
+Relative imports are resolved, not skipped; a self-test plants violations in a temporary package
+and checks that every check finds them."""
 
 from __future__ import annotations
 
@@ -11,53 +13,78 @@ import hma_redis
 
 PACKAGE = Path(hma_redis.__file__).parent
 
+ALLOWED = {
+    "package": set(),
+    "core": {"package", "core"},
+    "adapter": {"package", "core", "adapter"},
+    "spec": {"adapter"},  # hma_redis.spec / hma_redis.connector: the documented entry points
+    "connector": {"adapter"},
+    "tools": {"package", "core", "adapter", "tools"},
+}
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+
+def _module_name(package: Path, path: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports() -> dict[str, set[str]]:
-    """Every hma_redis module -> the hma_redis modules it imports (at any depth of its code)."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names, relative ones resolved from ``module``."""
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _all_imports(package: Path) -> dict[str, set[str]]:
+    """Every module of ``package`` -> every module it imports, at any depth of its code."""
     graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
+    for path in package.rglob("*.py"):
+        name = _module_name(package, path)
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    found.add(sub if sub in modules else node.module)
+            if isinstance(node, ast.ImportFrom):
+                source = _absolute(name, path.name == "__init__.py", node)
+                found.update(f"{source}.{alias.name}" for alias in node.names)
+                found.add(source)
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
-        graph[name] = {m for m in found if m in modules and m != name}
+        graph[name] = found
     return graph
+
+
+def _imports(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Every module of ``package`` -> the modules of ``package`` it imports."""
+    graph = _all_imports(package)
+    return {name: {m for m in found if m in graph and m != name} for name, found in graph.items()}
 
 
 def _layer(module: str) -> str:
     return module.split(".")[1] if module.count(".") >= 1 else "package"
 
 
-def test_lower_layers_never_import_higher_ones() -> None:
-    allowed = {
-        "package": set(),
-        "core": {"package", "core"},
-        "adapter": {"package", "core", "adapter"},
-        "spec": {"adapter"},  # hma_redis.spec / hma_redis.connector: the documented entry points
-        "connector": {"adapter"},
-        "tools": {"package", "core", "adapter", "tools"},
-    }
-    wrong = [
+def _layer_violations(package: Path = PACKAGE) -> list[str]:
+    return [
         f"{module} -> {target}"
-        for module, targets in _imports().items()
+        for module, targets in _imports(package).items()
         for target in targets
-        if _layer(target) not in allowed[_layer(module)]
+        if _layer(target) not in ALLOWED[_layer(module)]
     ]
-    assert not wrong
 
 
-def test_no_import_circles() -> None:
-    graph = _imports()
+def _vllm_in_core(package: Path = PACKAGE) -> list[str]:
+    return [
+        f"{module} -> {target}"
+        for module, targets in _all_imports(package).items()
+        if _layer(module) == "core"
+        for target in targets
+        if target == "vllm" or target.startswith("vllm.")
+    ]
+
+
+def _circles(package: Path = PACKAGE) -> list[str]:
+    graph = _imports(package)
 
     def reaches(start: str, goal: str) -> bool:
         seen, todo = set(), list(graph[start])
@@ -70,4 +97,38 @@ def test_no_import_circles() -> None:
                 todo.extend(graph[module])
         return False
 
-    assert not [m for m in graph if reaches(m, m)]
+    return [m for m in graph if reaches(m, m)]
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    assert not _layer_violations()
+
+
+def test_core_never_imports_vllm_even_inside_a_function() -> None:
+    assert not _vllm_in_core()
+
+
+def test_no_import_circles() -> None:
+    assert not _circles()
+
+
+def test_the_checks_find_violations_planted_in_a_package(tmp_path: Path) -> None:
+    """A relative import upwards, ``import vllm`` inside a core function, and a circle through
+    relative imports are each found."""
+    package = tmp_path / "planted"
+    for sub in ("core", "adapter"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "core" / "low.py").write_text("from ..adapter import high\n")
+    (package / "core" / "lazy.py").write_text("def f():\n    import vllm.config\n")
+    (package / "adapter" / "high.py").write_text("from . import other\n")
+    (package / "adapter" / "other.py").write_text("from .high import name\n")
+
+    assert sorted(_layer_violations(package)) == [
+        "planted.core.low -> planted.adapter",
+        "planted.core.low -> planted.adapter.high",
+    ]
+    assert _vllm_in_core(package) == ["planted.core.lazy -> vllm.config"]
+    assert sorted(_circles(package)) == ["planted.adapter.high", "planted.adapter.other"]
+    assert not _layer_violations() and not _vllm_in_core() and not _circles()
