@@ -33,9 +33,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from hma_redis.core.codec import FORMAT_VERSION
 from hma_redis.core import codec, fastpath
-from hma_redis.core.codec import BlockHeader
+from hma_redis.core.codec import FORMAT_VERSION, BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.store import OversizedValue, RedisBlockStore
 
