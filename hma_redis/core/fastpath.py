@@ -80,7 +80,9 @@ PREFIX_BYTES = 48  # the codec's prefix (hma_redis.core.codec.PREFIX_BYTES)
 _HLEN_OFFSET = 8  # header length field (big-endian u32) inside the prefix
 _CRC_OFFSET = 12  # CRC32C field (big-endian u32) inside the prefix
 _LINE_READ = 64 * 1024  # bytes received at a time while looking for a reply line
-_MAX_LINE = _LINE_READ - 1  # a longer reply line is a protocol error
+# The longest reply line (without its CRLF): the C code's 64 KiB read buffer holds the line and
+# its CRLF. A longer one is a protocol error, however its bytes arrive.
+_MAX_LINE = _LINE_READ - 2
 _SCRATCH_BYTES = 256 * 1024  # bytes received at a time when dropped or only checksummed
 _MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk length is bogus
 # GETs unanswered at once in a load job (the next is sent as soon as a reply's first line
@@ -336,10 +338,12 @@ class _Stream:
         """The next reply line without its CRLF."""
         start = 0
         while (end := self._buf.find(b"\r\n", start)) < 0:
-            if len(self._buf) > _MAX_LINE:
+            if len(self._buf) > _MAX_LINE + 1:  # even a CRLF next would end a longer line
                 raise ProtocolError("reply line too long")
             start = max(0, len(self._buf) - 1)
             self._recv()
+        if end > _MAX_LINE:
+            raise ProtocolError("reply line too long")
         line = bytes(self._buf[:end])
         del self._buf[: end + 2]
         return line
@@ -399,7 +403,9 @@ def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
             raise ProtocolError("bad RESP3 null")
         return "nil", None
     if kind in (b"-", b"+"):
-        return ("error" if kind == b"-" else "status"), rest.decode("utf-8", "replace")
+        # The text ends at a NUL byte, as the C code's string does.
+        text = rest.split(b"\0", 1)[0].decode("utf-8", "replace")
+        return ("error" if kind == b"-" else "status"), text
     raise ProtocolError("unexpected reply type")
 
 
