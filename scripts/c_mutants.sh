@@ -49,7 +49,7 @@ for line in open(listing):
     fields = line.rstrip("\n").split("\t")
     if fields[0] != name:
         continue
-    old, new = (f.replace("\\n", "\n") for f in fields[1:3])
+    old, new = (f.replace("<NL>", "\n") for f in fields[1:3])
     which = int(fields[3]) if len(fields) > 3 else 1
     text = open(source).read()
     at = -1
@@ -68,8 +68,12 @@ names=$(grep -v '^#' scripts/c_mutants.txt | grep -v '^\s*$' | cut -f1)
 [[ -z "$ONLY" ]] || names=${ONLY//,/ }
 killed=0 survived=0 stillborn=0
 survivors=()
+missing=0
 for name in $names; do
-    apply "$name"
+    if ! apply "$name"; then
+        missing=$((missing + 1))
+        continue
+    fi
     cp "$WORK/mutant.c" "$WORK/tree/hma_redis/core/_fastpath.c"
     if ! native_build "$WORK/tree" 2> /dev/null; then
         echo "stillborn  $name"
@@ -94,5 +98,5 @@ for name in $names; do
     fi
 done
 total=$((killed + survived))
-echo "C mutants: $killed of $total killed ($((total ? 100 * killed / total : 0)) %), $stillborn stillborn"
+echo "C mutants: $killed of $total killed ($((total ? 100 * killed / total : 0)) %), $stillborn stillborn, $missing not found"
 [[ ${#survivors[@]} = 0 ]] || echo "survived: ${survivors[*]}"

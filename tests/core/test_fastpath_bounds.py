@@ -10,6 +10,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import crc32c
 import pytest
 
 from hma_redis.core import codec, fastpath
@@ -119,11 +120,13 @@ def test_staging_is_used_only_when_it_holds_the_whole_value(delta: int) -> None:
 @pytest.mark.parametrize("header_len", [0, 0x7FFFFFFF], ids=["hlen-0", "hlen-huge"])
 def test_values_around_the_prefix_length(length: int, header_len: int) -> None:
     """A value shorter than the prefix has no header length (-1) and no valid checksum; from
-    48 bytes on the prefix's header length is read, and a header that does not fit the value
-    is not received as one. An empty header matches an empty expected one."""
+    48 bytes on the prefix's header length is read and the checksum checked (a 48-byte value
+    checksums nothing after its prefix), and a header that does not fit the value is not
+    received as one. An empty header matches an empty expected one."""
     value = bytearray(random.Random(length).randbytes(length))
     if length >= PREFIX:
         value[8:12] = header_len.to_bytes(4, "big")
+        value[12:16] = crc32c.crc32c(bytes(value[PREFIX:])).to_bytes(4, "big")
     outcome = load_both(
         bulk(bytes(value)), [GET], lambda: one_target(b"", 0, staging_len=PREFIX + 2)
     )
@@ -133,9 +136,11 @@ def test_values_around_the_prefix_length(length: int, header_len: int) -> None:
     if length < PREFIX or header_len:
         assert landed(result) == (LoadStatus.OK, Landed.STAGING)
     elif length == PREFIX:  # an empty header and nothing after it: what was expected
-        assert landed(result) == (LoadStatus.OK, Landed.PAGES)
+        assert landed(result) == (LoadStatus.OK, Landed.PAGES) and result.crc_ok
     else:  # the expected (empty) header with a byte too many
         assert landed(result) == (LoadStatus.LAYOUT_MISMATCH, None)
+    if result.landed is not None:  # the checksum field holds the right CRC
+        assert result.crc_ok == (length >= PREFIX)
     assert outcome.buffers[0][: min(length, PREFIX)] == bytes(value[:PREFIX])
 
 
@@ -244,6 +249,8 @@ def test_expected_prefix_of_at_most_48_bytes(prefix_len: int) -> None:
         (b"$" + b"0" * 18 + b"1", fastpath.ProtocolError),  # 19 characters
         (b"$-" + b"0" * 16 + b"1", None),  # 18 characters
         (b"$-" + b"0" * 17 + b"1", fastpath.ProtocolError),  # 19 characters
+        (b"$1:", fastpath.ProtocolError),  # the characters around the digits
+        (b"$/1", fastpath.ProtocolError),
         (b"$", fastpath.ProtocolError),
         (b"$-", fastpath.ProtocolError),
     ],
