@@ -244,6 +244,8 @@ def test_expected_prefix_of_at_most_48_bytes(prefix_len: int) -> None:
         (b"$536870912", ConnectionError),
         (b"$536870913", fastpath.ProtocolError),
         (b"$-1", None),
+        (b"_", None),  # the RESP3 null, and one character more
+        (b"_x", fastpath.ProtocolError),
         (b"$-2", fastpath.ProtocolError),
         (b"$" + b"0" * 17 + b"1", ConnectionError),  # 18 characters
         (b"$" + b"0" * 18 + b"1", fastpath.ProtocolError),  # 19 characters
@@ -461,3 +463,50 @@ def test_an_error_text_ends_at_a_nul_byte() -> None:
     """An error reply's text is cut at a NUL byte on both paths (a C string ends there)."""
     outcome = load_both(b"-ERR bad\x00more\r\n", [GET], _missing_job())
     assert outcome.results is not None and outcome.results[0].error == "ERR bad"
+
+
+@pytest.mark.parametrize("ending", [b"\r\n", b"\rX", b"X\n", b"XX"])
+def test_a_bulk_string_must_end_with_crlf(ending: bytes) -> None:
+    """A value is followed by exactly CRLF; anything else is a protocol error."""
+    value, expected = chunk()
+    outcome = load_both(
+        b"$%d\r\n%s%s" % (len(value), value, ending),
+        [GET],
+        lambda: one_target(expected, len(body_of(value))),
+    )
+    if ending == b"\r\n":
+        assert outcome.results is not None and outcome.results[0].status is LoadStatus.OK
+    else:
+        assert outcome.error is fastpath.ProtocolError
+
+
+@pytest.mark.parametrize(
+    ("reply", "want"),
+    [
+        (b"+OK\r\n", StoreResult(StoreStatus.STORED, None)),
+        (b"$-1\r\n", StoreResult(StoreStatus.EXISTED, None)),
+        (b"_\r\n", StoreResult(StoreStatus.EXISTED, None)),
+        (
+            b"-OOM command not allowed\r\n",
+            StoreResult(StoreStatus.ERROR, "OOM command not allowed"),
+        ),
+        (b"+QUEUED\r\n", fastpath.ProtocolError),  # a status that is not OK
+        (b"$2\r\nOK\r\n", fastpath.ProtocolError),  # a bulk string
+        (b"+OK\r\n+OK\r\n", fastpath.ProtocolError),  # a reply more than values
+        (b"", ConnectionError),  # none at all
+    ],
+)
+def test_store_replies(reply: bytes, want: Any) -> None:
+    """A SET NX answers +OK (stored), nil (existed) or an error; another status, a bulk
+    string, or bytes after the last reply are protocol errors, on both paths."""
+
+    def make() -> tuple[Sequence[StoreValue], list[Any]]:
+        head = exact_buffer(PREFIX, 12)
+        framing = b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n" % PREFIX
+        return [StoreValue(framing, head, [], b"\r\n$2\r\nNX\r\n")], [head]
+
+    outcome = store_both(reply, make)
+    if isinstance(want, StoreResult):
+        assert outcome.results == [want]
+    else:
+        assert outcome.error is want
