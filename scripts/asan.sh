@@ -27,6 +27,8 @@ TESTS=(
     tests/core/test_fastpath_bounds.py
     tests/core/test_resp_fuzz.py
     tests/core/test_transfer.py
+    tests/core/test_transfer_checks.py
+    tests/core/test_transfer_parts.py
     tests/core/test_transfer_paths.py
 )
 

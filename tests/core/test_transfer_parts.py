@@ -8,6 +8,7 @@ import time
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.store import RedisBlockStore
@@ -25,11 +26,13 @@ def _heals(rig: Pages) -> bool:
 
 
 @pytest.mark.parametrize("cut", [0, 3], ids=["first-part", "last-part"])
-def test_a_job_whose_part_fails_fails_whole(redis_url: str, cut: int) -> None:
+def test_a_job_whose_part_fails_fails_whole(
+    redis_client: redis.Redis, redis_url: str, cut: int
+) -> None:
     """Four chunks over three connections; the connection that asks for chunk ``cut`` is
     dropped by the network: the load fails (its blocks are recomputed) and counts every chunk
     as failed; once the network is whole again (and the breaker closed) the same load lands
-    every byte in its place."""
+    every byte in its place. (``redis_client``: a freshly flushed Redis.)"""
     proxy = KeyCuttingProxy(urlsplit(redis_url).port or 6379)
     cfg = RedisTierConfig.from_extra_config(
         {"redis_url": proxy.url, "connections_per_job": 3, "retry_interval_s": 0.1}, env={}

@@ -9,6 +9,7 @@ past a buffer is reported instead of landing in allocator slack.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import threading
@@ -89,6 +90,11 @@ class _Server:
             pass
 
     def close(self) -> bytes:
+        """Everything the client sent. Its sending side is closed first, so the server reads
+        it all before a close with unread reply bytes could reset the connection."""
+        with contextlib.suppress(OSError):
+            self.client.shutdown(socket.SHUT_WR)
+        self._thread.join(5)  # longer only while the server is still sending its reply
         self.client.close()
         self._thread.join(30)
         self._conn.close()
