@@ -48,7 +48,7 @@ tests_for() {
         core/codec) echo "tests/core/test_codec*.py tests/core/test_security.py tests/core/test_fastpath.py" ;;
         core/store) echo "tests/core/test_store*.py tests/core/test_refusals.py tests/core/test_security.py tests/core/test_cluster.py" ;;
         core/transfer) echo "tests/core/test_transfer*.py tests/core/test_fastpath.py" ;;
-        adapter/manager) echo "tests/adapter/test_manager*.py tests/adapter/test_behaviours.py tests/adapter/test_removals_admission.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_connector_fast.py tests/adapter/test_vllm_compat.py tests/adapter/test_metrics.py" ;;
+        adapter/manager) echo "tests/adapter/test_manager*.py tests/adapter/test_behaviours.py tests/adapter/test_removals_admission*.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_connector_fast.py tests/adapter/test_vllm_compat.py tests/adapter/test_metrics.py" ;;
         adapter/worker) echo "tests/adapter/test_worker*.py tests/adapter/test_behaviours.py tests/adapter/test_connector_fast.py tests/adapter/test_connector_guard.py" ;;
         adapter/connector) echo "tests/adapter/test_connector*.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_vllm_compat.py" ;;
         *) echo "tests" ;;

