@@ -129,7 +129,9 @@ def make_instance(
         extra_config=tiering_extra_config(redis_url, cpu_chunks, **options),
     )
     vllm_config.kv_transfer_config.engine_id = f"hma-tier-test-{uuid.uuid4().hex[:12]}"
-    offloading_config = build_offloading_config(vllm_config, three_group_kv_cache_config(16, 1000, 3))
+    offloading_config = build_offloading_config(
+        vllm_config, three_group_kv_cache_config(16, 1000, 3)
+    )
     spec = OffloadingSpecFactory.create_spec(offloading_config)
     manager = spec.get_manager()
     assert isinstance(manager, TieringOffloadingManager), type(manager)
