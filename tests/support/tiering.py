@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from vllm.config import KVEventsConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
 )
@@ -118,9 +119,15 @@ class TieringInstance:
 
 
 def make_instance(
-    model_dir: str, redis_url: str, *, cpu_chunks: int = PRIMARY_CHUNKS, **options: Any
+    model_dir: str,
+    redis_url: str,
+    *,
+    cpu_chunks: int = PRIMARY_CHUNKS,
+    kv_events: bool = False,
+    **options: Any,
 ) -> TieringInstance:
-    """A fresh instance (own engine id, own primary buffer) with the Redis tier."""
+    """A fresh instance (own engine id, own primary buffer) with the Redis tier; ``kv_events``
+    turns vLLM's KV cache events on."""
     vllm_config = make_vllm_config(
         model_dir,
         redis_url,
@@ -128,6 +135,8 @@ def make_instance(
         kv_connector_module_path=None,
         extra_config=tiering_extra_config(redis_url, cpu_chunks, **options),
     )
+    if kv_events:
+        vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
     vllm_config.kv_transfer_config.engine_id = f"hma-tier-test-{uuid.uuid4().hex[:12]}"
     offloading_config = build_offloading_config(
         vllm_config, three_group_kv_cache_config(16, 1000, 3)
