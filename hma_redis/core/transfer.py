@@ -885,11 +885,11 @@ class TransferEngine:
         dropped as they arrive) and is corrupt. Values are checked as they arrive, while Redis
         sends the next. Python path: nothing is copied unless every chunk is valid (each
         valid chunk with ``partial_loads``). Native path: values land in the pages (CPU, no
-        auth_key) or in buffers copied once every chunk is valid; a value that does not
-        look like what this engine would have written for its chunk (another header, prefix
-        or length) is never written into a page: it is fetched again and judged by the
-        Python path. Invalid values are deleted: SET NX would
-never replace them, so the recompute's store could not heal them otherwise.
+        auth_key) or in buffers copied once every chunk is valid; a value that does not look
+        like what this engine would have written for its chunk (another header, prefix or
+        length) is never written into a page: it is fetched again and judged by the Python
+        path. Invalid values are deleted: SET NX would never replace them, so the recompute's
+        store could not heal them otherwise.
         """
         if self._test_load_delay_s:
             time.sleep(self._test_load_delay_s)

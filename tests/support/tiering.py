@@ -66,6 +66,7 @@ class TieringInstance:
     rows: np.ndarray  # the primary buffer, (num_chunks, row_bytes) uint8, shared with vLLM
     payload_bytes: int
     _next_req: int = 0
+    closed: bool = False
 
     def context(self) -> ReqContext:
         self._next_req += 1
@@ -115,7 +116,11 @@ class TieringInstance:
         return rows
 
     def close(self) -> None:
-        self.manager.shutdown()
+        if not self.closed:
+            self.closed = True
+            # vLLM closes the primary's mmap at shutdown: no view of it may be left.
+            self.rows = np.empty((0, 0), dtype=np.uint8)
+            self.manager.shutdown()
 
 
 def make_instance(

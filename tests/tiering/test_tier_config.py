@@ -141,3 +141,14 @@ def test_chunks_deleted_from_redis_become_removal_events(
             time.sleep(0.02)
     finally:
         redis_client.config_set("notify-keyspace-events", "")  # the session server's default
+
+
+def test_shutdown_lets_vllm_unmap_the_primary_buffer(
+    instance: Callable[..., TieringInstance], caplog: pytest.LogCaptureFixture
+) -> None:
+    inst = instance()
+    keys = chunk_keys(60, 2)
+    inst.gpu_store(keys, payloads(60, 2, inst.payload_bytes), inst.context())
+    with caplog.at_level(logging.WARNING):
+        inst.close()  # the cascade may still run: shutdown waits for it, then lets go
+    assert "Failed to close mmap_obj" not in caplog.text

@@ -117,7 +117,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._store = RedisBlockStore(self.config, stats_key=self.keyspace.stats_key())
         self._announce()
         self._lookups = self._make_lookups(offloading_spec)
-        self._engine = self._make_engine(primary_kv_view)
+        self._engine: TransferEngine | None = self._make_engine(primary_kv_view)
         self._jobs: dict[int, _Job] = {}
         self._done: list[JobResult] = []
 
@@ -160,6 +160,13 @@ class RedisSecondaryTier(SecondaryTierManager):
             admission=cfg.admission,
             admission_window_s=cfg.admission_window_s,
         )
+
+    @property
+    def engine(self) -> TransferEngine:
+        """The transfer engine over the primary buffer (``RuntimeError`` after shutdown)."""
+        if self._engine is None:
+            raise RuntimeError("hma_redis: the secondary tier is shut down")
+        return self._engine
 
     def _make_engine(self, primary_kv_view: memoryview) -> TransferEngine:
         """The engine over the primary buffer: one "layer" whose blocks are its rows."""
@@ -206,7 +213,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         stored = list(prepared.keys_to_store) if prepared is not None else []
         rows = dict(zip(keys, _row_ids(job_metadata.chunk_ids), strict=True))
         self._jobs[job_metadata.job_id] = _Job(keys, job_metadata.req_context, False, stored)
-        self._engine.submit_store(
+        self.engine.submit_store(
             job_metadata.job_id, self._chunks(stored, [rows[k] for k in stored])
         )
 
@@ -215,7 +222,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         self._lookups.prepare_load(keys, job_metadata.req_context)
         self._jobs[job_metadata.job_id] = _Job(keys, job_metadata.req_context, True, [])
-        self._engine.submit_load(
+        self.engine.submit_load(
             job_metadata.job_id, self._chunks(keys, _row_ids(job_metadata.chunk_ids))
         )
 
@@ -239,6 +246,8 @@ class RedisSecondaryTier(SecondaryTierManager):
         return done
 
     def _collect(self) -> None:
+        if self._engine is None:
+            return
         for result in self._engine.finished():
             job = self._jobs.pop(result.job_id, None)
             if job is not None:
@@ -265,7 +274,7 @@ class RedisSecondaryTier(SecondaryTierManager):
     def drain_jobs(self) -> None:
         """Wait until every submitted job is done (bounded: each job's Redis operations end
         by its deadline) and its result is queued for :meth:`get_finished_jobs`."""
-        self._engine.wait(list(self._jobs))
+        self.engine.wait(list(self._jobs))
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         # A job signals "done" just before it queues its result: collect until all have.
         while True:
@@ -304,11 +313,18 @@ class RedisSecondaryTier(SecondaryTierManager):
         return self._lookups.stats.lookup_round_trips
 
     def shutdown(self) -> None:
-        """Finish cascades already submitted (bounded by ``shutdown_timeout_s``), stop the
-        threads and close the connections. Idempotent."""
-        self._engine.shutdown()
+        """Finish the jobs already submitted (bounded: see :meth:`drain_jobs`), stop the
+        threads, close the connections and let go of the primary buffer (vLLM unmaps it right
+        after). Idempotent."""
+        engine = self._engine
+        if engine is None:
+            return
+        self.drain_jobs()
+        engine.shutdown()
         self._lookups.shutdown()
         self._store.close()
+        # The engine's views of the primary buffer must be gone before vLLM closes its mmap.
+        self._engine = None
 
 
 def _row_ids(chunk_ids: Any) -> list[int]:
