@@ -40,8 +40,10 @@ PRIMARY_CHUNKS = 32
 
 
 def tier_entry(redis_url: str, **options: Any) -> dict[str, Any]:
-    """One ``secondary_tiers`` entry for the Redis tier."""
-    return {"type": TIER_TYPE, "module_path": TIER_MODULE, "redis_url": redis_url, **options}
+    """One ``secondary_tiers`` entry for the Redis tier (without ``redis_url`` when it is "":
+    the tier then takes ``HMA_REDIS_URL``)."""
+    url = {"redis_url": redis_url} if redis_url else {}
+    return {"type": TIER_TYPE, "module_path": TIER_MODULE, **url, **options}
 
 
 def tiering_extra_config(

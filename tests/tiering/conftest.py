@@ -25,7 +25,8 @@ def instance(
     made: list[TieringInstance] = []
 
     def make(url: str | None = None, **options: object) -> TieringInstance:
-        made.append(make_instance(model_dir, url or redis_url, **options))
+        """``url`` None: the session Redis; "": none in the config (``HMA_REDIS_URL``)."""
+        made.append(make_instance(model_dir, redis_url if url is None else url, **options))
         return made[-1]
 
     yield make
