@@ -123,3 +123,47 @@ def test_redis_down_is_a_miss_and_back_is_a_hit(
         assert time.monotonic() < deadline, "the tier did not resume"
         time.sleep(0.2)
     assert reader.gpu_load(keys, ctx) == data
+
+
+def test_reset_cache_with_promotions_in_flight_drains_them(
+    instance: Callable[..., TieringInstance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's reset_cache waits for the tier's jobs (drain_jobs) and then requires every one of
+    them to have reported: a promotion still running must not be lost or left writing."""
+    writer = instance()
+    keys, data = _cascade(writer, seed=8)
+    monkeypatch.setenv("HMA_REDIS_TEST_LOAD_DELAY_S", "0.3")
+    reader = instance()
+    ctx = reader.context()
+    assert [reader.manager.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 4
+    reader.step(0.05)
+    assert [reader.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 4
+    reader.step(0)  # submits the promotion, which now sleeps in the engine
+    assert reader.tier.has_pending_work()
+
+    reader.manager.reset_cache()  # asserts internally that no job is left
+
+    assert not reader.tier.has_pending_work()
+    ctx = reader.context()
+    assert reader.lookup_until_settled(keys, ctx) == [LookupResult.HIT] * 4
+    assert reader.gpu_load(keys, ctx) == data
+
+
+def test_lookups_never_wait_for_a_stalled_redis(
+    instance: Callable[..., TieringInstance], local_redis: LocalRedis
+) -> None:
+    inst = instance(local_redis.url, read_timeout_s=5.0)
+    keys = [k for group in range(3) for k in chunk_keys(9 + group, 20, group)]
+    local_redis.pause()
+    try:
+        ctx = inst.context()
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert {inst.manager.lookup(k, ctx) for k in keys} == {LookupResult.RETRY}
+            inst.step(0)
+        # Generous bound: three steps of 60 lookups each wait at most lookup_wait_s (5 ms) for
+        # Redis, never its 5 s read timeout.
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        local_redis.resume()
+    assert inst.lookup_until_settled(keys, ctx) == [LookupResult.MISS] * len(keys)
