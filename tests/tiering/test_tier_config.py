@@ -31,6 +31,10 @@ def test_lookups_of_every_group_in_a_step_take_one_round_trip(
     assert inst.tier.lookup_round_trips == 1
     assert inst.lookup_until_settled(keys, ctx) == [LookupResult.MISS] * len(keys)
     assert inst.tier.lookup_round_trips == 1
+    # hma_redis' Prometheus counters reach vLLM through the tiering manager's stats.
+    stats = inst.manager.get_stats()
+    assert stats is not None
+    assert stats.data["data"]["vllm:kv_offload_redis_lookups"] == {(): 1}
 
 
 def test_tier_namespace_differs_from_the_direct_specs(
