@@ -3,4 +3,6 @@
 spec (the OffloadingSpec vLLM builds) -> manager (scheduler side) / worker (each GPU worker,
 onto the transfer engine) -> connector (failed loads recomputed, flushing shutdown); metrics
 through vLLM's Prometheus hooks; types shared by them; compat holds the vLLM-version glue.
+tiering: the second mode, a secondary tier of vLLM's ``TieringOffloadingSpec`` on the same core
+(its lookups through the manager above, its transfers on the core's engine).
 """

@@ -361,10 +361,15 @@ class RedisOffloadingManager(OffloadingManager):
     def on_load_failed(self, req_id: str) -> None:
         """A worker could not load this request's chunks: answer MISS for them from now on
         (until the answer ages out), so the recompute does not walk back into the failure."""
-        now = time.monotonic()
-        for key in self._loading.pop(req_id, ()):
-            self._remember(key, False, now)
+        self.forget_as_missing(self._loading.pop(req_id, ()))
         self.stats.failed_loads += 1
+
+    def forget_as_missing(self, keys: Iterable[OffloadKey]) -> None:
+        """Answer MISS for ``keys`` until the answer ages out: a load found them missing or
+        invalid, and a lookup must not walk straight back into the failure."""
+        now = time.monotonic()
+        for key in keys:
+            self._remember(key, False, now)
 
     # ------------------------------------------------------------------ stores
 

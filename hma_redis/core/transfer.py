@@ -185,6 +185,9 @@ class JobResult:
     ok: bool
     nbytes: int
     seconds: float
+    # A load's chunks (indices into its plan) that were not loaded: none when ``ok``, every
+    # chunk when the job failed whole, some with ``partial_loads`` (the others landed).
+    failed_chunks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -197,6 +200,8 @@ class _Job:
     # Recorded on the compute stream at submit (CUDA only): the transfer starts after it.
     ready: torch.cuda.Event | None = None
     chunks_loaded: int = 0
+    # partial_loads: chunks (plan indices) that were missing or invalid while others landed.
+    failed_chunks: tuple[int, ...] = ()
     chunks_counted: int = 0  # store: chunks counted as stored, skipped or failed so far
     submitted: float = field(default_factory=time.monotonic)
     # When every Redis operation of the job must have ended (set when it starts running).
@@ -378,6 +383,10 @@ class TransferEngine:
     load accepts). Loads run on ``io_threads`` threads, stores on half as many; the bytes the
     jobs hold in buffers stay under ``max_inflight_bytes`` (a larger job runs alone).
 
+    ``partial_loads``: a load whose chunks are partly missing or invalid still lands its valid
+    chunks and reports the others in :attr:`JobResult.failed_chunks` (each chunk is used on its
+    own, as by a secondary tier); without it such a load lands nothing.
+
     ``connections_per_job`` (default: the store's config) splits each job's chunks over that
     many connections on the native path. ``native``: None runs the native path wherever the
     store allows it (:meth:`RedisBlockStore.native_unavailable_reason`), False the Python
@@ -399,8 +408,10 @@ class TransferEngine:
         shutdown_timeout_s: float = 10.0,
         connections_per_job: int | None = None,
         native: bool | None = None,
+        partial_loads: bool = False,
     ) -> None:
         self._store = store
+        self._partial_loads = partial_loads
         self._blocks_per_chunk = blocks_per_chunk
         self._format = value_format
         # With a shared secret every value is MAC'd, and only values MAC'd with it are read.
@@ -835,13 +846,16 @@ class TransferEngine:
                 self._clear_pages_of_failed_load(job, chunks)
             job.released.set()
             self._jobs.pop(job.job_id, None)
-            if not success:
+            if not success or job.failed_chunks:
                 self._store.counters.add(
                     load_failed_jobs=1,
                     load_failed_chunks=_num_chunks(chunks) - job.chunks_loaded,
                 )
             elapsed = time.perf_counter() - started
-            self._finished.put(JobResult(job.job_id, False, success, loaded, elapsed))
+            failed = job.failed_chunks if success else tuple(range(_num_chunks(chunks)))
+            self._finished.put(
+                JobResult(job.job_id, False, success and not failed, loaded, elapsed, failed)
+            )
             with self._loads_lock:
                 self._loads_running -= 1
             self._job_done.set()
@@ -869,17 +883,20 @@ class TransferEngine:
     def _load_chunks(self, plan: Sequence[ChunkTransfer], job: _Job) -> int:
         """Fetch and validate every chunk; copy them into the KV cache; return the bytes
         received. CorruptBlockError when any chunk is missing or invalid (the request is
-        recomputed whole anyway).
+        recomputed whole anyway), unless ``partial_loads``: then only the valid chunks land,
+        the others' pages are zeroed and recorded in ``job.failed_chunks`` (CorruptBlockError
+        still when none is valid).
 
         The byte budget is taken before anything is received, for the most bytes each chunk's
         value can hold (:meth:`_value_bound`); a longer value is never received (its bytes are
         dropped as they arrive) and is corrupt. Values are checked as they arrive, while Redis
-        sends the next. Python path: nothing is copied unless every chunk is valid. Native
-        path: values land in the pages (CPU, no auth_key) or in buffers copied once every
-        chunk is valid; a value that does not look like what this engine would have written
-        for its chunk (another header, prefix or length) is never written into a page: it is
-        fetched again and judged by the Python path. Invalid values are deleted: SET NX would
-        never replace them, so the recompute's store could not heal them otherwise.
+        sends the next. Python path: nothing is copied unless every chunk is valid (each
+        valid chunk with ``partial_loads``). Native path: values land in the pages (CPU, no
+        auth_key) or in buffers copied once every chunk is valid; a value that does not look
+        like what this engine would have written for its chunk (another header, prefix or
+        length) is never written into a page: it is fetched again and judged by the Python
+        path. Invalid values are deleted: SET NX would never replace them, so the recompute's
+        store could not heal them otherwise.
         """
         if self._test_load_delay_s:
             time.sleep(self._test_load_delay_s)
@@ -899,22 +916,37 @@ class TransferEngine:
                 got = self._receive(plan, bounds, take, job.deadline)
             if got.invalid:
                 self._store.delete(list(got.invalid))
-            if got.missing or got.invalid:
-                first = next(iter(got.invalid.values()), None)
-                raise CorruptBlockError(
-                    f"{len(got.missing)} chunk(s) missing, {len(got.invalid)} invalid"
-                    + (f" (first: {first})" if first else "")
-                )
+            failed = self._failed_indices(plan, got)
+            if failed and (not self._partial_loads or len(failed) == len(plan)):
+                raise CorruptBlockError(_describe_failures(got))
             # The pages are in the KV cache when this block ends (CUDA: copies completed).
             with self._streams.ordered(job.ready):
                 for idx, block in got.blocks.items():
-                    self._scatter(plan[idx], block)
-            job.chunks_loaded += len(plan)
+                    if idx not in failed:
+                        self._scatter(plan[idx], block)
+            if failed:
+                self._clear_pages_of_failed_load(job, [plan[idx] for idx in failed])
+                job.failed_chunks = tuple(sorted(failed))
+                logger.warning(
+                    "hma_redis: load job %d: %s; only its other %d chunk(s) were loaded",
+                    job.job_id,
+                    _describe_failures(got),
+                    len(plan) - len(failed),
+                )
+            job.chunks_loaded += len(plan) - len(failed)
         finally:
             self._buffers.give(taken)
             self._budget.release(sum(bounds))
-        self._store.counters.add(loaded_chunks=len(plan), loaded_bytes=got.nbytes)
+        self._store.counters.add(
+            loaded_chunks=len(plan) - len(job.failed_chunks), loaded_bytes=got.nbytes
+        )
         return got.nbytes
+
+    @staticmethod
+    def _failed_indices(plan: Sequence[ChunkTransfer], got: _Received) -> set[int]:
+        """The plan indices of the chunks that were missing or invalid."""
+        bad = set(got.missing) | set(got.invalid)
+        return {idx for idx, chunk in enumerate(plan) if chunk.redis_key in bad}
 
     def _receive(
         self,
@@ -1100,6 +1132,13 @@ class TransferEngine:
             pages = torch.frombuffer(src, dtype=torch.int8).view(count, page)
             pages = pages.to(layer.tensor.device, non_blocking=True)
             layer.tensor[:, :page].index_copy_(0, ids, pages)
+
+
+def _describe_failures(got: _Received) -> str:
+    first = next(iter(got.invalid.values()), None)
+    return f"{len(got.missing)} chunk(s) missing, {len(got.invalid)} invalid" + (
+        f" (first: {first})" if first else ""
+    )
 
 
 def layer_device(layers: Sequence[LayerSource]) -> str:

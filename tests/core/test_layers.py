@@ -19,6 +19,7 @@ ALLOWED = {
     "adapter": {"package", "core", "adapter"},
     "spec": {"adapter"},  # hma_redis.spec / hma_redis.connector: the documented entry points
     "connector": {"adapter"},
+    "tiering": {"adapter"},  # hma_redis.tiering: the secondary tier's entry point
     "tools": {"package", "core", "adapter", "tools"},
 }
 

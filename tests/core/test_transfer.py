@@ -31,6 +31,7 @@ from hma_redis.core.transfer import (
 from hma_redis.tools.demo.local_redis import free_port
 from tests.support.kv_pages import (
     DST,
+    LAYERS,
     NUM_BLOCKS,
     PAGES,
     SRC,
@@ -440,4 +441,44 @@ def test_an_engine_starts_at_once_when_redis_is_down() -> None:
         assert not result.ok
     finally:
         pages.close()
+        store.close()
+
+
+@pytest.mark.parametrize("fault", ["flipped-bit", "missing"])
+@pytest.mark.parametrize("strided", [False, True], ids=["in-place", "buffered"])
+def test_a_partial_load_lands_its_valid_chunks_and_zeroes_the_others(
+    path: str, redis_client, redis_url: str, strided: bool, fault: str
+) -> None:
+    """partial_loads (a secondary tier's promotions): one bad chunk fails alone; the job names
+    it, its pages hold zeros or what they held, and every other chunk lands."""
+    store = _store(redis_url)
+    rig = make_pages(store, strided=strided, partial_loads=True)
+    try:
+        assert rig.store_job(1, chunks(SRC)).ok
+        plan = chunks(DST)
+        victim = plan[1].redis_key
+        if fault == "missing":
+            redis_client.delete(victim)
+        else:
+            value = bytearray(redis_client.get(victim))
+            value[-1] ^= 0xFF
+            redis_client.set(victim, bytes(value))
+        before = [t.clone() for t in rig.tensors]
+
+        result = rig.load_job(2, plan)
+
+        assert not result.ok and result.failed_chunks == (1,)
+        for idx, (src, dst) in enumerate(zip(chunks(SRC), plan, strict=True)):
+            ids, group = list(dst.block_ids), dst.group
+            got = rig.pages(group, ids)
+            if idx == 1:
+                old = [before[i][ids, : PAGES[group]] for i in LAYERS[group]]
+                assert all(torch.equal(g, o) or not g.any() for g, o in zip(got, old, strict=True))
+            else:
+                assert all(
+                    torch.equal(g, w)
+                    for g, w in zip(got, rig.pages(group, list(src.block_ids)), strict=True)
+                )
+    finally:
+        rig.close()
         store.close()

@@ -126,6 +126,7 @@ def make_pages(
     max_inflight_bytes: int = 1 << 24,
     io_threads: int = 2,
     auth_key: bytes | None = None,
+    partial_loads: bool = False,
 ) -> Pages:
     tensors = kv_tensors(strided)
     engine = TransferEngine(
@@ -136,6 +137,7 @@ def make_pages(
         io_threads=io_threads,
         max_inflight_bytes=max_inflight_bytes,
         shutdown_timeout_s=1.0,
+        partial_loads=partial_loads,
     )
     return Pages(engine, tensors, store)
 

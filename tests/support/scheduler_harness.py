@@ -64,6 +64,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -256,6 +257,7 @@ class SchedulerHarness:
     ) -> None:
         self.block_size = block_size
         self.counter = counter
+        self.tiering: TieringOffloadingManager | None = None
         self.vllm_config = make_vllm_config(
             model_dir,
             redis_url,
@@ -285,14 +287,19 @@ class SchedulerHarness:
         assert isinstance(connector_scheduler, OffloadingConnectorScheduler)
         self.connector_scheduler = connector_scheduler
         manager = connector_scheduler.manager
-        assert isinstance(manager, RedisOffloadingManager), type(manager)
-        self.manager = manager
-
-        # The scheduler-side connector keeps only the manager, not the spec. Build the spec the
-        # way each worker process does to learn the Redis key space the workers write: a
-        # scheduler that finds these keys finds what the workers stored.
-        self.spec = worker_spec(self.vllm_config, self.kv_cache_config)
-        self.keyspace: KeySpace = self.spec.keyspace
+        if isinstance(manager, TieringOffloadingManager):
+            # vLLM's tiering with hma_redis' secondary tier: its key space is the tier's.
+            self.tiering = manager
+            (tier,) = manager.secondary_tiers
+            self.keyspace: KeySpace = tier.keyspace  # type: ignore[attr-defined]
+        else:
+            assert isinstance(manager, RedisOffloadingManager), type(manager)
+            self.manager = manager
+            # The scheduler-side connector keeps only the manager, not the spec. Build the spec
+            # the way each worker process does to learn the Redis key space the workers write:
+            # a scheduler that finds these keys finds what the workers stored.
+            self.spec = worker_spec(self.vllm_config, self.kv_cache_config)
+            self.keyspace = self.spec.keyspace
 
         # What EngineCore does before it builds the scheduler.
         hash_fn = get_hash_fn_by_name(hash_algo)
@@ -364,6 +371,9 @@ class SchedulerHarness:
             ),
         )
         self.scheduler.update_from_output(output, runner_output)
+        if self.tiering is not None:
+            # Promotions and cascades run on the tier's threads: give them the step's time.
+            time.sleep(settle_s)
         self.num_steps += 1
         time.sleep(settle_s)
         calls = {}

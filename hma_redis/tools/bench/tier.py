@@ -23,7 +23,11 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
   straight into the pages at other block ids, CRC32C as they arrive; Python path: into pooled
   buffers -> ``codec.decode`` -> copy), timed from submit until ``get_finished`` reports the
   job; the loaded blocks are compared with the stored ones byte for byte. ``--python-path``
-  measures the Python path too (column ``hma-python``).
+  measures the Python path too (column ``hma-python``);
+- the second mode (column ``hma-tier``, :mod:`hma_redis.tools.bench.tiering`): hma_redis as
+  the Redis secondary tier of vLLM's ``TieringOffloadingSpec``, one cascade job (primary rows ->
+  Redis) and one promotion job (Redis -> other primary rows) of the same bytes, chunks as large
+  as the values, timed from submit until ``get_finished_jobs`` reports the job, rows compared.
 
 Then lookups for a 32k-token prompt over 3 KV groups (256 chunks of 128 tokens each, half of them
 present): one ``PING``, one :meth:`~hma_redis.core.store.RedisBlockStore.exists` of the 768
@@ -85,6 +89,7 @@ from hma_redis.tools.bench.common import (
     server_config,
     timed,
 )
+from hma_redis.tools.bench.tiering import TieringBench
 
 SIZES = (512 * KIB, 2 * MIB, 8 * MIB)
 LAYERS = 8
@@ -101,6 +106,7 @@ CLIENTS = (
     "lmcache-resp",
     "hma-python",
     "hma_redis",
+    "hma-tiering",
 )
 OPS = ("load", "store")
 # benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
@@ -561,6 +567,7 @@ def measure(
     lmcache_python: str | None = None,
     python_path: bool = False,
     smoke: bool = False,
+    tiering: bool = True,
 ) -> Report:
     """Every measurement, interleaved, against the Redis ``cfg`` names. The worker runs on the
     data path its transfer engine picks; with ``python_path`` (always with ``smoke``) also
@@ -572,11 +579,13 @@ def measure(
     rb_args, notes = redis_benchmark_plan(cfg, plan)
     peer = LMCachePeer(lmcache_python, cfg, plan) if lmcache_python else None
     tier = TierBench(cfg, plan, namespace, check_values=smoke)
-    tiers = [tier]
+    tiers: list[TierBench | TieringBench] = [tier]
     if (python_path or smoke) and tier.data_path.startswith("native"):
         tiers.append(
             TierBench(cfg, plan, f"{namespace}-py", False, "hma-python", check_values=smoke)
         )
+    if tiering:
+        tiers.append(TieringBench(cfg, plan.job_bytes, plan.sizes, LAYERS * PAGE_BYTES))
     plain = RedisPyBench(cfg, plan, f"{tier.cfg.key_prefix}:{namespace}")
     lookups = LookupBench(tier.store, tier.keyspace)
     try:
@@ -670,6 +679,7 @@ def format_report(report: Report) -> str:
         "redis-benchmark": "redis-bench",
         "lmcache-redis": "lmc-redis",
         "lmcache-resp": "lmc-resp",
+        "hma-tiering": "hma-tier",
     }
     columns = [short.get(c, c) for c in report.clients] + [
         "ms/job",
@@ -715,7 +725,9 @@ def format_report(report: Report) -> str:
         "arrive, checked (Python path:",
         "into buffers -> codec.decode -> copy); store = EXISTS check -> CRC32C over the pages in "
         "place -> SET NX sent from the KV cache;",
-        "timed from submit_* until get_finished reports the job.",
+        "timed from submit_* until get_finished reports the job. hma-tier: promotion (load) and "
+        "cascade (store) of vLLM's primary-tier rows",
+        "by the Redis secondary tier of TieringOffloadingSpec, on the same engine.",
     ]
     return "\n".join(lines)
 
