@@ -36,6 +36,7 @@ from tests.support.cli_run import (
 OTHER_NS = "other-deployment"
 FOREIGN_KEYS = {"user:session:1": b"keep me", "hmax:not-ours": b"keep me too"}
 SECRET = "s3cret-Pw"
+MISSING_PASSWORD = "Redis requires a password: set HMA_REDIS_PASSWORD or password_file"
 
 
 @dataclass(frozen=True)
@@ -487,7 +488,7 @@ def test_tls_and_password_options_reach_the_server(tmp_path, cli):
 
         refused = cli(*tls, "info", url=server.url)  # no password
         assert_one_line_error(refused)
-        assert "refused the credentials" in refused.err
+        assert MISSING_PASSWORD in refused.err
         unverified = cli(
             "--tls-cert-file",
             files.client_cert,
@@ -683,7 +684,7 @@ def test_password_file_reaches_the_server(local_redis, cli, tmp_path):
     assert run.code == 0, run.err
     refused = cli("info", url=local_redis.url)
     assert_one_line_error(refused)
-    assert "refused the credentials" in refused.err or "NOAUTH" in refused.err
+    assert MISSING_PASSWORD in refused.err
 
 
 def test_console_script_is_this_cli() -> None:
@@ -691,3 +692,25 @@ def test_console_script_is_this_cli() -> None:
     scripts = tomllib.loads((README.parent / "pyproject.toml").read_text())
     module, _, name = scripts["project"]["scripts"]["hma-redis"].partition(":")
     assert getattr(importlib.import_module(module), name) is main
+
+
+def test_missing_password_is_one_clear_line(local_redis, cli, monkeypatch):
+    monkeypatch.delenv("HMA_REDIS_PASSWORD", raising=False)
+    redis.Redis(port=local_redis.port).config_set("requirepass", SECRET)
+    for command in (["info"], ["ls"], ["purge", "--all", "--yes"]):
+        run = cli(*command, url=local_redis.url)
+        assert_one_line_error(run)
+        assert run.err.startswith(f"hma-redis: {MISSING_PASSWORD}"), run.err
+        assert "HELLO" not in run.err
+
+
+def test_doctor_fails_auth_when_redis_wants_a_password_it_did_not_get(
+    local_redis, cli, monkeypatch
+):
+    monkeypatch.delenv("HMA_REDIS_PASSWORD", raising=False)
+    redis.Redis(port=local_redis.port).config_set("requirepass", SECRET)
+    run = cli("doctor", url=local_redis.url)
+    assert run.code == 1
+    auth = [line for line in run.out.splitlines() if line.split()[1] == "auth"]
+    assert auth == [f"FAIL  auth            {MISSING_PASSWORD}"]
+    assert "HELLO" not in run.out

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from redis.exceptions import RedisError, ResponseError
 
+from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.core.config import RedisTierConfig, strip_userinfo
 from hma_redis.core.keys import parse_block_key
 from hma_redis.core.notifications import NEEDED_FLAGS, missing_flags
@@ -59,8 +60,7 @@ def doctor_checks(admin: RedisAdmin, env: Mapping[str, str]) -> list[Check]:
     try:
         nodes = admin.nodes()
     except RedisError as exc:
-        detail = scrub(redis_error_message(exc, cfg), cfg) + " (server checks skipped)"
-        return [*checks, Check("connectivity", Verdict.FAIL, detail)]
+        return [*_auth_judged_by(exc, checks[:1]), *checks[1:], _unreachable(cfg, exc)]
     if admin.kind == "cluster":
         names = ", ".join(node.name for node in nodes)
         checks.append(Check("masters", Verdict.OK, f"{len(nodes)} in the slot map: {names}"))
@@ -69,7 +69,18 @@ def doctor_checks(admin: RedisAdmin, env: Mapping[str, str]) -> list[Check]:
         checks += [dataclasses.replace(c, node=label) for c in _node_checks(admin, node)]
     if all(c.name != "connectivity" or c.verdict is not Verdict.FAIL for c in checks):
         checks += _intersection_checks(admin)
-    return checks
+    return _one_auth_verdict(checks)
+
+
+def _one_auth_verdict(checks: list[Check]) -> list[Check]:
+    """``checks`` whose first (the client's auth setup) gives way to a server's FAIL."""
+    refused = any(c.name == "auth" and c.verdict is Verdict.FAIL for c in checks[1:])
+    return checks[1:] if refused else checks
+
+
+def _unreachable(cfg: RedisTierConfig, exc: BaseException) -> Check:
+    detail = scrub(redis_error_message(exc, cfg), cfg) + " (server checks skipped)"
+    return Check("connectivity", Verdict.FAIL, detail)
 
 
 def _node_checks(admin: RedisAdmin, node: NodeAdmin) -> list[Check]:
@@ -77,8 +88,7 @@ def _node_checks(admin: RedisAdmin, node: NodeAdmin) -> list[Check]:
     try:
         times = node.ping_seconds()
     except RedisError as exc:
-        detail = scrub(redis_error_message(exc, admin.cfg), admin.cfg)
-        return [Check("connectivity", Verdict.FAIL, detail + " (server checks skipped)")]
+        return [*_auth_judged_by(exc, []), _unreachable(admin.cfg, exc)]
     median = statistics.median(times)
     verdict = Verdict.WARN if median > SLOW_PING_S else Verdict.OK
     checks = [
@@ -110,6 +120,15 @@ def _check_auth(cfg: RedisTierConfig) -> Check:
     if _is_local(cfg):
         return Check("auth", Verdict.OK, "no password (local server)")
     return Check("auth", Verdict.WARN, "no password for a non-local server")
+
+
+def _auth_judged_by(exc: BaseException, checks: list[Check]) -> list[Check]:
+    """``checks`` with an auth FAIL first (in place of any auth verdict) when ``exc`` is a
+    server asking for the password the client did not give (a local server may want one)."""
+    if not needs_password(exc):
+        return checks
+    failed = Check("auth", Verdict.FAIL, MISSING_PASSWORD)
+    return [failed, *(c for c in checks if c.name != "auth")]
 
 
 def _check_transport(cfg: RedisTierConfig) -> Check:

@@ -10,12 +10,15 @@ from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.core.config import RedisTierConfig
 
 
 def redis_error_message(exc: BaseException, cfg: RedisTierConfig) -> str:
     """One line saying what went wrong talking to Redis (the URL redacted)."""
     url = cfg.redacted_url
+    if needs_password(exc):
+        return f"{MISSING_PASSWORD} (Redis at {url})"
     detail = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, AuthenticationError):
         return f"Redis at {url} refused the credentials: {detail}"
