@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from tests.support.cli_run import (
     Run,
     assert_one_line_error,
     block_header,
+    cli_command,
     run_script,
     write_blocks,
 )
@@ -714,3 +716,47 @@ def test_doctor_fails_auth_when_redis_wants_a_password_it_did_not_get(
     auth = [line for line in run.out.splitlines() if line.split()[1] == "auth"]
     assert auth == [f"FAIL  auth            {MISSING_PASSWORD}"]
     assert "HELLO" not in run.out
+
+
+def test_ls_takes_a_group_as_info_names_it(populated, cli):
+    named = cli("--json", "ls", "--namespace", populated.ns, "--group", "g1", "--limit", "100")
+    assert named.code == 0, named.err
+    assert sorted(e["key"] for e in named.json()["keys"]) == sorted(populated.blocks[1])
+    numbered = cli("--json", "ls", "--namespace", populated.ns, "--group", "1", "--limit", "100")
+    assert numbered.json()["keys"] == named.json()["keys"]
+    assert cli("ls", "--group", "x1").code == 2
+
+
+def test_a_closed_stdout_ends_quietly(populated, redis_url):
+    """``hma-redis info | head -1``: the reader went away; that is no Redis error."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        proc = subprocess.run(
+            [*cli_command(), "--url", redis_url, "info"],
+            stdin=subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("given", "ours"),
+    [
+        ("redis-cluster://127.0.0.1:7000/", "redis+cluster"),
+        ("rediss-cluster://127.0.0.1:7000/", "rediss+cluster"),
+        ("redis-sentinel://127.0.0.1:26379/mymaster", "redis+sentinel"),
+    ],
+)
+def test_other_backends_url_spellings_are_refused_with_ours(cli, given, ours):
+    run = cli("info", url=given)
+    assert_one_line_error(run)
+    assert run.code == 2
+    scheme = given.split("://")[0]
+    assert f"redis_url scheme {scheme}:// is spelled {ours}:// in hma_redis" in run.err

@@ -416,6 +416,17 @@ class RedisAdmin:
             return f"unix:{kwargs['path']}"
         return _address(kwargs.get("host", "?"), kwargs.get("port", "?"))
 
+    def is_one_cluster_master(self) -> bool:
+        """True when a one-server URL (``redis://``) reaches a node in cluster mode: it holds
+        one master's share only. False when not, or when INFO is not allowed to tell."""
+        if self.kind != "single":
+            return False
+        try:
+            cluster = self.nodes()[0].info("cluster")
+        except ResponseError:  # NOPERM under a narrow ACL: nothing to tell
+            return False
+        return bool(int(cluster.get("cluster_enabled", 0)))
+
     def deployment(self) -> str:
         """What the CLI talks to, in words: ``one server``, ``Redis Cluster, 3 masters``, ..."""
         nodes = self.nodes()

@@ -73,6 +73,10 @@ exit codes: 0 success; 1 Redis error, a doctor FAIL or an invalid block; 2 usage
   configuration error."""
 
 
+class StdoutClosed(Exception):
+    """Whoever reads our stdout has closed it (``hma-redis info | head -1``)."""
+
+
 class CliError(Exception):
     """A failure reported as one line on stderr, with its exit code."""
 
@@ -103,7 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         admin = RedisAdmin(cfg)
         handler: Callable[[RedisAdmin, argparse.Namespace], int] = args.handler
+        if args.command != "doctor":  # doctor reports it among its checks
+            _refuse_one_cluster_master(admin)
         return handler(admin, args)
+    except StdoutClosed:
+        _silence_stdout()
+        return EXIT_OK
     except CliError as exc:
         return _fail(scrub(str(exc), cfg), exc.code)
     except PurgeRefused as exc:
@@ -148,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = command("ls", "keys with size and TTL, one SCAN page at a time")
     ls.add_argument("--namespace", help="only this namespace")
-    ls.add_argument("--group", type=_non_negative, help="only this KV group (g<N>)")
+    ls.add_argument(
+        "--group", type=_group, metavar="g<N>", help="only this KV group (g1, or just 1)"
+    )
     ls.add_argument(
         "--limit", type=_positive, default=50, help="stop after at least N keys (default 50)"
     )
@@ -783,6 +794,19 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
 # ---------------------------------------------------------------------------------- helpers
 
 
+def _refuse_one_cluster_master(admin: RedisAdmin) -> None:
+    """A ``redis://`` URL at one master of a Redis Cluster would show (or purge) that master's
+    share as if it were everything: refused, with the URL to use."""
+    if not admin.is_one_cluster_master():
+        return
+    host = admin.nodes()[0].name
+    raise CliError(
+        f"{admin.cfg.redacted_url} is one master of a Redis Cluster (cluster mode is on): "
+        f"use redis+cluster://{host}/ to reach every master",
+        EXIT_USAGE,
+    )
+
+
 def _checked_namespace(admin: RedisAdmin, namespace: str | None) -> str | None:
     """``namespace`` validated as the tier validates its ``namespace`` option."""
     if namespace is not None:
@@ -793,7 +817,22 @@ def _checked_namespace(admin: RedisAdmin, namespace: str | None) -> str | None:
 def _emit(*lines: str) -> None:
     """Print text lines, each through :func:`printable` (the one way text reaches stdout)."""
     for line in lines:
-        print(printable(line))
+        _write(printable(line))
+
+
+def _write(text: str) -> None:
+    """One line to stdout, flushed; :class:`StdoutClosed` when the reader has gone."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise StdoutClosed from None
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush finds no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _fail(message: str, code: int) -> int:
@@ -807,7 +846,7 @@ def _config_message(exc: ValueError) -> str:
 
 def _print_json(data: object) -> None:
     # json.dumps escapes every control character (and, ensure_ascii, all non-ASCII).
-    print(json.dumps(data, indent=2))
+    _write(json.dumps(data, indent=2))
 
 
 def _int_or_text(value: str) -> int | str:
@@ -822,6 +861,14 @@ def _positive(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def _group(text: str) -> int:
+    """A KV group as ``info`` and ``ls`` name it (``g1``), or its number (``1``)."""
+    match = re.fullmatch(r"g?(\d+)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"a KV group is g<N> (e.g. g1), got {text!r}")
+    return int(match.group(1))
 
 
 def _non_negative(text: str) -> int:
