@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote
 
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.core.config import RedisTierConfig
+
+# Where an operator finds the ACL the CLI's Redis user needs.
+ACL_HINT = "ACL; the CLI's user: docs/security.md"
 
 
 def redis_error_message(exc: BaseException, cfg: RedisTierConfig) -> str:
@@ -24,6 +27,8 @@ def redis_error_message(exc: BaseException, cfg: RedisTierConfig) -> str:
         return f"Redis at {url} refused the credentials: {detail}"
     if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
         return f"cannot reach Redis at {url}: {detail}"
+    if isinstance(exc, NoPermissionError):
+        return f"Redis at {url} refused: {exc} ({ACL_HINT})"
     if isinstance(exc, ResponseError):
         return f"Redis at {url} answered with an error: {exc}"
     return f"Redis error at {url}: {detail}"
