@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import io
 import json
 import os
@@ -760,3 +761,64 @@ def test_other_backends_url_spellings_are_refused_with_ours(cli, given, ours):
     assert run.code == 2
     scheme = given.split("://")[0]
     assert f"redis_url scheme {scheme}:// is spelled {ours}:// in hma_redis" in run.err
+
+
+# ---------------------------------------------------------------------------------- small ones
+
+
+def test_version_names_the_installed_package():
+    run = run_script("--version")
+    assert run.code == 0, run.err
+    assert run.out == f"hma-redis {importlib.metadata.version('hma_redis')}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["lss"], "invalid choice: 'lss'"),
+        ([], "the following arguments are required: COMMAND"),
+        (["ls", "--limit", "x"], "argument --limit: not an integer: 'x'"),
+        (["purge"], "one of the arguments --namespace --all is required"),
+    ],
+)
+def test_usage_errors_are_one_line_with_a_hint(cli, argv, says):
+    run = cli(*argv, url=None)
+    assert run.code == 2
+    assert run.err.count("\n") == 1, run.err
+    assert says in run.err
+    assert run.err.rstrip().endswith("--help)")
+    assert "usage:" not in run.err
+
+
+def test_purge_of_a_namespace_without_keys_exits_non_zero(populated, cli, redis_client):
+    before = redis_client.dbsize()
+    for extra in (["--yes"], ["--dry-run"]):
+        run = cli("purge", "--namespace", "no-such-namespace", *extra)
+        assert run.code == 1
+        assert "no keys in namespace 'no-such-namespace'" in run.err
+    assert redis_client.dbsize() == before
+    assert cli("purge", "--namespace", populated.ns, "--yes").code == 0
+
+
+def test_ls_continuation_hint_keeps_the_filters(populated, cli):
+    seen: list[str] = []
+    args = ["ls", "--namespace", populated.ns, "--group", "g0", "--limit", "1"]
+    for _ in range(100):
+        run = cli(*args)
+        assert run.code == 0, run.err
+        seen += [
+            line.split()[-1] for line in run.out.splitlines() if f"hma:{populated.ns}:" in line
+        ]
+        last = run.out.splitlines()[-1]
+        if last == "end of scan (cursor 0)":
+            break
+        hint = last.split("(continue with: ")[1].rstrip(")")
+        assert hint.startswith(f"ls --namespace {populated.ns} --group g0 --limit 1 --cursor ")
+        args = shlex.split(hint)
+    assert sorted(seen) == sorted(populated.blocks[0])
+
+
+def test_info_header_shows_the_db_chosen(populated, cli, redis_url):
+    run = cli("--db", "5", "info")
+    assert run.code == 0, run.err
+    assert run.out.splitlines()[0].startswith(f"{redis_url} (one server, db 5)")

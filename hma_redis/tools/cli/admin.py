@@ -428,13 +428,15 @@ class RedisAdmin:
         return bool(int(cluster.get("cluster_enabled", 0)))
 
     def deployment(self) -> str:
-        """What the CLI talks to, in words: ``one server``, ``Redis Cluster, 3 masters``, ..."""
+        """What the CLI talks to, in words: ``one server``, ``Redis Cluster, 3 masters``, ...;
+        with ``, db N`` when the database is not 0 (``--db`` overrides the URL's)."""
         nodes = self.nodes()
         if self.kind == "cluster":
             return f"Redis Cluster, {len(nodes)} master{'' if len(nodes) == 1 else 's'}"
+        db = f", db {self.cfg.db}" if self.cfg.db else ""
         if self.kind == "sentinel":
-            return f"Sentinel service {self.cfg.topology.service!r}, master {nodes[0].name}"
-        return "one server"
+            return f"Sentinel service {self.cfg.topology.service!r}, master {nodes[0].name}{db}"
+        return f"one server{db}"
 
     def sentinel_answers(self) -> list[SentinelAnswer]:
         """Each sentinel of the URL asked for the master of the service (Sentinel only)."""

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from redis.exceptions import RedisError
 
@@ -62,6 +64,7 @@ from hma_redis.tools.cli.text import printable, redis_error_message, scrub, size
 PROG = "hma-redis"
 PASSWORD_ENV = "HMA_REDIS_PASSWORD"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+LS_LIMIT = 50
 
 _EPILOG = """\
 connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0;
@@ -69,8 +72,8 @@ connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:
   redis+sentinel://host:port[,host:port]/<service> the master the sentinels name;
   prefer $HMA_REDIS_PASSWORD to --password (command lines are visible to other users).
 options may be given before or after the command (hma-redis info --json).
-exit codes: 0 success; 1 Redis error, a doctor FAIL or an invalid block; 2 usage or
-  configuration error."""
+exit codes: 0 success; 1 Redis error, a doctor FAIL, an invalid block, a purge cancelled
+  or of a namespace without keys; 2 usage or configuration error."""
 
 
 class StdoutClosed(Exception):
@@ -128,14 +131,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             admin.close()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line and a hint instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {printable(message)} (see: {self.prog} --help)\n")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("hma_redis")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; the global options are accepted after the command too."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Inspect and maintain the hma_redis KV-cache tier in Redis.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     _add_global_options(parser, after_command=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -161,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--group", type=_group, metavar="g<N>", help="only this KV group (g1, or just 1)"
     )
     ls.add_argument(
-        "--limit", type=_positive, default=50, help="stop after at least N keys (default 50)"
+        "--limit",
+        type=_positive,
+        default=LS_LIMIT,
+        help=f"stop after at least N keys (default {LS_LIMIT})",
     )
     ls.add_argument("--cursor", type=_non_negative, default=0, help="continue a previous page")
     ls.set_defaults(handler=cmd_ls)
@@ -546,10 +567,22 @@ def cmd_ls(admin: RedisAdmin, args: argparse.Namespace) -> int:
     else:
         _emit(f"no keys matching {pattern!r} in this page")
     if page.cursor:
-        _emit(f"next cursor: {page.cursor} (continue with: ls --cursor {page.cursor})")
+        _emit(f"next cursor: {page.cursor} (continue with: {_ls_again(args, page.cursor)})")
     else:
         _emit("end of scan (cursor 0)")
     return EXIT_OK
+
+
+def _ls_again(args: argparse.Namespace, cursor: int) -> str:
+    """The ``ls`` command line that shows the next page: the same filters, the next cursor."""
+    words = ["ls"]
+    if args.namespace is not None:
+        words += ["--namespace", shlex.quote(args.namespace)]
+    if args.group is not None:
+        words += ["--group", f"g{args.group}"]
+    if args.limit != LS_LIMIT:
+        words += ["--limit", str(args.limit)]
+    return " ".join([*words, "--cursor", str(cursor)])
 
 
 def _key_row(entry: KeyEntry, with_node: bool) -> list[object]:
@@ -685,8 +718,9 @@ def cmd_purge(admin: RedisAdmin, args: argparse.Namespace) -> int:
     namespace = None if args.all else _checked_namespace(admin, args.namespace)
     pattern = admin.pattern(namespace)
     if args.dry_run:
-        _purge_report(args, pattern, admin.purge(namespace, dry_run=True), dry_run=True)
-        return EXIT_OK
+        matching = admin.purge(namespace, dry_run=True)
+        _purge_report(args, pattern, matching, dry_run=True)
+        return _purge_exit(namespace, matching)
     if not args.yes:
         if not sys.stdin.isatty():
             raise CliError(
@@ -695,13 +729,23 @@ def cmd_purge(admin: RedisAdmin, args: argparse.Namespace) -> int:
         matching = admin.purge(namespace, dry_run=True)
         if matching.count == 0:
             _purge_report(args, pattern, matching, dry_run=False)
-            return EXIT_OK
+            return _purge_exit(namespace, matching)
         if not _confirm(
             f"UNLINK {matching.count} keys matching {pattern!r} on {admin.cfg.redacted_url} "
             f"({admin.deployment()})?"
         ):
             raise CliError("purge cancelled (nothing deleted)")
-    _purge_report(args, pattern, admin.purge(namespace), dry_run=False)
+    deleted = admin.purge(namespace)
+    _purge_report(args, pattern, deleted, dry_run=False)
+    return _purge_exit(namespace, deleted)
+
+
+def _purge_exit(namespace: str | None, result: PurgeResult) -> int:
+    """1 when a named namespace has no key (a typo, or purged already): nothing was there to
+    delete; else 0. ``--all`` on an empty prefix is a success."""
+    if namespace is not None and result.count == 0:
+        print(f"{PROG}: no keys in namespace {printable(namespace)!r}", file=sys.stderr)
+        return EXIT_FAIL
     return EXIT_OK
 
 
@@ -856,8 +900,15 @@ def _int_or_text(value: str) -> int | str:
         return value
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
@@ -872,7 +923,7 @@ def _group(text: str) -> int:
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
