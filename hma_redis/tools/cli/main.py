@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -102,10 +103,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command == "bench":
         return _bench(args, rest)
+    fail = functools.partial(_fail, as_json=args.json)
     try:
         cfg = build_config(args, os.environ)
     except ValueError as exc:
-        return _fail(_config_message(exc), EXIT_USAGE)
+        return fail(_config_message(exc), EXIT_USAGE)
+    return _run(cfg, args, fail)
+
+
+def _run(cfg: RedisTierConfig, args: argparse.Namespace, fail: Callable[[str, int], int]) -> int:
+    """Run the command ``args`` names against the Redis ``cfg`` names; every failure is one
+    message through ``fail``, with its exit code."""
     admin: RedisAdmin | None = None
     try:
         admin = RedisAdmin(cfg)
@@ -117,15 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_OK
     except CliError as exc:
-        return _fail(scrub(str(exc), cfg), exc.code)
+        return fail(scrub(str(exc), cfg), exc.code)
     except PurgeRefused as exc:
-        return _fail(scrub(str(exc), cfg), EXIT_FAIL)
+        return fail(scrub(str(exc), cfg), EXIT_FAIL)
     except ValueError as exc:  # an option re-validated by RedisTierConfig (e.g. --namespace)
-        return _fail(_config_message(exc), EXIT_USAGE)
+        return fail(_config_message(exc), EXIT_USAGE)
     except (RedisError, OSError) as exc:
-        return _fail(scrub(redis_error_message(exc, cfg), cfg), EXIT_FAIL)
+        return fail(scrub(redis_error_message(exc, cfg), cfg), EXIT_FAIL)
     except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return fail("interrupted", 130)
     finally:
         if admin is not None:
             admin.close()
@@ -498,11 +506,10 @@ def _unusable_table(ns: NamespaceUsage, orphans: Mapping[int, GroupOrphans]) -> 
     return [title, *table(header, rows, right={1, 2, 3}, indent="  ")]
 
 
-def _unusable_json(
-    ns: NamespaceUsage, orphans: Mapping[int, GroupOrphans] | str
-) -> dict[str, Any] | str:
+def _unusable_json(ns: NamespaceUsage, orphans: Mapping[int, GroupOrphans] | str) -> dict[str, Any]:
+    """Per group the values no lookup can use (``groups``), or why not estimated."""
     if isinstance(orphans, str):
-        return orphans
+        return {"groups": {}, "not_estimated": orphans}
     out: dict[str, Any] = {}
     for group, found in sorted(orphans.items()):
         usage = ns.groups.get(group, GroupUsage())
@@ -512,7 +519,7 @@ def _unusable_json(
             "keys": usage.keys,
             "sampled_unusable_keys": found.orphaned_keys,
         }
-    return out
+    return {"groups": out, "not_estimated": None}
 
 
 def _nodes_table(by_node: Mapping[str, GroupUsage], nodes: Sequence[str]) -> list[str]:
@@ -879,8 +886,17 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
-def _fail(message: str, code: int) -> int:
-    print(f"{PROG}: {printable(' '.join(message.split()))}", file=sys.stderr)
+def _fail(message: str, code: int, as_json: bool = False) -> int:
+    """Report a failure: one line on stderr, or under ``--json`` the error object
+    (:data:`~hma_redis.tools.cli.schemas.ERROR`) on stdout; returns ``code``."""
+    line = " ".join(message.split())
+    if as_json:
+        try:
+            _print_json({"error": {"message": line, "exit_code": code}})
+        except StdoutClosed:
+            _silence_stdout()
+        return code
+    print(f"{PROG}: {printable(line)}", file=sys.stderr)
     return code
 
 
