@@ -448,7 +448,7 @@ def test_bad_url_is_a_configuration_error(cli):
     run = cli("info", url=f"http://admin:{SECRET}@host:1/0")
     assert_one_line_error(run)
     assert run.code == 2
-    assert "redis_url scheme must be one of" in run.err and SECRET not in run.err
+    assert "--url scheme must be one of" in run.err and SECRET not in run.err
     assert_one_line_error(cli("info", url="redis://host:99999/0"))
     assert_one_line_error(cli("--prefix", "bad prefix!", "info"))
 
@@ -763,7 +763,7 @@ def test_other_backends_url_spellings_are_refused_with_ours(cli, given, ours):
     assert_one_line_error(run)
     assert run.code == 2
     scheme = given.split("://")[0]
-    assert f"redis_url scheme {scheme}:// is spelled {ours}:// in hma_redis" in run.err
+    assert f"--url scheme {scheme}:// is spelled {ours}:// in hma_redis" in run.err
 
 
 # ---------------------------------------------------------------------------------- small ones
@@ -864,3 +864,28 @@ def test_cli_json_doc_is_the_schemas_of_the_code():
     assert doc.read_text() == schema_markdown(), (
         "regenerate: python -m hma_redis.tools.cli.schemas > docs/cli-json.md"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--url", "http://h:1/0"], "--url scheme must be one of"),
+        (["--prefix", "bad prefix!"], "--prefix must be"),
+        (["--connect-timeout", "-1"], "--connect-timeout must be"),
+        (["--read-timeout", "0"], "--read-timeout must be"),
+        (["--password-file", "/no/such/file"], "--password-file cannot be read"),
+        (["--url", "redis+cluster://h:1/", "--db", "2"], "--db must be 0 with Redis Cluster"),
+    ],
+)
+def test_configuration_errors_name_the_cli_option(cli, argv, says):
+    run = cli(*argv, "info", url=None)
+    assert_one_line_error(run)
+    assert run.code == 2
+    assert says in run.err
+    assert not re.search(r"redis_url|key_prefix|_timeout_s|password_file", run.err), run.err
+
+
+def test_a_url_from_the_environment_is_named_by_its_variable(cli, monkeypatch):
+    monkeypatch.setenv("HMA_REDIS_URL", "http://h:1/0")
+    run = cli("info", url=None)
+    assert "the URL ($HMA_REDIS_URL or $REDIS_URL) scheme must be one of" in run.err

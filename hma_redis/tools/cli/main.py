@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = build_config(args, os.environ)
     except ValueError as exc:
-        return fail(_config_message(exc), EXIT_USAGE)
+        return fail(_config_message(exc, args.url is not None), EXIT_USAGE)
     return _run(cfg, args, fail)
 
 
@@ -828,7 +828,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         try:
             cfg = build_config(args, os.environ)
         except ValueError as exc:
-            return _fail(_config_message(exc), EXIT_USAGE)
+            return _fail(_config_message(exc, args.url is not None), EXIT_USAGE)
     try:
         return tier.main(rest, cfg=cfg)
     except SystemExit as exc:
@@ -900,8 +900,41 @@ def _fail(message: str, code: int, as_json: bool = False) -> int:
     return code
 
 
-def _config_message(exc: ValueError) -> str:
-    return str(exc).removeprefix("hma_redis: ")
+# The config keys the CLI's options set, by the option that sets them.
+_FLAG_OF_KEY = {
+    "key_prefix": "--prefix",
+    "username": "--username",
+    "password_file": "--password-file",
+    "password": "--password",
+    "db": "--db",
+    "tls_ca_file": "--tls-ca-file",
+    "tls_cert_file": "--tls-cert-file",
+    "tls_key_file": "--tls-key-file",
+    "tls_verify": "--no-tls-verify",
+    "auth_key_file": "--auth-key-file",
+    "connect_timeout_s": "--connect-timeout",
+    "read_timeout_s": "--read-timeout",
+    "namespace": "--namespace",
+}
+# A key the message is about: redis_url anywhere, another key as the message's subject (a word
+# like "password" or "db" elsewhere is just a word).
+_CONFIG_KEY = re.compile(
+    r"\b(redis_url)\b|^(" + "|".join(_FLAG_OF_KEY) + r")(?= (?:must|cannot|does|is|has)\b)"
+)
+
+
+def _config_message(exc: ValueError, url_flag: bool = True) -> str:
+    """The tier's validation message with each config key it names written as the CLI option
+    that sets it (the URL: ``--url``, or the variable it came from when ``url_flag`` is
+    False)."""
+
+    def flag(match: re.Match[str]) -> str:
+        key = match.group(1) or match.group(2)
+        if key == "redis_url":
+            return "--url" if url_flag else "the URL ($HMA_REDIS_URL or $REDIS_URL)"
+        return _FLAG_OF_KEY[key]
+
+    return _CONFIG_KEY.sub(flag, str(exc).removeprefix("hma_redis: "))
 
 
 def _print_json(data: object) -> None:
