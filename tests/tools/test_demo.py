@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import redis
 
 from hma_redis.core.breaker import MISSING_PASSWORD
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.tools.demo import openai_example
 from hma_redis.tools.demo.demo import DEFAULT_PROMPT_TOKENS, PromptRun, report
 from hma_redis.tools.demo.local_redis import LocalRedis, free_port
 from hma_redis.tools.demo.openai_example import VllmServer
@@ -134,3 +137,34 @@ def test_verdict_after_a_redis_failure_claims_nothing_stored(
     out = capsys.readouterr().out
     assert "stored to Redis" not in out and "PYTHONHASHSEED" not in out
     assert out.strip().splitlines()[-1] == f"nothing reached Redis: {error}"
+
+
+def test_openai_example_servers_drain_on_sigterm(tmp_path: Path) -> None:
+    server = VllmServer("/models/m", "redis://127.0.0.1:1/0", log_path=tmp_path / "a")
+    at = server.args.index("--shutdown-timeout")
+    assert int(server.args[at + 1]) > 0
+
+
+def test_openai_example_keeps_the_logs_it_names(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that fails to start: the example names its log, and the log is still there."""
+    previous = signal.getsignal(signal.SIGTERM)  # the example installs its own handler
+    try:
+        with pytest.raises(RuntimeError, match="vllm serve exited"):
+            openai_example.main(
+                ["--redis-url", redis_url, "--model", "/no/such/model", "--start-timeout", "300"]
+            )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = capsys.readouterr().out
+    logdir = Path(out.split("server logs: ")[1].split(" (kept)")[0])
+    try:
+        named = [
+            Path(line.split("(log ")[1].rstrip(")")) for line in out.splitlines() if "(log " in line
+        ]
+        assert len(named) == 2
+        for log in named:
+            assert log.parent == logdir and log.read_text(), log
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)

@@ -829,6 +829,8 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
             cfg = build_config(args, os.environ)
         except ValueError as exc:
             return _fail(_config_message(exc, args.url is not None), EXIT_USAGE)
+    if args.json and not any(arg.split("=")[0] == "--json" for arg in rest):
+        rest = [*rest, "--json", "-"]  # hma-redis --json bench: the report's JSON on stdout
     try:
         return tier.main(rest, cfg=cfg)
     except SystemExit as exc:

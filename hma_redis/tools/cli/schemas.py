@@ -167,7 +167,8 @@ def markdown() -> str:
         "`hma_redis/tools/cli/schemas.py` (JSON Schema, draft 2020-12); the tests validate every",
         "command's output against its schema and fail when this file differs from the code.",
         "Under `--json` a failing command prints the `error` object on stdout (nothing on stderr)",
-        "and exits with the code it names. `bench` writes its own JSON (`--json FILE`).",
+        "and exits with the code it names. `bench --json` prints the benchmark report's JSON on",
+        "stdout (its tables go to stderr); `bench --json FILE` writes it to FILE.",
     ]
     for name, schema in SCHEMAS.items():
         parts += ["", f"## {name}", "", "```json", json.dumps(schema, indent=2), "```"]
