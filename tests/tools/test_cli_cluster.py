@@ -290,7 +290,10 @@ def test_a_dead_master_fails_doctor_and_stops_purge_before_it_starts(cli):
         purge = cli(tier.url, "purge", "--all", "--yes")
         assert_one_line_error(purge)
         assert _node_keys_alive(broken, dead.port) == survivors  # nothing deleted anywhere
-        assert_one_line_error(cli(tier.url, "info"))
+        info = cli(tier.url, "info")
+        assert_one_line_error(info)
+        for run in (purge, info, cli(tier.url, "ls")):  # each names the node that failed
+            assert f"master {dead_name}" in run.err, run.err
 
         deadline = time.monotonic() + 30
         while True:
