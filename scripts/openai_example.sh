@@ -9,5 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/setup.sh
+# Only .venv is needed: the second venv setup.sh builds for CI (vLLM 0.33, ~10 GB) is skipped
+# unless HMA_SKIP_VLLM_033=0.
+HMA_SKIP_VLLM_033="${HMA_SKIP_VLLM_033:-1}" bash scripts/setup.sh
 exec .venv/bin/python -m hma_redis.tools.demo.openai_example "$@"

@@ -554,7 +554,14 @@ class RedisOffloadingManager(OffloadingManager):
         )
 
     def shutdown(self) -> None:
+        """Stop, then deliver the counters. Requests vLLM has not reported finished by now
+        (it reports a request once its stores are done, which an engine shutting down after
+        its last request never waits for) are counted here, so their per-group hit counters
+        reach the stats hash too."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._removals is not None:
             self._removals.close()
+        for hits in self._request_hits.values():
+            self._count_intersection(hits)
+        self._request_hits.clear()
         self._store.flush_counters()

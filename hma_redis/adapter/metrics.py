@@ -12,7 +12,8 @@ scheduler side (the manager's :class:`~hma_redis.adapter.types.ManagerStats`, vi
     ``vllm:kv_offload_redis_chunk_queries``    chunk keys (one per KV group) asked of Redis
     ``vllm:kv_offload_redis_chunk_hits``       ... found in Redis
     ``vllm:kv_offload_redis_chunk_misses``     ... not found (or Redis unreachable)
-    ``vllm:kv_offload_redis_stores_skipped``   chunks not stored: known present or being stored
+    ``vllm:kv_offload_redis_stores_skipped``   chunks the scheduler did not send to a store job:
+                                               known present or being stored
     ``vllm:kv_offload_redis_load_failures``    requests whose load failed and were recomputed
     ``vllm:kv_offload_redis_errors``           failed Redis calls of the scheduler (timeouts, ...)
     ``vllm:kv_offload_redis_available``        gauge: 1 while the scheduler reaches Redis, else 0
@@ -30,7 +31,7 @@ worker side (the worker store's :class:`~hma_redis.core.counters.PendingCounters
 connector's worker-side ``get_kv_connector_stats``, which vLLM ships to the scheduler with each
 model-runner output and sums over workers)
     ``vllm:kv_offload_redis_stored_chunks``          chunks written to Redis
-    ``vllm:kv_offload_redis_store_existed_chunks``   chunks another instance had stored already
+    ``vllm:kv_offload_redis_store_existed_chunks``   chunks Redis held already (any instance's)
     ``vllm:kv_offload_redis_store_failed_chunks``    chunks that could not be written (dropped)
     ``vllm:kv_offload_redis_loaded_chunks``          chunks read from Redis into the KV cache
     ``vllm:kv_offload_redis_load_failed_chunks``     chunks missing, invalid or unreadable at load
@@ -150,7 +151,8 @@ MANAGER_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "store_skipped_present": (
         RedisMetricName.STORES_SKIPPED,
-        "KV chunks not stored because Redis holds them or a store is already in flight.",
+        "KV chunks the scheduler sent to no store job: a lookup found them in Redis or a "
+        "store of them is in flight (store_existed_chunks counts those a store job found).",
     ),
     "failed_loads": (
         RedisMetricName.LOAD_FAILURES,
@@ -161,9 +163,10 @@ MANAGER_COUNTERS: dict[str, tuple[str, str]] = {
 # PendingCounters field (worker process) -> counter, with its help text.
 WORKER_COUNTERS: dict[str, tuple[str, str]] = {
     "stored_chunks": (RedisMetricName.STORED_CHUNKS, "KV chunks written to Redis."),
-    "store_skipped_chunks": (
+    "store_existed_chunks": (
         RedisMetricName.STORE_EXISTED_CHUNKS,
-        "KV chunks not written because Redis held them already (another instance stored them).",
+        "KV chunks not written because Redis held them already (stored earlier by any "
+        "instance, this one included).",
     ),
     "store_failed_chunks": (
         RedisMetricName.STORE_FAILED_CHUNKS,
@@ -306,3 +309,41 @@ class WorkerMetrics:
         for name, delta in _deltas(named, self._reported).items():
             out.increase_counter(name, delta)
         return None if out.is_empty() else out
+
+
+# The ``hma-redis info`` counter (stats hash field, core.counters.FIELDS) each metric counts too;
+# metrics without one are the scheduler's own view, kept in memory only.
+INFO_COUNTER_OF: dict[str, str] = {
+    RedisMetricName.LOOKUPS: "lookups",
+    RedisMetricName.CHUNK_QUERIES: "lookup_keys",
+    RedisMetricName.CHUNK_HITS: "hit_chunks",
+    RedisMetricName.CHUNK_MISSES: "miss_chunks",
+    RedisMetricName.ADMISSION_DEFERRED: "admission_deferred",
+    RedisMetricName.REMOVED_CHUNKS: "removed_chunks",
+    RedisMetricName.GROUP_HIT_CHUNKS: "g<N>_hit_chunks",
+    RedisMetricName.USABLE_HIT_CHUNKS: "g<N>_usable_chunks",
+    **{name: field for field, (name, _) in {**WORKER_COUNTERS, **REFUSAL_COUNTERS}.items()},
+}
+# ``hma-redis info`` counters no hma_redis metric counts, and what does instead.
+INFO_ONLY_COUNTERS: dict[str, str] = {
+    "stored_bytes": "Value bytes written to Redis (Prometheus: vLLM's "
+    "vllm:kv_offload_store_bytes).",
+    "loaded_bytes": "Value bytes read from Redis (Prometheus: vLLM's vllm:kv_offload_load_bytes).",
+    "load_failed_jobs": "Load jobs that failed (each fails its requests' loads; Prometheus "
+    "counts the requests: " + RedisMetricName.LOAD_FAILURES + ").",
+    "admission_admitted": "KV chunks admitted by second_sighting (seen before) and stored.",
+}
+
+
+def metrics_table() -> str:
+    """docs/operations.md's table: every metric (``_total`` added to counters on export), the
+    ``hma-redis info`` counter that counts the same, and what it means; then the counters no
+    metric counts."""
+    rows = ["| Prometheus metric | `hma-redis info` counter | meaning |", "| --- | --- | --- |"]
+    for name, meta in metric_definitions().items():
+        shown = name if isinstance(meta, OffloadingGaugeMetadata) else f"{name}_total"
+        info = INFO_COUNTER_OF.get(name)
+        rows.append(f"| `{shown}` | {f'`{info}`' if info else '-'} | {meta.documentation} |")
+    for field_name, meaning in INFO_ONLY_COUNTERS.items():
+        rows.append(f"| - | `{field_name}` | {meaning} |")
+    return "\n".join(rows) + "\n"

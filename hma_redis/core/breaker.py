@@ -81,11 +81,10 @@ class CircuitBreaker:
             self._state = BreakerState.OPEN
             self.openings += 1
         logger.warning(
-            "hma_redis: Redis at %s failed (%s: %s); lookups are misses and stores are "
+            "hma_redis: Redis at %s failed (%s); lookups are misses and stores are "
             "dropped; probing every %.1fs",
             self._name,
-            type(exc).__name__,
-            exc,
+            describe(exc),
             self._interval_s,
         )
 
@@ -162,6 +161,29 @@ def classify(exc: BaseException) -> ErrorKind:
     if isinstance(exc, DataError):  # the client refused to send a command: not the server
         return ErrorKind.REFUSAL
     return ErrorKind.OUTAGE
+
+
+# What a server that requires a password answers a client that gave none: under RESP3 (HELLO)
+# and under RESP2 (NOAUTH, which redis-py words "Authentication required.").
+_NO_PASSWORD_REPLIES = (
+    "HELLO must be called with the client already authenticated",
+    "NOAUTH",
+    "Authentication required",
+)
+MISSING_PASSWORD = "Redis requires a password: set HMA_REDIS_PASSWORD or password_file"
+
+
+def needs_password(exc: BaseException) -> bool:
+    """True when ``exc`` is a server's refusal of a client that sent no password."""
+    return any(reply in str(exc) for reply in _NO_PASSWORD_REPLIES)
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming why a Redis call failed, for operators: :data:`MISSING_PASSWORD` when
+    the server wants a password it did not get, else the error's type and text."""
+    if needs_password(exc):
+        return MISSING_PASSWORD
+    return f"{type(exc).__name__}: {exc}"
 
 
 def refusal_of(exc: BaseException) -> Refusal:

@@ -40,6 +40,10 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 TLS_SCHEMES = ("rediss", "rediss+cluster", "rediss+sentinel")
 _SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
+# Schemes other Redis KV backends (LMCache) accept, refused with the spelling used here.
+_OTHER_SPELLINGS = {
+    scheme.replace("+", "-"): scheme for scheme in (*CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
+}
 _CLUSTER_PORT = 6379
 _SENTINEL_PORT = 26379
 # Matched whole (fullmatch): a trailing newline or any other control character is refused.
@@ -552,6 +556,12 @@ def endpoint_url(url: str) -> str:
 
 def _validate(cfg: RedisTierConfig) -> None:
     parts = _split_url(cfg.url)
+    if parts.scheme in _OTHER_SPELLINGS:
+        right = _OTHER_SPELLINGS[parts.scheme]
+        raise ValueError(
+            f"hma_redis: redis_url scheme {parts.scheme}:// is spelled {right}:// in "
+            f"hma_redis: {cfg.redacted_url}"
+        )
     if parts.scheme not in _SCHEMES:
         raise ValueError(
             f"hma_redis: redis_url scheme must be one of {list(_SCHEMES)}: {cfg.redacted_url}"

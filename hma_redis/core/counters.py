@@ -19,7 +19,7 @@ FIELDS = (
     "miss_chunks",
     "stored_chunks",
     "stored_bytes",
-    "store_skipped_chunks",
+    "store_existed_chunks",
     "store_failed_chunks",
     "loaded_chunks",
     "loaded_bytes",

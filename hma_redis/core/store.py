@@ -38,6 +38,7 @@ from hma_redis.core.breaker import (
     JobOutcome,
     RateLimitedLog,
     classify,
+    describe,
     refusal_of,
 )
 from hma_redis.core.client import RedisClient, bounded, make_client, new_client_name
@@ -176,10 +177,9 @@ class RedisBlockStore:
         """Raise :class:`RedisUnavailableError` (URL redacted) unless Redis answers PING."""
         try:
             self.client.ping()
-        except RedisError as exc:
+        except (RedisError, OSError) as exc:
             raise RedisUnavailableError(
-                f"hma_redis: cannot reach Redis at {self.cfg.redacted_url}: "
-                f"{type(exc).__name__}: {exc}"
+                f"hma_redis: cannot reach Redis at {self.cfg.redacted_url}: {describe(exc)}"
             ) from None
 
     def close(self) -> None:

@@ -629,7 +629,7 @@ class TransferEngine:
             self._start_clock(job, sum(self._value_bound(chunk) for chunk in chunks))
             # Another instance may have stored some chunks already: skip them (one round trip).
             present = self._store.exists([c.redis_key for c in chunks], job.deadline)
-            self._store.counters.add(store_skipped_chunks=sum(present))
+            self._store.counters.add(store_existed_chunks=sum(present))
             job.chunks_counted += sum(present)
             plan = [c for c, there in zip(chunks, present, strict=True) if not there]
             batch = _PUT_BATCH_IN_PLACE if self._in_place else _PUT_BATCH
@@ -779,7 +779,7 @@ class TransferEngine:
         self._store.counters.add(
             stored_chunks=results.count(PutResult.STORED),
             stored_bytes=stored,
-            store_skipped_chunks=results.count(PutResult.EXISTED),
+            store_existed_chunks=results.count(PutResult.EXISTED),
             store_failed_chunks=results.count(PutResult.FAILED),
         )
         job.chunks_counted += len(results)

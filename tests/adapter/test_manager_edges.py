@@ -628,3 +628,22 @@ def test_config_info_names_prefix_namespace_redis_and_format(
     assert host_port in info["redis_url"] and "Hidden-pw-9" not in info["redis_url"]
     assert set(info) == {"key_prefix", "namespace", "redis_url", "format_version"}
     manager.shutdown()
+
+
+def test_a_request_still_unfinished_at_shutdown_has_its_group_hits_counted(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """vLLM reports a request finished only when its stores are done; an offline engine shut
+    down after its last request never does. Its hits still reach the stats hash."""
+    manager, keyspace = _manager(redis_url, group_chunk_tokens=(CHUNK_TOKENS,))
+    _put(redis_client, keyspace, 40, 41)
+    ctx = ReqContext(req_id="last-request")
+    keys = [_positioned(ctx, 40 + i, 0, i) for i in range(2)]
+    for key in keys:
+        manager.lookup(key, ctx)
+    manager.on_schedule_end(END_OF_STEP)
+    assert [manager.lookup(key, ctx) for key in keys] == [HIT, HIT]
+    manager.shutdown()  # no on_request_finished
+    stats = redis_client.hgetall(keyspace.stats_key())
+    assert stats[b"g0_hit_chunks"] == b"2"
+    assert stats[b"g0_usable_chunks"] == b"2"

@@ -4,20 +4,27 @@ tests/engine/test_metrics_serve.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import redis
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     get_connector_metric_definitions,
 )
 
 from hma_redis.adapter.metrics import (
+    PREFIX,
+    REFUSAL_COUNTERS,
+    WORKER_COUNTERS,
     ManagerMetrics,
     RedisMetricName,
     WorkerMetrics,
     metric_definitions,
+    metrics_table,
 )
 from hma_redis.adapter.spec import RedisOffloadingSpec
 from hma_redis.adapter.types import ManagerStats
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.demo.local_redis import LocalRedis
@@ -93,3 +100,26 @@ def test_refusals_reach_prometheus_per_kind(local_redis: LocalRedis) -> None:
     assert scheduler_side is not None
     assert scheduler_side.reduce()[RedisMetricName.REFUSED_NOPERM] == 2
     store.close()
+
+
+def test_a_worker_count_has_one_name_in_info_and_in_prometheus() -> None:
+    """What ``hma-redis info`` calls ``store_existed_chunks`` is exported as
+    ``vllm:kv_offload_redis_store_existed_chunks_total``, and so for every worker count."""
+    for field_name, (metric, _) in {**WORKER_COUNTERS, **REFUSAL_COUNTERS}.items():
+        assert field_name in COUNTER_FIELDS
+        assert metric == PREFIX + field_name
+
+
+def test_operations_md_maps_every_metric_and_info_counter_to_its_meaning() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    assert metrics_table() in doc
+    for field_name in COUNTER_FIELDS:
+        assert f"| `{field_name}` |" in metrics_table(), field_name
+    for name in metric_definitions():
+        assert f"`{name}" in metrics_table(), name
+
+
+def test_existing_chunk_help_counts_this_instances_repeats_too() -> None:
+    (_, help_text) = WORKER_COUNTERS["store_existed_chunks"]
+    assert "another instance stored them" not in help_text
+    assert "this one included" in help_text

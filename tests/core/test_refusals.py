@@ -211,3 +211,26 @@ def test_rate_limited_log_counts_what_it_holds_back():
     assert log.admit("SET:oom") is None
     now[0] = 60.0
     assert log.admit("SET:oom") == 4
+
+
+def test_a_missing_password_is_named_in_the_tier_warning(
+    local_redis: LocalRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    redis.Redis(port=local_redis.port).config_set("requirepass", "s3cret-pw")
+    store = RedisBlockStore(
+        RedisTierConfig.from_extra_config({"redis_url": local_redis.url}, env={})
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="hma_redis"):
+            assert not store.write_info(INFO_KEY, {"model": "m"})
+        with pytest.raises(
+            ConnectionError,
+            match="Redis requires a password: set HMA_REDIS_PASSWORD or password_file",
+        ):
+            store.ping()
+    finally:
+        store.close()
+    assert store.breaker.state is BreakerState.OPEN
+    text = caplog.text
+    assert "Redis requires a password: set HMA_REDIS_PASSWORD or password_file" in text
+    assert "HELLO" not in text and "NOAUTH" not in text

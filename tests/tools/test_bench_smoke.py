@@ -4,6 +4,7 @@ command line and reports any failure as one line."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,3 +147,12 @@ def test_a_failing_redis_benchmark_is_one_line(capsys) -> None:
     assert code == 1
     assert err.startswith("hma-redis: bench: redis-benchmark exited with status 1: ")
     assert "NOPERM" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["--json", "bench", "--smoke"], ["bench", "--smoke", "--json"]])
+def test_bench_json_is_the_report_on_stdout(argv, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # nothing but the JSON on stdout
+    assert report and isinstance(report, dict)
+    assert "smoke: every measured path round-tripped its bytes" in captured.err

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import io
 import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import redis
 
@@ -23,12 +26,15 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace, RedisKey
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.cli.main import main
+from hma_redis.tools.cli.schemas import SCHEMAS
+from hma_redis.tools.cli.schemas import markdown as schema_markdown
 from hma_redis.tools.demo.local_redis import free_port
 from tests.support.cli_run import (
     FINGERPRINT,
     Run,
     assert_one_line_error,
     block_header,
+    cli_command,
     run_script,
     write_blocks,
 )
@@ -36,6 +42,7 @@ from tests.support.cli_run import (
 OTHER_NS = "other-deployment"
 FOREIGN_KEYS = {"user:session:1": b"keep me", "hmax:not-ours": b"keep me too"}
 SECRET = "s3cret-Pw"
+MISSING_PASSWORD = "Redis requires a password: set HMA_REDIS_PASSWORD or password_file"
 
 
 @dataclass(frozen=True)
@@ -441,7 +448,7 @@ def test_bad_url_is_a_configuration_error(cli):
     run = cli("info", url=f"http://admin:{SECRET}@host:1/0")
     assert_one_line_error(run)
     assert run.code == 2
-    assert "redis_url scheme must be one of" in run.err and SECRET not in run.err
+    assert "--url scheme must be one of" in run.err and SECRET not in run.err
     assert_one_line_error(cli("info", url="redis://host:99999/0"))
     assert_one_line_error(cli("--prefix", "bad prefix!", "info"))
 
@@ -487,7 +494,7 @@ def test_tls_and_password_options_reach_the_server(tmp_path, cli):
 
         refused = cli(*tls, "info", url=server.url)  # no password
         assert_one_line_error(refused)
-        assert "refused the credentials" in refused.err
+        assert MISSING_PASSWORD in refused.err
         unverified = cli(
             "--tls-cert-file",
             files.client_cert,
@@ -683,7 +690,7 @@ def test_password_file_reaches_the_server(local_redis, cli, tmp_path):
     assert run.code == 0, run.err
     refused = cli("info", url=local_redis.url)
     assert_one_line_error(refused)
-    assert "refused the credentials" in refused.err or "NOAUTH" in refused.err
+    assert MISSING_PASSWORD in refused.err
 
 
 def test_console_script_is_this_cli() -> None:
@@ -691,3 +698,194 @@ def test_console_script_is_this_cli() -> None:
     scripts = tomllib.loads((README.parent / "pyproject.toml").read_text())
     module, _, name = scripts["project"]["scripts"]["hma-redis"].partition(":")
     assert getattr(importlib.import_module(module), name) is main
+
+
+def test_missing_password_is_one_clear_line(local_redis, cli, monkeypatch):
+    monkeypatch.delenv("HMA_REDIS_PASSWORD", raising=False)
+    redis.Redis(port=local_redis.port).config_set("requirepass", SECRET)
+    for command in (["info"], ["ls"], ["purge", "--all", "--yes"]):
+        run = cli(*command, url=local_redis.url)
+        assert_one_line_error(run)
+        assert run.err.startswith(f"hma-redis: {MISSING_PASSWORD}"), run.err
+        assert "HELLO" not in run.err
+
+
+def test_doctor_fails_auth_when_redis_wants_a_password_it_did_not_get(
+    local_redis, cli, monkeypatch
+):
+    monkeypatch.delenv("HMA_REDIS_PASSWORD", raising=False)
+    redis.Redis(port=local_redis.port).config_set("requirepass", SECRET)
+    run = cli("doctor", url=local_redis.url)
+    assert run.code == 1
+    auth = [line for line in run.out.splitlines() if line.split()[1] == "auth"]
+    assert auth == [f"FAIL  auth            {MISSING_PASSWORD}"]
+    assert "HELLO" not in run.out
+
+
+def test_ls_takes_a_group_as_info_names_it(populated, cli):
+    named = cli("--json", "ls", "--namespace", populated.ns, "--group", "g1", "--limit", "100")
+    assert named.code == 0, named.err
+    assert sorted(e["key"] for e in named.json()["keys"]) == sorted(populated.blocks[1])
+    numbered = cli("--json", "ls", "--namespace", populated.ns, "--group", "1", "--limit", "100")
+    assert numbered.json()["keys"] == named.json()["keys"]
+    assert cli("ls", "--group", "x1").code == 2
+
+
+def test_a_closed_stdout_ends_quietly(populated, redis_url):
+    """``hma-redis info | head -1``: the reader went away; that is no Redis error."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        proc = subprocess.run(
+            [*cli_command(), "--url", redis_url, "info"],
+            stdin=subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("given", "ours"),
+    [
+        ("redis-cluster://127.0.0.1:7000/", "redis+cluster"),
+        ("rediss-cluster://127.0.0.1:7000/", "rediss+cluster"),
+        ("redis-sentinel://127.0.0.1:26379/mymaster", "redis+sentinel"),
+    ],
+)
+def test_other_backends_url_spellings_are_refused_with_ours(cli, given, ours):
+    run = cli("info", url=given)
+    assert_one_line_error(run)
+    assert run.code == 2
+    scheme = given.split("://")[0]
+    assert f"--url scheme {scheme}:// is spelled {ours}:// in hma_redis" in run.err
+
+
+# ---------------------------------------------------------------------------------- small ones
+
+
+def test_version_names_the_installed_package():
+    run = run_script("--version")
+    assert run.code == 0, run.err
+    assert run.out == f"hma-redis {importlib.metadata.version('hma_redis')}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["lss"], "invalid choice: 'lss'"),
+        ([], "the following arguments are required: COMMAND"),
+        (["ls", "--limit", "x"], "argument --limit: not an integer: 'x'"),
+        (["purge"], "one of the arguments --namespace --all is required"),
+    ],
+)
+def test_usage_errors_are_one_line_with_a_hint(cli, argv, says):
+    run = cli(*argv, url=None)
+    assert run.code == 2
+    assert run.err.count("\n") == 1, run.err
+    assert says in run.err
+    assert run.err.rstrip().endswith("--help)")
+    assert "usage:" not in run.err
+
+
+def test_purge_of_a_namespace_without_keys_exits_non_zero(populated, cli, redis_client):
+    before = redis_client.dbsize()
+    for extra in (["--yes"], ["--dry-run"]):
+        run = cli("purge", "--namespace", "no-such-namespace", *extra)
+        assert run.code == 1
+        assert "no keys in namespace 'no-such-namespace'" in run.err
+    assert redis_client.dbsize() == before
+    assert cli("purge", "--namespace", populated.ns, "--yes").code == 0
+
+
+def test_ls_continuation_hint_keeps_the_filters(populated, cli):
+    seen: list[str] = []
+    args = ["ls", "--namespace", populated.ns, "--group", "g0", "--limit", "1"]
+    for _ in range(100):
+        run = cli(*args)
+        assert run.code == 0, run.err
+        seen += [line.split()[-1] for line in run.out.splitlines() if line.startswith("string")]
+        last = run.out.splitlines()[-1]
+        if last == "end of scan (cursor 0)":
+            break
+        hint = last.split("(continue with: ")[1].rstrip(")")
+        assert hint.startswith(f"ls --namespace {populated.ns} --group g0 --limit 1 --cursor ")
+        args = shlex.split(hint)
+    assert sorted(seen) == sorted(populated.blocks[0])
+
+
+def test_info_header_shows_the_db_chosen(populated, cli, redis_url):
+    run = cli("--db", "5", "info")
+    assert run.code == 0, run.err
+    assert run.out.splitlines()[0].startswith(f"{redis_url} (one server, db 5)")
+
+
+# ---------------------------------------------------------------------------------- --json schemas
+
+
+def _validate(command: str, data: Any) -> None:
+    jsonschema.Draft202012Validator(SCHEMAS[command]).validate(data)
+
+
+def test_every_commands_json_output_matches_its_schema(populated, cli, redis_client):
+    for command in (["info"], ["info", "--by-node"], ["ls", "--limit", "100"], ["doctor"]):
+        run = cli("--json", *command)
+        _validate(command[0], run.json())
+    namespaces = {ns["namespace"]: ns for ns in cli("--json", "info").json()["namespaces"]}
+    # A hybrid namespace has per-group estimates; one without an info hash says why not.
+    assert set(namespaces[populated.ns]["unusable"]["groups"]) == {"0", "1"}
+    assert namespaces[OTHER_NS]["unusable"]["groups"] == {}
+    assert namespaces[OTHER_NS]["unusable"]["not_estimated"]
+    good, bad = populated.blocks[0][:2]
+    redis_client.setrange(bad, 100, b"\x00garbage")
+    redis_client.set("hma:junk:g0:00", b"not a block")
+    for key in (good, bad, "hma:junk:g0:00"):
+        _validate("inspect", cli("--json", "inspect", key).json())
+    _validate("purge", cli("--json", "purge", "--all", "--dry-run").json())
+    _validate("purge", cli("--json", "purge", "--namespace", OTHER_NS, "--yes").json())
+
+
+def test_errors_under_json_are_json(cli):
+    for url, code in ((f"redis://127.0.0.1:{free_port()}/0", 1), ("http://h:1/0", 2)):
+        for command in (["info"], ["ls"], ["purge", "--all", "--yes"]):
+            run = cli("--json", *command, url=url)
+            assert (run.code, run.err) == (code, ""), run
+            _validate("error", run.json())
+            assert run.json()["error"]["exit_code"] == code
+
+
+def test_cli_json_doc_is_the_schemas_of_the_code():
+    doc = README.parent / "docs" / "cli-json.md"
+    assert doc.read_text() == schema_markdown(), (
+        "regenerate: python -m hma_redis.tools.cli.schemas > docs/cli-json.md"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--url", "http://h:1/0"], "--url scheme must be one of"),
+        (["--prefix", "bad prefix!"], "--prefix must be"),
+        (["--connect-timeout", "-1"], "--connect-timeout must be"),
+        (["--read-timeout", "0"], "--read-timeout must be"),
+        (["--password-file", "/no/such/file"], "--password-file cannot be read"),
+        (["--url", "redis+cluster://h:1/", "--db", "2"], "--db must be 0 with Redis Cluster"),
+    ],
+)
+def test_configuration_errors_name_the_cli_option(cli, argv, says):
+    run = cli(*argv, "info", url=None)
+    assert_one_line_error(run)
+    assert run.code == 2
+    assert says in run.err
+    assert not re.search(r"redis_url|key_prefix|_timeout_s|password_file", run.err), run.err
+
+
+def test_a_url_from_the_environment_is_named_by_its_variable(cli, monkeypatch):
+    monkeypatch.setenv("HMA_REDIS_URL", "http://h:1/0")
+    run = cli("info", url=None)
+    assert "the URL ($HMA_REDIS_URL or $REDIS_URL) scheme must be one of" in run.err

@@ -290,7 +290,10 @@ def test_a_dead_master_fails_doctor_and_stops_purge_before_it_starts(cli):
         purge = cli(tier.url, "purge", "--all", "--yes")
         assert_one_line_error(purge)
         assert _node_keys_alive(broken, dead.port) == survivors  # nothing deleted anywhere
-        assert_one_line_error(cli(tier.url, "info"))
+        info = cli(tier.url, "info")
+        assert_one_line_error(info)
+        for run in (purge, info, cli(tier.url, "ls")):  # each names the node that failed
+            assert f"master {dead_name}" in run.err, run.err
 
         deadline = time.monotonic() + 30
         while True:
@@ -452,3 +455,17 @@ def test_info_follows_a_sentinel_failover(cli):
         assert mine["total"]["keys"] == 18
     finally:
         setup.stop()
+
+
+def test_a_redis_url_at_one_cluster_master_is_refused_with_the_cluster_url(
+    on_cluster, cluster, cli
+):
+    port = cluster.ports[0]
+    for command in (["info"], ["ls"], ["purge", "--all", "--yes"]):
+        run = cli(f"redis://{USER}:{PASSWORD}@127.0.0.1:{port}/0", *command)
+        assert_one_line_error(run)
+        assert run.code == 2
+        assert "one master of a Redis Cluster" in run.err
+        assert f"use redis+cluster://127.0.0.1:{port}/ to reach every master" in run.err
+    # Nothing was deleted on that master.
+    assert _node_keys(cluster, "hma:*") >= set(on_cluster.blocks)

@@ -82,13 +82,13 @@ def test_info_shows_per_group_bytes_no_lookup_can_use(
 
     data = cli("--json", "info").json()
     (mine,) = [ns for ns in data["namespaces"] if ns["namespace"] == NS]
-    assert mine["unusable"]["0"] == {
+    assert mine["unusable"]["groups"]["0"] == {
         "unusable_bytes": lost,
         "sampled_keys": 6,
         "keys": 6,
         "sampled_unusable_keys": 4,
     }
-    assert mine["unusable"]["1"]["unusable_bytes"] == 0
+    assert mine["unusable"]["groups"]["1"]["unusable_bytes"] == 0
 
 
 def test_info_samples_big_groups_and_says_how_many(
@@ -102,7 +102,7 @@ def test_info_samples_big_groups_and_says_how_many(
     _write(store, 1, range(0, 600, 2))
     data = cli("--json", "info", "--sample", "200").json()
     (mine,) = [ns for ns in data["namespaces"] if ns["namespace"] == NS]
-    g0 = mine["unusable"]["0"]
+    g0 = mine["unusable"]["groups"]["0"]
     assert 200 <= g0["sampled_keys"] < 600 and g0["keys"] == 600
     share = g0["unusable_bytes"] / mine["groups"]["0"]["value_bytes"]
     assert 0.3 < share < 0.7

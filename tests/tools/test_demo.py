@@ -4,12 +4,21 @@ the demo itself)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import redis
 
+from hma_redis.core.breaker import MISSING_PASSWORD
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.tools.demo import openai_example
 from hma_redis.tools.demo.demo import DEFAULT_PROMPT_TOKENS, PromptRun, report
+from hma_redis.tools.demo.local_redis import LocalRedis, free_port
 from hma_redis.tools.demo.openai_example import VllmServer
 from hma_redis.tools.demo.tiny_models import DEMO_SHAPE, HEAD_DIM
 
@@ -83,3 +92,79 @@ def test_vllm_serve_command_line_never_holds_the_redis_password(
     tier = RedisTierConfig.from_extra_config(extra, env=server.env)
     assert (tier.username, tier.password, tier.db) == ("tier", "s3cret-pw!", 2)
     assert tier.url == url
+
+
+def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The demo as a user runs it (``--quick``), in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "hma_redis.tools.demo.demo", "--quick", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def test_demo_with_redis_down_says_nothing_reached_redis_and_fails() -> None:
+    port = free_port()
+    run = _demo("--redis-url", f"redis://127.0.0.1:{port}/0")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stdout.startswith(
+        f"nothing reached Redis: cannot reach Redis at redis://127.0.0.1:{port}/0: "
+    )
+    assert "Connection refused" in run.stdout
+    # No engine ran, so nothing claims a store or a speed-up.
+    assert "stored to Redis" not in run.stdout and "faster" not in run.stdout
+    assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_demo_against_a_redis_that_wants_a_password_names_the_missing_password(
+    local_redis: LocalRedis,
+) -> None:
+    redis.Redis(port=local_redis.port).config_set("requirepass", "s3cret-pw")
+    run = _demo("--redis-url", local_redis.url, env={"HMA_REDIS_PASSWORD": ""})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert MISSING_PASSWORD in run.stdout
+    assert "HELLO" not in run.stdout
+
+
+def test_verdict_after_a_redis_failure_claims_nothing_stored(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    error = "cannot reach Redis at redis://127.0.0.1:1/0: ConnectionError: refused"
+    assert report(_run(0, 7.9, [5, 6]), _run(0, 7.7, [5, 6]), redis_error=error) == 1
+    out = capsys.readouterr().out
+    assert "stored to Redis" not in out and "PYTHONHASHSEED" not in out
+    assert out.strip().splitlines()[-1] == f"nothing reached Redis: {error}"
+
+
+def test_openai_example_servers_drain_on_sigterm(tmp_path: Path) -> None:
+    server = VllmServer("/models/m", "redis://127.0.0.1:1/0", log_path=tmp_path / "a")
+    at = server.args.index("--shutdown-timeout")
+    assert int(server.args[at + 1]) > 0
+
+
+def test_openai_example_keeps_the_logs_it_names(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that fails to start: the example names its log, and the log is still there."""
+    previous = signal.getsignal(signal.SIGTERM)  # the example installs its own handler
+    try:
+        with pytest.raises(RuntimeError, match="vllm serve exited"):
+            openai_example.main(
+                ["--redis-url", redis_url, "--model", "/no/such/model", "--start-timeout", "300"]
+            )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = capsys.readouterr().out
+    logdir = Path(out.split("server logs: ")[1].split(" (kept)")[0])
+    try:
+        named = [
+            Path(line.split("(log ")[1].rstrip(")")) for line in out.splitlines() if "(log " in line
+        ]
+        assert len(named) == 2
+        for log in named:
+            assert log.parent == logdir and log.read_text(), log
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)

@@ -53,11 +53,13 @@ line, where other users can see it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import random
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -824,7 +826,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_plan_options(parser, quick_s=40, reps=FULL.reps)
     parser.add_argument("--plot", metavar="PNG", help="draw GB/s by value size into this file")
-    parser.add_argument("--json", metavar="FILE", help="write the medians as JSON")
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        nargs="?",
+        const="-",
+        help="write the medians as JSON to FILE; without FILE (or -) to stdout, the tables to "
+        "stderr",
+    )
     parser.add_argument(
         "--connections",
         type=int,
@@ -858,6 +867,24 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
     plan = chosen_plan(parser, args, FULL, QUICK, SMOKE)
     if args.connections is not None and args.connections < 1:
         parser.error("--connections must be at least 1")
+    to_stdout = args.json == "-"
+    # With the JSON on stdout, everything else goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+        report = _measure_and_print(cfg, args, plan)
+    if to_stdout:
+        json.dump(report.to_json(), sys.stdout, indent=2)
+        print()
+    elif args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report.to_json(), fh, indent=2)
+    return 0
+
+
+def _measure_and_print(
+    cfg: RedisTierConfig | None, args: argparse.Namespace, plan: TierPlan
+) -> Report:
+    """Measure ``plan`` against ``cfg`` (or a local server); print the tables and the plot's
+    path; the report."""
     with server_config(cfg) as (target, where):
         if args.connections is not None:
             target = dataclasses.replace(target, connections_per_job=args.connections)
@@ -871,12 +898,9 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
             "\nsmoke: every measured path round-tripped its bytes and answered right "
             f"(worker on the {paths}; every stored value equals the codec's encoding)"
         )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report.to_json(), fh, indent=2)
     if args.plot and draw_plot(report, args.plot):
         print(f"plot written to {args.plot}")
-    return 0
+    return report
 
 
 if __name__ == "__main__":

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, ResponseError, TryAgainError
+from redis.exceptions import AskError, RedisError, ResponseError, TryAgainError
 from redis.sentinel import SentinelConnectionPool
 
 from hma_redis.core.client import make_client
@@ -362,6 +363,16 @@ class NodeAdmin:
         return sum(int(n) for n in pipe.execute())
 
 
+class NodeError(RedisError):
+    """A Redis error on one named server (``node``: ``host:port``) of a Cluster or Sentinel
+    deployment; ``cause`` is the error itself."""
+
+    def __init__(self, node: str, cause: RedisError) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.node = node
+        self.cause = cause
+
+
 class RedisAdmin:
     """Read and clean up what hma_redis keeps under ``cfg.key_prefix``, on every node of the
     deployment ``cfg`` names.
@@ -416,14 +427,40 @@ class RedisAdmin:
             return f"unix:{kwargs['path']}"
         return _address(kwargs.get("host", "?"), kwargs.get("port", "?"))
 
+    def is_one_cluster_master(self) -> bool:
+        """True when a one-server URL (``redis://``) reaches a node in cluster mode: it holds
+        one master's share only. False when not, or when INFO is not allowed to tell."""
+        if self.kind != "single":
+            return False
+        try:
+            cluster = self.nodes()[0].info("cluster")
+        except ResponseError:  # NOPERM under a narrow ACL: nothing to tell
+            return False
+        return bool(int(cluster.get("cluster_enabled", 0)))
+
+    @contextmanager
+    def on(self, node: NodeAdmin) -> Iterator[None]:
+        """A Redis error in the block is :class:`NodeError` naming ``node`` (on a Cluster or
+        under Sentinel; one server's errors are the URL's)."""
+        try:
+            yield
+        except NodeError:
+            raise
+        except RedisError as exc:
+            if self.kind == "single":
+                raise
+            raise NodeError(node.name, exc) from exc
+
     def deployment(self) -> str:
-        """What the CLI talks to, in words: ``one server``, ``Redis Cluster, 3 masters``, ..."""
+        """What the CLI talks to, in words: ``one server``, ``Redis Cluster, 3 masters``, ...;
+        with ``, db N`` when the database is not 0 (``--db`` overrides the URL's)."""
         nodes = self.nodes()
         if self.kind == "cluster":
             return f"Redis Cluster, {len(nodes)} master{'' if len(nodes) == 1 else 's'}"
+        db = f", db {self.cfg.db}" if self.cfg.db else ""
         if self.kind == "sentinel":
-            return f"Sentinel service {self.cfg.topology.service!r}, master {nodes[0].name}"
-        return "one server"
+            return f"Sentinel service {self.cfg.topology.service!r}, master {nodes[0].name}{db}"
+        return f"one server{db}"
 
     def sentinel_answers(self) -> list[SentinelAnswer]:
         """Each sentinel of the URL asked for the master of the service (Sentinel only)."""
@@ -472,7 +509,8 @@ class RedisAdmin:
         found: dict[int, list[bytes]] = {}
         total = 0
         while True:
-            node_cursor, keys = nodes[index].scan_once(pattern, node_cursor, limit)
+            with self.on(nodes[index]):
+                node_cursor, keys = nodes[index].scan_once(pattern, node_cursor, limit)
             found.setdefault(index, []).extend(keys)
             total += len(keys)
             if node_cursor == 0:
@@ -482,9 +520,12 @@ class RedisAdmin:
             if total >= limit:
                 return KeyPage(self._describe(nodes, found), node_cursor * len(nodes) + index)
 
-    @staticmethod
-    def _describe(nodes: list[NodeAdmin], found: Mapping[int, list[bytes]]) -> list[KeyEntry]:
-        return [entry for idx, keys in found.items() for entry in nodes[idx].describe(keys)]
+    def _describe(self, nodes: list[NodeAdmin], found: Mapping[int, list[bytes]]) -> list[KeyEntry]:
+        entries = []
+        for idx, keys in found.items():
+            with self.on(nodes[idx]):
+                entries += nodes[idx].describe(keys)
+        return entries
 
     def get(self, key: str) -> bytes | None:
         """The value of a string key; None if missing. Raises ``ResponseError`` for other types."""
@@ -507,7 +548,8 @@ class RedisAdmin:
         """
         merged = PrefixUsage({}, 0, [])
         for node in self.nodes():
-            part = node.usage(self.pattern())
+            with self.on(node):
+                part = node.usage(self.pattern())
             merged.unrecognized_keys += part.unrecognized_keys
             merged.nodes.append(node.name)
             for name, ns in part.namespaces.items():
@@ -596,10 +638,14 @@ class RedisAdmin:
         if self.kind == "sentinel":
             self._require_agreed_master(nodes[0].name)
         for node in nodes:
-            node.client.ping()
+            with self.on(node):
+                node.client.ping()
         pattern = self.pattern(namespace)
         owned = f"{self.prefix}:".encode()
-        by_node = {node.name: node.purge(pattern, owned, dry_run) for node in nodes}
+        by_node = {}
+        for node in nodes:
+            with self.on(node):
+                by_node[node.name] = node.purge(pattern, owned, dry_run)
         return PurgeResult(sum(by_node.values()), by_node)
 
     def _require_agreed_master(self, master: str) -> None:

@@ -10,19 +10,20 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
+from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.core.config import RedisTierConfig, strip_userinfo
 from hma_redis.core.keys import parse_block_key
 from hma_redis.core.notifications import NEEDED_FLAGS, missing_flags
 from hma_redis.tools.cli.admin import CLUSTER_SLOTS, GroupOrphans, NodeAdmin, RedisAdmin
-from hma_redis.tools.cli.text import redis_error_message, scrub, size
+from hma_redis.tools.cli.text import ACL_HINT, redis_error_message, scrub, size
 
 MIN_REDIS_VERSION = (7, 0)
 # A median PING above this makes the once-per-step lookup round trip show in scheduling time.
@@ -37,6 +38,7 @@ class Verdict(Enum):
     OK = "OK"
     WARN = "WARN"
     FAIL = "FAIL"
+    SKIP = "SKIP"  # not run: the CLI's ACL user may not run a command the check needs
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,7 @@ def doctor_checks(admin: RedisAdmin, env: Mapping[str, str]) -> list[Check]:
     try:
         nodes = admin.nodes()
     except RedisError as exc:
-        detail = scrub(redis_error_message(exc, cfg), cfg) + " (server checks skipped)"
-        return [*checks, Check("connectivity", Verdict.FAIL, detail)]
+        return [*_auth_judged_by(exc, checks[:1]), *checks[1:], _unreachable(cfg, exc)]
     if admin.kind == "cluster":
         names = ", ".join(node.name for node in nodes)
         checks.append(Check("masters", Verdict.OK, f"{len(nodes)} in the slot map: {names}"))
@@ -69,7 +70,18 @@ def doctor_checks(admin: RedisAdmin, env: Mapping[str, str]) -> list[Check]:
         checks += [dataclasses.replace(c, node=label) for c in _node_checks(admin, node)]
     if all(c.name != "connectivity" or c.verdict is not Verdict.FAIL for c in checks):
         checks += _intersection_checks(admin)
-    return checks
+    return _one_auth_verdict(checks)
+
+
+def _one_auth_verdict(checks: list[Check]) -> list[Check]:
+    """``checks`` whose first (the client's auth setup) gives way to a server's FAIL."""
+    refused = any(c.name == "auth" and c.verdict is Verdict.FAIL for c in checks[1:])
+    return checks[1:] if refused else checks
+
+
+def _unreachable(cfg: RedisTierConfig, exc: BaseException) -> Check:
+    detail = scrub(redis_error_message(exc, cfg), cfg) + " (server checks skipped)"
+    return Check("connectivity", Verdict.FAIL, detail)
 
 
 def _node_checks(admin: RedisAdmin, node: NodeAdmin) -> list[Check]:
@@ -77,30 +89,49 @@ def _node_checks(admin: RedisAdmin, node: NodeAdmin) -> list[Check]:
     try:
         times = node.ping_seconds()
     except RedisError as exc:
-        detail = scrub(redis_error_message(exc, admin.cfg), admin.cfg)
-        return [Check("connectivity", Verdict.FAIL, detail + " (server checks skipped)")]
+        return [*_auth_judged_by(exc, []), _unreachable(admin.cfg, exc)]
     median = statistics.median(times)
     verdict = Verdict.WARN if median > SLOW_PING_S else Verdict.OK
     checks = [
         Check("connectivity", verdict, f"PING {median * 1e3:.2f} ms (median of {len(times)})")
     ]
-    server = node.info("server")
-    memory = node.info("memory")
-    checks += [
-        _check_version(str(server.get("redis_version", "0"))),
-        _check_script_flags(node),
-        _check_cluster(admin, node),
+    return [*checks, *(_allowed(name, check) for name, check in _server_checks(admin, node))]
+
+
+def _server_checks(admin: RedisAdmin, node: NodeAdmin) -> list[tuple[str, Callable[[], Check]]]:
+    """The checks of a server that answers PING, by name, each run by :func:`_allowed`."""
+    steps: list[tuple[str, Callable[[], Check]]] = [
+        ("version", lambda: _check_version(str(node.info("server").get("redis_version", "0")))),
+        ("scripts", lambda: _check_script_flags(node)),
+        ("cluster", lambda: _check_cluster(admin, node)),
     ]
     if admin.kind == "sentinel":
-        checks.append(_check_role(admin, node.info("replication")))
-    checks += [
-        _check_maxmemory(memory),
-        _check_policy(admin, node, str(memory.get("maxmemory_policy", "?"))),
-        _check_evictions(node.info("stats"), node.info("errorstats")),
-        _check_persistence(node),
-        _check_notifications(node),
+        steps.append(("role", lambda: _check_role(admin, node.info("replication"))))
+    return [
+        *steps,
+        ("maxmemory", lambda: _check_maxmemory(node.info("memory"))),
+        (
+            "maxmemory-policy",
+            lambda: _check_policy(
+                admin, node, str(node.info("memory").get("maxmemory_policy", "?"))
+            ),
+        ),
+        ("evictions", lambda: _check_evictions(node.info("stats"), node.info("errorstats"))),
+        ("persistence", lambda: _check_persistence(node)),
+        ("notifications", lambda: _check_notifications(node)),
     ]
-    return checks
+
+
+def _allowed(name: str, check: Callable[[], Check]) -> Check:
+    """``check()``; a SKIP naming the command when the ACL user may not run one it needs."""
+    try:
+        return check()
+    except NoPermissionError as exc:
+        return _skipped(name, exc)
+
+
+def _skipped(name: str, exc: NoPermissionError) -> Check:
+    return Check(name, Verdict.SKIP, f"not run: {exc} ({ACL_HINT})")
 
 
 def _check_auth(cfg: RedisTierConfig) -> Check:
@@ -110,6 +141,15 @@ def _check_auth(cfg: RedisTierConfig) -> Check:
     if _is_local(cfg):
         return Check("auth", Verdict.OK, "no password (local server)")
     return Check("auth", Verdict.WARN, "no password for a non-local server")
+
+
+def _auth_judged_by(exc: BaseException, checks: list[Check]) -> list[Check]:
+    """``checks`` with an auth FAIL first (in place of any auth verdict) when ``exc`` is a
+    server asking for the password the client did not give (a local server may want one)."""
+    if not needs_password(exc):
+        return checks
+    failed = Check("auth", Verdict.FAIL, MISSING_PASSWORD)
+    return [failed, *(c for c in checks if c.name != "auth")]
 
 
 def _check_transport(cfg: RedisTierConfig) -> Check:
@@ -191,6 +231,8 @@ def _check_version(version: str) -> Check:
 def _check_script_flags(node: NodeAdmin) -> Check:
     try:
         node.probe_script_flags()
+    except NoPermissionError:
+        raise  # the CLI's user may not run EVAL: says nothing of the tier's
     except ResponseError as exc:
         return Check("scripts", Verdict.FAIL, f"EVAL of a '#!lua flags=' script refused: {exc}")
     return Check("scripts", Verdict.OK, "EVAL with '#!lua flags=' works (lookups need it)")
@@ -354,12 +396,20 @@ def intersection_orphans(
 
 def _intersection_checks(admin: RedisAdmin) -> list[Check]:
     """One check per hybrid namespace: how much of what it stores no lookup can use."""
+    try:
+        infos = admin.namespace_infos()
+    except NoPermissionError as exc:
+        return [_skipped("intersection", exc)]
     checks = []
-    for namespace, info in admin.namespace_infos().items():
+    for namespace, info in infos.items():
         found = namespace_groups(info)
         if isinstance(found, str):
             continue
-        orphans = admin.orphans(namespace, found[0], INTERSECTION_SAMPLE)
+        try:
+            orphans = admin.orphans(namespace, found[0], INTERSECTION_SAMPLE)
+        except NoPermissionError as exc:
+            checks.append(_skipped("intersection", exc))
+            continue
         checks.append(_check_intersection(namespace, orphans, info, found[1]))
     return checks
 

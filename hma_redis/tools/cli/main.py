@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib.metadata
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from redis.exceptions import RedisError
 
@@ -62,6 +65,7 @@ from hma_redis.tools.cli.text import printable, redis_error_message, scrub, size
 PROG = "hma-redis"
 PASSWORD_ENV = "HMA_REDIS_PASSWORD"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+LS_LIMIT = 50
 
 _EPILOG = """\
 connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0;
@@ -69,8 +73,12 @@ connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:
   redis+sentinel://host:port[,host:port]/<service> the master the sentinels name;
   prefer $HMA_REDIS_PASSWORD to --password (command lines are visible to other users).
 options may be given before or after the command (hma-redis info --json).
-exit codes: 0 success; 1 Redis error, a doctor FAIL or an invalid block; 2 usage or
-  configuration error."""
+exit codes: 0 success; 1 Redis error, a doctor FAIL, an invalid block, a purge cancelled
+  or of a namespace without keys; 2 usage or configuration error."""
+
+
+class StdoutClosed(Exception):
+    """Whoever reads our stdout has closed it (``hma-redis info | head -1``)."""
 
 
 class CliError(Exception):
@@ -95,38 +103,65 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command == "bench":
         return _bench(args, rest)
+    fail = functools.partial(_fail, as_json=args.json)
     try:
         cfg = build_config(args, os.environ)
     except ValueError as exc:
-        return _fail(_config_message(exc), EXIT_USAGE)
+        return fail(_config_message(exc, args.url is not None), EXIT_USAGE)
+    return _run(cfg, args, fail)
+
+
+def _run(cfg: RedisTierConfig, args: argparse.Namespace, fail: Callable[[str, int], int]) -> int:
+    """Run the command ``args`` names against the Redis ``cfg`` names; every failure is one
+    message through ``fail``, with its exit code."""
     admin: RedisAdmin | None = None
     try:
         admin = RedisAdmin(cfg)
         handler: Callable[[RedisAdmin, argparse.Namespace], int] = args.handler
+        if args.command != "doctor":  # doctor reports it among its checks
+            _refuse_one_cluster_master(admin)
         return handler(admin, args)
+    except StdoutClosed:
+        _silence_stdout()
+        return EXIT_OK
     except CliError as exc:
-        return _fail(scrub(str(exc), cfg), exc.code)
+        return fail(scrub(str(exc), cfg), exc.code)
     except PurgeRefused as exc:
-        return _fail(scrub(str(exc), cfg), EXIT_FAIL)
+        return fail(scrub(str(exc), cfg), EXIT_FAIL)
     except ValueError as exc:  # an option re-validated by RedisTierConfig (e.g. --namespace)
-        return _fail(_config_message(exc), EXIT_USAGE)
+        return fail(_config_message(exc), EXIT_USAGE)
     except (RedisError, OSError) as exc:
-        return _fail(scrub(redis_error_message(exc, cfg), cfg), EXIT_FAIL)
+        return fail(scrub(redis_error_message(exc, cfg), cfg), EXIT_FAIL)
     except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return fail("interrupted", 130)
     finally:
         if admin is not None:
             admin.close()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line and a hint instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {printable(message)} (see: {self.prog} --help)\n")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("hma_redis")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; the global options are accepted after the command too."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Inspect and maintain the hma_redis KV-cache tier in Redis.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     _add_global_options(parser, after_command=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -148,9 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = command("ls", "keys with size and TTL, one SCAN page at a time")
     ls.add_argument("--namespace", help="only this namespace")
-    ls.add_argument("--group", type=_non_negative, help="only this KV group (g<N>)")
     ls.add_argument(
-        "--limit", type=_positive, default=50, help="stop after at least N keys (default 50)"
+        "--group", type=_group, metavar="g<N>", help="only this KV group (g1, or just 1)"
+    )
+    ls.add_argument(
+        "--limit",
+        type=_positive,
+        default=LS_LIMIT,
+        help=f"stop after at least N keys (default {LS_LIMIT})",
     )
     ls.add_argument("--cursor", type=_non_negative, default=0, help="continue a previous page")
     ls.set_defaults(handler=cmd_ls)
@@ -466,11 +506,10 @@ def _unusable_table(ns: NamespaceUsage, orphans: Mapping[int, GroupOrphans]) -> 
     return [title, *table(header, rows, right={1, 2, 3}, indent="  ")]
 
 
-def _unusable_json(
-    ns: NamespaceUsage, orphans: Mapping[int, GroupOrphans] | str
-) -> dict[str, Any] | str:
+def _unusable_json(ns: NamespaceUsage, orphans: Mapping[int, GroupOrphans] | str) -> dict[str, Any]:
+    """Per group the values no lookup can use (``groups``), or why not estimated."""
     if isinstance(orphans, str):
-        return orphans
+        return {"groups": {}, "not_estimated": orphans}
     out: dict[str, Any] = {}
     for group, found in sorted(orphans.items()):
         usage = ns.groups.get(group, GroupUsage())
@@ -480,7 +519,7 @@ def _unusable_json(
             "keys": usage.keys,
             "sampled_unusable_keys": found.orphaned_keys,
         }
-    return out
+    return {"groups": out, "not_estimated": None}
 
 
 def _nodes_table(by_node: Mapping[str, GroupUsage], nodes: Sequence[str]) -> list[str]:
@@ -535,10 +574,22 @@ def cmd_ls(admin: RedisAdmin, args: argparse.Namespace) -> int:
     else:
         _emit(f"no keys matching {pattern!r} in this page")
     if page.cursor:
-        _emit(f"next cursor: {page.cursor} (continue with: ls --cursor {page.cursor})")
+        _emit(f"next cursor: {page.cursor} (continue with: {_ls_again(args, page.cursor)})")
     else:
         _emit("end of scan (cursor 0)")
     return EXIT_OK
+
+
+def _ls_again(args: argparse.Namespace, cursor: int) -> str:
+    """The ``ls`` command line that shows the next page: the same filters, the next cursor."""
+    words = ["ls"]
+    if args.namespace is not None:
+        words += ["--namespace", shlex.quote(args.namespace)]
+    if args.group is not None:
+        words += ["--group", f"g{args.group}"]
+    if args.limit != LS_LIMIT:
+        words += ["--limit", str(args.limit)]
+    return " ".join([*words, "--cursor", str(cursor)])
 
 
 def _key_row(entry: KeyEntry, with_node: bool) -> list[object]:
@@ -674,8 +725,9 @@ def cmd_purge(admin: RedisAdmin, args: argparse.Namespace) -> int:
     namespace = None if args.all else _checked_namespace(admin, args.namespace)
     pattern = admin.pattern(namespace)
     if args.dry_run:
-        _purge_report(args, pattern, admin.purge(namespace, dry_run=True), dry_run=True)
-        return EXIT_OK
+        matching = admin.purge(namespace, dry_run=True)
+        _purge_report(args, pattern, matching, dry_run=True)
+        return _purge_exit(namespace, matching)
     if not args.yes:
         if not sys.stdin.isatty():
             raise CliError(
@@ -684,13 +736,23 @@ def cmd_purge(admin: RedisAdmin, args: argparse.Namespace) -> int:
         matching = admin.purge(namespace, dry_run=True)
         if matching.count == 0:
             _purge_report(args, pattern, matching, dry_run=False)
-            return EXIT_OK
+            return _purge_exit(namespace, matching)
         if not _confirm(
             f"UNLINK {matching.count} keys matching {pattern!r} on {admin.cfg.redacted_url} "
             f"({admin.deployment()})?"
         ):
             raise CliError("purge cancelled (nothing deleted)")
-    _purge_report(args, pattern, admin.purge(namespace), dry_run=False)
+    deleted = admin.purge(namespace)
+    _purge_report(args, pattern, deleted, dry_run=False)
+    return _purge_exit(namespace, deleted)
+
+
+def _purge_exit(namespace: str | None, result: PurgeResult) -> int:
+    """1 when a named namespace has no key (a typo, or purged already): nothing was there to
+    delete; else 0. ``--all`` on an empty prefix is a success."""
+    if namespace is not None and result.count == 0:
+        print(f"{PROG}: no keys in namespace {printable(namespace)!r}", file=sys.stderr)
+        return EXIT_FAIL
     return EXIT_OK
 
 
@@ -766,7 +828,9 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         try:
             cfg = build_config(args, os.environ)
         except ValueError as exc:
-            return _fail(_config_message(exc), EXIT_USAGE)
+            return _fail(_config_message(exc, args.url is not None), EXIT_USAGE)
+    if args.json and not any(arg.split("=")[0] == "--json" for arg in rest):
+        rest = [*rest, "--json", "-"]  # hma-redis --json bench: the report's JSON on stdout
     try:
         return tier.main(rest, cfg=cfg)
     except SystemExit as exc:
@@ -783,6 +847,19 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
 # ---------------------------------------------------------------------------------- helpers
 
 
+def _refuse_one_cluster_master(admin: RedisAdmin) -> None:
+    """A ``redis://`` URL at one master of a Redis Cluster would show (or purge) that master's
+    share as if it were everything: refused, with the URL to use."""
+    if not admin.is_one_cluster_master():
+        return
+    host = admin.nodes()[0].name
+    raise CliError(
+        f"{admin.cfg.redacted_url} is one master of a Redis Cluster (cluster mode is on): "
+        f"use redis+cluster://{host}/ to reach every master",
+        EXIT_USAGE,
+    )
+
+
 def _checked_namespace(admin: RedisAdmin, namespace: str | None) -> str | None:
     """``namespace`` validated as the tier validates its ``namespace`` option."""
     if namespace is not None:
@@ -793,21 +870,78 @@ def _checked_namespace(admin: RedisAdmin, namespace: str | None) -> str | None:
 def _emit(*lines: str) -> None:
     """Print text lines, each through :func:`printable` (the one way text reaches stdout)."""
     for line in lines:
-        print(printable(line))
+        _write(printable(line))
 
 
-def _fail(message: str, code: int) -> int:
-    print(f"{PROG}: {printable(' '.join(message.split()))}", file=sys.stderr)
+def _write(text: str) -> None:
+    """One line to stdout, flushed; :class:`StdoutClosed` when the reader has gone."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise StdoutClosed from None
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush finds no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _fail(message: str, code: int, as_json: bool = False) -> int:
+    """Report a failure: one line on stderr, or under ``--json`` the error object
+    (:data:`~hma_redis.tools.cli.schemas.ERROR`) on stdout; returns ``code``."""
+    line = " ".join(message.split())
+    if as_json:
+        try:
+            _print_json({"error": {"message": line, "exit_code": code}})
+        except StdoutClosed:
+            _silence_stdout()
+        return code
+    print(f"{PROG}: {printable(line)}", file=sys.stderr)
     return code
 
 
-def _config_message(exc: ValueError) -> str:
-    return str(exc).removeprefix("hma_redis: ")
+# The config keys the CLI's options set, by the option that sets them.
+_FLAG_OF_KEY = {
+    "key_prefix": "--prefix",
+    "username": "--username",
+    "password_file": "--password-file",
+    "password": "--password",
+    "db": "--db",
+    "tls_ca_file": "--tls-ca-file",
+    "tls_cert_file": "--tls-cert-file",
+    "tls_key_file": "--tls-key-file",
+    "tls_verify": "--no-tls-verify",
+    "auth_key_file": "--auth-key-file",
+    "connect_timeout_s": "--connect-timeout",
+    "read_timeout_s": "--read-timeout",
+    "namespace": "--namespace",
+}
+# A key the message is about: redis_url anywhere, another key as the message's subject (a word
+# like "password" or "db" elsewhere is just a word).
+_CONFIG_KEY = re.compile(
+    r"\b(redis_url)\b|^(" + "|".join(_FLAG_OF_KEY) + r")(?= (?:must|cannot|does|is|has)\b)"
+)
+
+
+def _config_message(exc: ValueError, url_flag: bool = True) -> str:
+    """The tier's validation message with each config key it names written as the CLI option
+    that sets it (the URL: ``--url``, or the variable it came from when ``url_flag`` is
+    False)."""
+
+    def flag(match: re.Match[str]) -> str:
+        key = match.group(1) or match.group(2)
+        if key == "redis_url":
+            return "--url" if url_flag else "the URL ($HMA_REDIS_URL or $REDIS_URL)"
+        return _FLAG_OF_KEY[key]
+
+    return _CONFIG_KEY.sub(flag, str(exc).removeprefix("hma_redis: "))
 
 
 def _print_json(data: object) -> None:
     # json.dumps escapes every control character (and, ensure_ascii, all non-ASCII).
-    print(json.dumps(data, indent=2))
+    _write(json.dumps(data, indent=2))
 
 
 def _int_or_text(value: str) -> int | str:
@@ -817,15 +951,30 @@ def _int_or_text(value: str) -> int | str:
         return value
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
+def _group(text: str) -> int:
+    """A KV group as ``info`` and ``ls`` name it (``g1``), or its number (``1``)."""
+    match = re.fullmatch(r"g?(\d+)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"a KV group is g<N> (e.g. g1), got {text!r}")
+    return int(match.group(1))
+
+
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value

@@ -6,24 +6,38 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote
 
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.tools.cli.admin import NodeError
+
+# Where an operator finds the ACL the CLI's Redis user needs.
+ACL_HINT = "ACL; the CLI's user: docs/security.md"
 
 
 def redis_error_message(exc: BaseException, cfg: RedisTierConfig) -> str:
-    """One line saying what went wrong talking to Redis (the URL redacted)."""
-    url = cfg.redacted_url
+    """One line saying what went wrong talking to Redis (the URL redacted); on a Cluster or
+    under Sentinel, the server that failed (a :class:`NodeError`)."""
+    at = f"Redis at {cfg.redacted_url}"
+    if isinstance(exc, NodeError):
+        deployment = "Redis Cluster" if cfg.topology.kind == "cluster" else "Sentinel service"
+        at = f"the master {exc.node} of the {deployment} at {cfg.redacted_url}"
+        exc = exc.cause
+    if needs_password(exc):
+        return f"{MISSING_PASSWORD} ({at})"
     detail = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, AuthenticationError):
-        return f"Redis at {url} refused the credentials: {detail}"
+        return f"{at} refused the credentials: {detail}"
     if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
-        return f"cannot reach Redis at {url}: {detail}"
+        return f"cannot reach {at}: {detail}"
+    if isinstance(exc, NoPermissionError):
+        return f"{at} refused: {exc} ({ACL_HINT})"
     if isinstance(exc, ResponseError):
-        return f"Redis at {url} answered with an error: {exc}"
-    return f"Redis error at {url}: {detail}"
+        return f"{at} answered with an error: {exc}"
+    return f"Redis error at {cfg.redacted_url}: {detail}"
 
 
 def printable(text: str) -> str:

@@ -32,7 +32,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-from hma_redis.core.config import redact_url
+from redis.exceptions import RedisError
+
+from hma_redis.core.config import RedisTierConfig, redact_url
+from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.demo.engine import (
     EngineProcessError,
     ProcessOutput,
@@ -89,7 +92,9 @@ class DemoModel:
 
 def main(argv: list[str] | None = None) -> int:
     """Run engine A, then engine B, print the comparison; 0 when B loaded the prompt from
-    Redis and generated exactly A's tokens, 1 otherwise."""
+    Redis and generated exactly A's tokens, 1 otherwise. A Redis the tier cannot use (down,
+    wrong credentials, bad TLS files) ends the demo with 1 and the tier's own error before
+    any engine starts."""
     args = _parser().parse_args(argv)
     prompt_tokens = args.prompt_tokens or (
         QUICK_PROMPT_TOKENS if args.quick else DEFAULT_PROMPT_TOKENS
@@ -103,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="hma-demo-") as workdir,
         redis_or_local(args.redis_url) as url,
     ):
+        problem = redis_problem(url)
+        if problem is not None:
+            print(f"nothing reached Redis: {problem}")
+            return 1
         model = _model(args, workdir)
         print(f"model: {model.description}")
         kv = _kv_size(model, prompt_tokens)
@@ -115,7 +124,29 @@ def main(argv: list[str] | None = None) -> int:
             "kv_transfer_config": kv_transfer_config(url),
         }
         runs = {name: _run_engine(name, job)[1] for name in ("A", "B")}
-    return report(runs["A"], runs["B"])
+        problem = redis_problem(url) if runs["B"].num_cached_tokens == 0 else None
+    return report(runs["A"], runs["B"], problem)
+
+
+def redis_problem(url: str) -> str | None:
+    """Why the tier cannot use the Redis at ``url``, in the tier's own words (its config
+    validation or its connection error, the URL redacted); None when that Redis answers PING.
+    The config comes from ``url`` and this process's environment, as the engines' does."""
+    try:
+        cfg = RedisTierConfig.from_extra_config({"redis_url": url}, env=os.environ)
+    except ValueError as exc:
+        return str(exc).removeprefix("hma_redis: ")
+    try:
+        store = RedisBlockStore(cfg)
+    except (RedisError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    try:
+        store.ping()
+    except (RedisError, OSError) as exc:
+        return str(exc).removeprefix("hma_redis: ")
+    finally:
+        store.close()
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -281,13 +312,16 @@ def _lines_until_closed(lines: queue.Queue[str | None]) -> Iterator[str | None]:
 # ---------------------------------------------------------------------------------- the verdict
 
 
-def report(a: PromptRun, b: PromptRun) -> int:
-    """Print both engines' results and the one-line verdict; the exit code."""
+def report(a: PromptRun, b: PromptRun, redis_error: str | None = None) -> int:
+    """Print both engines' results and the one-line verdict; the exit code. ``redis_error``
+    is why the tier could not use Redis (checked after the runs when B loaded nothing): then
+    nothing is claimed stored, and the verdict is that error."""
     same = a.token_ids == b.token_ids
+    stored = "nothing reached Redis" if redis_error else "stored to Redis"
     print()
     print(
         f"engine A: {a.num_cached_tokens} of {a.num_prompt_tokens} prompt tokens from Redis "
-        f"(cold prefill, stored to Redis), time to first token {a.ttft_s:.2f} s"
+        f"(cold prefill, {stored}), time to first token {a.ttft_s:.2f} s"
     )
     speedup = a.ttft_s / b.ttft_s if b.ttft_s > 0 else float("inf")
     times = f"{speedup:.0f}" if speedup >= 10 else f"{speedup:.1f}"
@@ -300,6 +334,9 @@ def report(a: PromptRun, b: PromptRun) -> int:
         print("engine A found part of the prompt in Redis already: its time is not a cold one")
     if not same:
         print("engine B's output differs from engine A's: that is a bug, please report it")
+        return 1
+    if redis_error is not None:
+        print(f"nothing reached Redis: {redis_error}")
         return 1
     if b.num_cached_tokens == 0:
         print("engine B loaded nothing from Redis: is PYTHONHASHSEED or the Redis URL different?")

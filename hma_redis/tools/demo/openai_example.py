@@ -57,6 +57,9 @@ def vllm_serve_argv(model: str) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
 
 
+SHUTDOWN_TIMEOUT_S = 30
+
+
 class VllmServer:
     """One ``vllm serve`` process on a loopback port, in its own process group.
 
@@ -83,6 +86,8 @@ class VllmServer:
             "--host", "127.0.0.1",
             "--port", str(self.port),
             "--kv-transfer-config", json.dumps(kv_transfer_config(None)),
+            # Drain on SIGTERM, so the chunks computed last are flushed to Redis (the README's).
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
             *extra_args,
         ]  # fmt: skip
         self.env = {**os.environ, **CPU_ENGINE_ENV, **(env or {}), "HMA_REDIS_URL": redis_url}
@@ -283,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     workdir = tempfile.mkdtemp(prefix="hma-openai-example-")
+    # The servers' logs outlive the run: their paths are printed for reading afterwards.
+    logdir = Path(tempfile.mkdtemp(prefix="hma-openai-example-logs-"))
     servers: list[VllmServer] = []
     try:
         model, extra = args.model, list(args.serve_arg)
@@ -296,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         with redis_or_local(args.redis_url) as redis_url:
             for name in ("A", "B"):
                 server = VllmServer(
-                    model, redis_url, extra_args=extra, log_path=Path(workdir) / f"{name}.log"
+                    model, redis_url, extra_args=extra, log_path=logdir / f"{name}.log"
                 )
                 servers.append(server.start())
                 print(f"server {name}: starting on {server.url} (log {server.log_path})")
@@ -328,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+        if servers:
+            print(f"server logs: {logdir} (kept)")
+        else:
+            shutil.rmtree(logdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
