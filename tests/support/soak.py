@@ -269,13 +269,14 @@ class SoakResult:
         )
 
 
-def _growth(samples: list[int]) -> float | None:
-    """Mean of the last third of ``samples`` over the first third, minus one."""
+def _growth(samples: list[int], since: int = 0) -> float | None:
+    """Mean of the last third of ``samples`` over the mean of third ``since`` (0: the first,
+    1: the middle), minus one."""
     third = len(samples) // 3
     if third == 0:
         return None
-    first, last = samples[:third], samples[-third:]
-    return (sum(last) / len(last)) / (sum(first) / len(first)) - 1.0
+    base, last = samples[since * third : (since + 1) * third], samples[-third:]
+    return (sum(last) / len(last)) / (sum(base) / len(base)) - 1.0
 
 
 def _compare(got: dict[str, Any], want: dict[str, Any], served: Served) -> None:
@@ -463,9 +464,12 @@ def _mib(n: float) -> str:
 
 
 def _rss_cells(samples: list[int]) -> tuple[str, str]:
-    growth = _growth(samples)
-    peak = _mib(max(samples)) if samples else "-"
-    return peak, "-" if growth is None else f"{growth:+.1%}"
+    """Peak RSS, and the last third's mean against the first and the middle third's."""
+    if not samples:
+        return "-", "-"
+    growth = [_growth(samples, since) for since in (0, 1)]
+    cells = " / ".join("-" if g is None else f"{g:+.1%}" for g in growth)
+    return _mib(max(samples)), cells
 
 
 def _tier_memory(memory: dict[str, int]) -> str:
@@ -482,7 +486,7 @@ def table(result: SoakResult) -> str:
     rows = [
         "| process | requests | tokens compared | wrong | errored / over bound "
         "| loads failed (jobs / chunks), recomputed | hits: requests / tokens / chunks loaded "
-        "| max latency s | peak RSS MiB | RSS last vs first third "
+        "| max latency s | peak RSS MiB | RSS, last third vs first / vs middle "
         "| tier peak budget / buffers of bound, MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -537,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         fault_every_s=args.fault_every_s,
     )
     result = run(cfg, args.workdir)
+    if args.workdir:  # the RSS samples (bytes, one per second per process), for plots
+        (args.workdir / "rss.json").write_text(json.dumps(result.rss))
     print(table(result))
     for s in result.served:
         for note in s.notes[:5]:
