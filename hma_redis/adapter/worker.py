@@ -71,6 +71,7 @@ class RedisOffloadingWorker(OffloadingWorker):
         self._rank = rank
         self._group_ids = list(group_ids)
         self._blocks_per_chunk = blocks_per_chunk
+        self._max_inflight_bytes = max_inflight_bytes
         self._engine = TransferEngine(
             store,
             layer_groups(kv_caches),
@@ -174,6 +175,16 @@ class RedisOffloadingWorker(OffloadingWorker):
             self._rank,
             json.dumps(dict(self._store.counters.totals), sort_keys=True),
         )
+        logger.info("hma_redis: worker rank %d memory %s", self._rank, json.dumps(self.memory()))
+
+    def memory(self) -> dict[str, int]:
+        """The most bytes transfers held at once (of the in-flight budget, and in value
+        buffers) next to their bound, ``max_inflight_bytes``; logged at shutdown."""
+        return {
+            "peak_budget_bytes": self._engine.peak_budget_bytes,
+            "peak_buffer_bytes": self._engine.peak_buffer_bytes,
+            "max_inflight_bytes": self._max_inflight_bytes,
+        }
 
     # ------------------------------------------------------------------ planning
 

@@ -7,6 +7,8 @@ one where the test needs ACLs or an outage) and real vLLM types: no mocks, no en
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -459,3 +461,19 @@ def test_lookup_refused_by_an_acl_is_a_miss_not_an_outage(acl_server: LocalRedis
     manager.shutdown()
     store.close()
     admin.close()
+
+
+def test_worker_logs_its_transfer_memory_peak_against_its_bound_at_shutdown(
+    redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator (and the soak) reads the tier's memory from the log: at shutdown the worker
+    logs the most bytes its transfers held at once next to ``max_inflight_bytes``."""
+    with _worker(redis_url) as worker:
+        _put_value(redis_client, worker, 1, 0, BPC)
+        assert _load(worker, 1, [_key(1)], _spec([0, 1, 2, 3]))
+        with caplog.at_level(logging.INFO, logger="hma_redis.adapter.worker"):
+            worker.shutdown()
+    (line,) = [r.getMessage() for r in caplog.records if "memory" in r.getMessage()]
+    memory = json.loads(line.split("memory", 1)[1])
+    assert memory == worker.memory()
+    assert 0 < memory["peak_budget_bytes"] <= memory["max_inflight_bytes"]

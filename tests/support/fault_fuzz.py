@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -142,6 +143,11 @@ class Engine:
         self._proc.stdin.write((json.dumps(request) + "\n").encode())
         self._proc.stdin.flush()
         return list(json.loads(self._read_line(REQUEST_TIMEOUT_S))["results"])
+
+    @property
+    def pid(self) -> int:
+        """The engine process's pid."""
+        return self._proc.pid
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -261,38 +267,10 @@ class Fuzz:
     # ------------------------------------------------------------------ faults
 
     def _damage(self, fault: str, keys: list[bytes], rng: random.Random) -> None:
-        client = self._client()
-        if fault == "flushall":
-            client.flushall()
-            return
-        if fault == "deleted":
-            if keys:
-                client.delete(*rng.sample(keys, rng.randrange(1, len(keys) + 1)))
-            return
-        values = {k: v for k in keys if (v := client.get(k)) is not None}
-        if fault == "swapped":
-            order = sorted(values)
-            rng.shuffle(order)
-            new = {k: values[order[(i + 1) % len(order)]] for i, k in enumerate(order)}
-        else:
-            new = {k: _damaged(fault, v, rng) for k, v in values.items()}
-        if new:
-            client.mset(new)
+        damage(self._client(), fault, keys, rng)
 
     def _live_fault(self, fault: str, rng: random.Random) -> None:
-        hold = rng.uniform(0.3, 2.0)
-        if fault == "killed":
-            self.redis.kill()
-            time.sleep(hold)
-            self.redis.start()  # same port, empty
-        elif fault == "paused":
-            self.redis.pause()
-            time.sleep(hold)
-            self.redis.resume()
-        else:
-            self.proxy.delay_s = 0.02
-            time.sleep(hold)
-            self.proxy.delay_s = 0.0
+        live_fault(self.redis, fault, rng, self.proxy)
 
     # ------------------------------------------------------------------ a round
 
@@ -396,20 +374,66 @@ class Fuzz:
 
     def engine_errors(self) -> list[str]:
         """Each traceback in an engine's log (an exception that reached vLLM), with its log."""
-        errors = []
-        for engine in self._engines.values():
-            for block in engine.log_text().split("Traceback (most recent call last)")[1:]:
-                # vLLM logs tracebacks of its own that are not errors (its chat template
-                # warm-up without a tokenizer): only those through hma_redis count.
-                if "/hma_redis/" in block[:4000] or "EngineCore" in block[:4000]:
-                    errors.append(f"{engine.log_path.name}: {block[:2500]}")
-        return errors
+        return engine_errors(self._engines.values())
 
     def close(self) -> None:
         for engine in self._engines.values():
             engine.close()
         self.proxy.close()
         self.redis.stop()
+
+
+def damage(client: redis.Redis, fault: str, keys: list[bytes], rng: random.Random) -> None:
+    """Apply a static ``fault`` (:data:`STATIC_FAULTS`) to ``keys`` through ``client``."""
+    if fault == "flushall":
+        client.flushall()
+        return
+    if fault == "deleted":
+        if keys:
+            client.delete(*rng.sample(keys, rng.randrange(1, len(keys) + 1)))
+        return
+    values = {k: v for k in keys if (v := client.get(k)) is not None}
+    if fault == "swapped":
+        order = sorted(values)
+        rng.shuffle(order)
+        new = {k: values[order[(i + 1) % len(order)]] for i, k in enumerate(order)}
+    else:
+        new = {k: _damaged(fault, v, rng) for k, v in values.items()}
+    if new:
+        client.mset(new)
+
+
+def live_fault(
+    server: LocalRedis, fault: str, rng: random.Random, proxy: TrickleProxy | None = None
+) -> None:
+    """Hold a live ``fault`` (:data:`LIVE_FAULTS`) for 0.3-2 s, then end it: ``killed``
+    restarts the server empty on the same port; ``trickle`` needs the ``proxy``."""
+    hold = rng.uniform(0.3, 2.0)
+    if fault == "killed":
+        server.kill()
+        time.sleep(hold)
+        server.start()  # same port, empty
+    elif fault == "paused":
+        server.pause()
+        time.sleep(hold)
+        server.resume()
+    else:
+        assert proxy is not None, "the trickle fault needs a proxy"
+        proxy.delay_s = 0.02
+        time.sleep(hold)
+        proxy.delay_s = 0.0
+
+
+def engine_errors(engines: Iterable[Engine]) -> list[str]:
+    """Each traceback in an engine's log (an exception that reached vLLM), with its log."""
+    errors = []
+    for engine in engines:
+        for block in engine.log_text().split("Traceback (most recent call last)")[1:]:
+            # vLLM logs tracebacks of its own that are not errors (its chat template
+            # warm-up without a tokenizer): only those through hma_redis count.
+            if "/hma_redis/" in block[:4000] or "EngineCore" in block[:4000]:
+                errors.append(f"{engine.log_path.name}: {block[:2500]}")
+    return errors
 
 
 def _damaged(fault: str, value: bytes, rng: random.Random) -> bytes:

@@ -1,7 +1,8 @@
 """A long-lived engine for the fault fuzz (:mod:`tests.support.fault_fuzz`).
 
 ``python -m tests.support.fuzz_child '<job json>'`` builds one engine (job fields as
-:func:`hma_redis.tools.demo.engine.run_job`: ``model``, ``dtype``, ``kv_transfer_config``), prints
+:func:`hma_redis.tools.demo.engine.run_job`: ``model``, ``dtype``, ``kv_transfer_config``,
+``llm_kwargs``), prints
 ``READY_LINE``, then serves one JSON request per stdin line, ``{"prompts": [[ids]], "max_tokens":
 n}``, with one JSON reply line: per prompt its greedy token ids, the logprob of each, and the
 tokens that came from the KV connector. The engine's own prefix cache is emptied before every
@@ -13,6 +14,7 @@ Not a test module (pytest does not collect it).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -48,10 +50,13 @@ def _serve(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
+    job = json.loads(sys.argv[1])
+    if "kv_cache_memory_bytes" in job.get("llm_kwargs", {}):
+        # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE (whole GiB) override the job's size.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    job = json.loads(sys.argv[1])
     cfg = job.get("kv_transfer_config")
     llm = LLM(
         **LLM_DEFAULTS,
@@ -59,6 +64,7 @@ def main() -> int:
         max_model_len=job.get("max_model_len", 2048),
         dtype=job.get("dtype", "auto"),
         kv_transfer_config=KVTransferConfig(**cfg) if cfg else None,
+        **job.get("llm_kwargs", {}),
     )
     print(READY_LINE, flush=True)
     for line in sys.stdin:
