@@ -9,6 +9,8 @@ import contextlib
 import socket
 import threading
 
+from tests.support.loopback import LoopbackServer
+
 # Commands the connection set-up and the breaker's probe send; every other one is data.
 _SET_UP = {b"PING": b"+PONG\r\n", b"CLIENT": b"+OK\r\n", b"SELECT": b"+OK\r\n", b"AUTH": b"+OK\r\n"}
 
@@ -17,7 +19,7 @@ _SET_UP = {b"PING": b"+PONG\r\n", b"CLIENT": b"+OK\r\n", b"SELECT": b"+OK\r\n", 
 _EMPTY = {b"EXISTS": b":0\r\n", b"GET": b"$-1\r\n", b"HINCRBY": b":1\r\n"}
 
 
-class ErrorServer:
+class ErrorServer(LoopbackServer):
     """Answers every data command (or only those named in ``only``) with ``-<error>``, the
     others as an empty Redis; ``commands`` counts the data commands."""
 
@@ -25,23 +27,10 @@ class ErrorServer:
         self.reply = b"-" + error.encode() + b"\r\n"
         self.only = only
         self.commands = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self._sockets.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def _handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         stream = conn.makefile("rb")
@@ -63,12 +52,6 @@ class ErrorServer:
             count = int(command[2])
             return b"*%d\r\n" % count + b":0\r\n" * count
         return _EMPTY.get(name, b"+OK\r\n")
-
-    def close(self) -> None:
-        self._listener.close()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
 
 
 def _read_command(stream: object) -> list[bytes] | None:

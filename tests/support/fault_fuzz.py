@@ -39,10 +39,11 @@ import redis
 
 from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.tools.demo.engine import kv_transfer_config
-from hma_redis.tools.demo.local_redis import LocalRedis, free_port
+from hma_redis.tools.demo.local_redis import LocalRedis
 from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import child_env, make_prompts, shared_prefix_prompts
 from tests.support.fuzz_child import READY_LINE
+from tests.support.loopback import LoopbackServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STATIC_FAULTS = ("random-bytes", "nan-payload", "truncated", "swapped", "deleted", "flushall")
@@ -59,31 +60,25 @@ TIER_OPTIONS = {"read_timeout_s": READ_TIMEOUT_S, "connect_timeout_s": 0.5, "ret
 REQUEST_TIMEOUT_S = 300.0
 
 
-class TrickleProxy:
+class TrickleProxy(LoopbackServer):
     """Loopback TCP proxy in front of Redis; while ``delay_s`` is set, every connection's
     replies are forwarded one byte per ``delay_s`` (a server that answers one byte at a time)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.port = free_port()
         self.delay_s = 0.0
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-            except OSError:  # Redis down (killed): the client sees its connection closed
-                client.close()
-                continue
-            upstream.settimeout(None)
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+        except OSError:  # Redis down (killed): the client sees its connection closed
+            conn.close()
+            return
+        upstream.settimeout(None)
+        self._keep(upstream)
+        threading.Thread(target=self._pump, args=(conn, upstream, False), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, conn, True), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
         try:
@@ -100,9 +95,6 @@ class TrickleProxy:
             for sock in (src, dst):
                 with contextlib.suppress(OSError):
                     sock.close()
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 class Engine:

@@ -8,36 +8,23 @@ import contextlib
 import socket
 import threading
 
-from hma_redis.tools.demo.local_redis import free_port
+from tests.support.loopback import LoopbackServer
 
 
-class KeyCuttingProxy:
+class KeyCuttingProxy(LoopbackServer):
     """Forwards everything; a request that contains ``cut`` (bytes, or None for none) closes
     that connection at once instead of being forwarded."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.port = free_port()
         self.cut: bytes | None = None
         self.cuts = 0  # connections dropped so far
-        self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.upstream_port))
-            self._sockets += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+    def _handle(self, conn: socket.socket) -> None:
+        server = self._keep(socket.create_connection(("127.0.0.1", self.upstream_port)))
+        threading.Thread(target=self._pump, args=(conn, server, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(server, conn, False), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
         with contextlib.suppress(OSError):
@@ -49,10 +36,4 @@ class KeyCuttingProxy:
         for sock in (src, dst):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-
-    def close(self) -> None:
-        self._listener.close()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
                 sock.close()

@@ -21,42 +21,29 @@ import threading
 import time
 from typing import Literal
 
-from hma_redis.tools.demo.local_redis import free_port
+from tests.support.loopback import LoopbackServer
 
 
-class BreakingProxy:
+class BreakingProxy(LoopbackServer):
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.port = free_port()
         self.limit: int | None = None
         self.request_limit: int | None = None
         self.mode: Literal["stall", "close"] = "stall"
         self.byte_delay_s: float | None = None
         self.reply_delay_s = 0.0
         self.connections = 0
-        self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.upstream_port))
-            self._sockets += [client, server]
-            self.connections += 1
-            threading.Thread(
-                target=self._pump, args=(client, server, self.request_limit), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._pump, args=(server, client, self.limit, True), daemon=True
-            ).start()
+    def _handle(self, conn: socket.socket) -> None:
+        server = self._keep(socket.create_connection(("127.0.0.1", self.upstream_port)))
+        self.connections += 1
+        threading.Thread(
+            target=self._pump, args=(conn, server, self.request_limit), daemon=True
+        ).start()
+        threading.Thread(
+            target=self._pump, args=(server, conn, self.limit, True), daemon=True
+        ).start()
 
     def _pump(
         self, src: socket.socket, dst: socket.socket, limit: int | None, replies: bool = False
@@ -85,9 +72,3 @@ class BreakingProxy:
                 return
             time.sleep(delay)
             dst.sendall(data[at : at + 1])
-
-    def close(self) -> None:
-        self._listener.close()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
