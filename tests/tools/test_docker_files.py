@@ -221,3 +221,22 @@ def test_docker_readme_explains_running_it() -> None:
     text = (DOCKER / "README.md").read_text()
     for needle in ("docker compose up", "docker compose down", "8000", "8001", "PYTHONHASHSEED"):
         assert needle in text
+
+
+@pytest.mark.parametrize("file", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_publishes_on_loopback_and_sets_the_tiers_keyspace_events(file: str) -> None:
+    """Every published port binds to the host's loopback unless the operator says otherwise
+    (vLLM's server has no access control), and Redis sends the keyspace events the removal
+    watcher needs (doctor would warn otherwise)."""
+    data = yaml.safe_load((DOCKER / file).read_text())
+    for name, service in data["services"].items():
+        for port in service.get("ports", []):
+            published = str(port)
+            assert published.startswith(("127.0.0.1:", "${VLLM_BIND:-127.0.0.1}:")), (
+                file,
+                name,
+                published,
+            )
+    command = [str(arg) for arg in data["services"]["redis"]["command"]]
+    flags = command[command.index("--notify-keyspace-events") + 1]
+    assert set("Kgxe") <= set(flags), flags
