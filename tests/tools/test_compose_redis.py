@@ -37,6 +37,7 @@ SERVICE_CHECKS = (
     "maxmemory-policy",
     "evictions",
     "persistence",
+    "notifications",
 )
 
 
