@@ -279,7 +279,7 @@ def test_request_waits_while_lookup_in_flight(
     req = harness.add_request(prompt())
     put(harness, redis_client, req, {0: range(10), 1: range(3, 6), 2: range(6)})
 
-    first = harness.step()
+    first = harness.step(expect_calls=True)
 
     # Not scheduled, not failed, still owned by the scheduler; its lookups went out in one batch.
     assert_first_step_waits(first, req)
@@ -353,7 +353,7 @@ def test_one_redis_round_trip_per_step_for_all_lookups(
     put(harness, redis_client, c, {0: range(9), 1: range(6, 9), 2: range(9)})
     # b: nothing in Redis.
 
-    first = harness.step()
+    first = harness.step(expect_calls=True)
 
     # Step 1: every key of every group of every request is unknown. vLLM keeps scanning past
     # RETRY, so the manager sees all of them: 3 groups x (12 + 6 + 9) chunks = 81 keys, all in
@@ -380,7 +380,7 @@ def test_one_redis_round_trip_per_step_for_all_lookups(
     d = harness.add_request(prompt())
     e = harness.add_request(prompt())
     put(harness, redis_client, d, {0: ALL_CHUNKS, 1: range(9, 12), 2: ALL_CHUNKS})
-    fourth = harness.step()
+    fourth = harness.step(expect_calls=True)
     assert round_trips(fourth) == 1, fourth.redis_calls
     assert fourth.redis_calls.get("exists") == 2 * 3 * 12, fourth.redis_calls
     fifth = harness.step()

@@ -336,11 +336,17 @@ class SchedulerHarness:
 
     # ------------------------------------------------------------------ driving
 
-    def step(self, settle_s: float = STEP_PAUSE_S, complete_stores: bool = True) -> StepResult:
+    def step(
+        self,
+        settle_s: float = STEP_PAUSE_S,
+        complete_stores: bool = True,
+        expect_calls: bool = False,
+    ) -> StepResult:
         """One engine step: schedule, report the (simulated) worker's output, then wait
         ``settle_s`` (the engine's model forward) so the step's lookup batch lands at Redis and is
         counted with this step. With ``complete_stores=False`` the step's store jobs stay in
-        flight (``held_store_jobs``) until a step that completes stores."""
+        flight (``held_store_jobs``) until a step that completes stores. ``expect_calls``: the
+        step sends a batch; wait (up to 10 s, on a loaded machine) until Redis has counted it."""
         before = command_calls(self.counter) if self.counter is not None else {}
         start = time.monotonic()
         output = self.scheduler.schedule()
@@ -379,6 +385,10 @@ class SchedulerHarness:
         calls = {}
         if self.counter is not None:
             calls = command_delta(before, command_calls(self.counter))
+            deadline = time.monotonic() + 10
+            while expect_calls and not calls and time.monotonic() < deadline:
+                time.sleep(0.01)
+                calls = command_delta(before, command_calls(self.counter))
         return StepResult(output, scheduled, load_jobs, store_jobs, calls, elapsed)
 
     def run_until(
