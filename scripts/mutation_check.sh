@@ -52,7 +52,7 @@ tests_for() {
         adapter/worker) echo "tests/adapter/test_worker*.py tests/adapter/test_behaviours.py tests/adapter/test_connector_fast.py tests/adapter/test_connector_guard.py" ;;
         core/breaker) echo "tests/core/test_refusals.py tests/core/test_outage_replies.py tests/core/test_deadlines.py tests/core/test_store*.py tests/core/test_transfer_paths.py tests/core/test_breaker*.py" ;;
         core/notifications) echo "tests/core/test_removal_watcher*.py tests/adapter/test_removals_admission*.py tests/adapter/test_manager_edges.py" ;;
-        adapter/connector) echo "tests/adapter/test_connector*.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_vllm_compat.py" ;;
+        adapter/connector) echo "tests/adapter/test_connector*.py tests/adapter/test_idle_wait.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_vllm_compat.py" ;;
         *) echo "tests" ;;
     esac
 }
