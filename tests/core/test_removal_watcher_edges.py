@@ -1,5 +1,5 @@
-"""The removal watcher's edges on a real Redis: a refused CONFIG is reported, not raised, and
-the drain bound counts every removal it drops."""
+"""The removal watcher's edges on a real Redis: a refused CONFIG is reported, not raised; the
+drain bound counts every removal it drops and reports an overflow once."""
 
 from __future__ import annotations
 
@@ -62,5 +62,6 @@ def test_drain_returns_exactly_limit_keys_and_counts_every_removal_it_drops(
         _until("11 removals", lambda: watcher.received >= 11)
         assert watcher.drain(limit=3) == ([], True)
         assert watcher.dropped == 8  # both floods counted
+        assert watcher.drain(limit=3) == ([], False)  # an overflow is reported once
     finally:
         watcher.close()
