@@ -10,7 +10,8 @@ import redis
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.notifications import RemovalWatcher, ensure_flags
+from hma_redis.core.notifications import NotificationState, RemovalWatcher, ensure_flags
+from hma_redis.tools.demo.local_redis import LocalRedis
 
 KEYSPACE = KeySpace("hma", "watcher-edges")
 WAIT_S = 30.0
@@ -65,3 +66,25 @@ def test_drain_returns_exactly_limit_keys_and_counts_every_removal_it_drops(
         assert watcher.drain(limit=3) == ([], False)  # an overflow is reported once
     finally:
         watcher.close()
+
+
+def test_a_lost_connection_is_an_overflow_and_named_in_the_detail_at_once() -> None:
+    """The drain right after the loss (before any resubscription) already reports the overflow,
+    and the state names the error that cut the connection."""
+    server = LocalRedis().start()
+    try:
+        cfg = RedisTierConfig.from_extra_config(
+            {"redis_url": server.url, "connect_timeout_s": 0.5, "read_timeout_s": 1.0}, env={}
+        )
+        watcher = RemovalWatcher(cfg, KEYSPACE.block_pattern()).start()
+        try:
+            assert watcher.wait_subscribed(WAIT_S)
+            assert watcher.drain() == ([], False)
+            server.stop()
+            _until("the loss", lambda: watcher.state is NotificationState.UNREACHABLE)
+            assert watcher.detail.startswith("ConnectionError: "), watcher.detail
+            assert watcher.drain() == ([], True)
+        finally:
+            watcher.close()
+    finally:
+        server.stop()
