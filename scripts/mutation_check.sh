@@ -50,7 +50,9 @@ tests_for() {
         core/transfer) echo "tests/core/test_transfer*.py tests/core/test_fastpath.py" ;;
         adapter/manager) echo "tests/adapter/test_manager*.py tests/adapter/test_behaviours.py tests/adapter/test_removals_admission*.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_connector_fast.py tests/adapter/test_vllm_compat.py tests/adapter/test_metrics.py" ;;
         adapter/worker) echo "tests/adapter/test_worker*.py tests/adapter/test_behaviours.py tests/adapter/test_connector_fast.py tests/adapter/test_connector_guard.py" ;;
-        adapter/connector) echo "tests/adapter/test_connector*.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_vllm_compat.py" ;;
+        core/breaker) echo "tests/core/test_refusals.py tests/core/test_outage_replies.py tests/core/test_deadlines.py tests/core/test_store*.py tests/core/test_transfer_paths.py tests/core/test_breaker*.py" ;;
+        core/notifications) echo "tests/core/test_removal_watcher*.py tests/adapter/test_removals_admission*.py tests/adapter/test_manager_edges.py" ;;
+        adapter/connector) echo "tests/adapter/test_connector*.py tests/adapter/test_idle_wait.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_vllm_compat.py" ;;
         *) echo "tests" ;;
     esac
 }
