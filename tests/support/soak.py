@@ -56,6 +56,9 @@ KEY_PATTERN = "hma:*:g*"
 FAULT_KEYS = 16
 SAMPLE_EVERY_S = 1.0
 MiB = 1 << 20
+# The hybrid engines' prefix_cache_retention_interval: one of the tier's chunks (128 tokens
+# here; vLLM refuses a value that is not a multiple of it).
+RETENTION_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -365,8 +368,13 @@ class Soak:
         }
         for model, path in self.models.items():
             jobs[f"{model}-no-tier"] = {"model": path, "dtype": "float32"}
-        for job in jobs.values():
+        for name, job in jobs.items():
             job["llm_kwargs"] = {"kv_cache_memory_bytes": self.cfg.kv_cache_bytes}
+            if name.startswith("hybrid"):
+                # Sliding-window chunks are kept (so stored and hit) only at retained
+                # checkpoints: without periodic ones, prompts that share only a system prompt
+                # (a fresh user suffix each) never hit on the hybrid model (README).
+                job["llm_kwargs"]["prefix_cache_retention_interval"] = RETENTION_TOKENS
         failures: list[BaseException] = []
 
         def start(name: str, job: dict[str, Any]) -> None:
