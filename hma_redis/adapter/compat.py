@@ -16,7 +16,8 @@ What changed in 0.33 and how the adapter meets it:
   ``OffloadingManager.on_reset_flushed``, a ``lock`` property and
   ``OffloadingEvent.metadata_only``. The adapter implements the first two (extra methods 0.32
   never calls) and keeps the default ``lock``: the manager is entered from the scheduler thread
-  only. It never emits removal events, so ``metadata_only`` does not apply.
+  only. Its removal events (keyspace notifications, ``removal_events``) name whole chunks
+  that are gone from Redis; none is ``metadata_only``, so the default ``False`` is right.
 """
 
 from __future__ import annotations
