@@ -196,24 +196,7 @@ class RedisOffloadingSpec(OffloadingSpec):
             self.tier_config.redacted_url,
         )
         _warn_if_failed_loads_fail_requests(self.vllm_config)
-        cfg = self.tier_config
-        emit_events = self.kv_events_config.enable_kv_cache_events
-        removals = None
-        if emit_events and cfg.removal_events:
-            # Removal events for routers (docs/operations.md): Redis' keyspace notifications.
-            removals = RemovalWatcher(cfg, self.keyspace.block_pattern()).start()
-        return RedisOffloadingManager(
-            store,
-            self.keyspace,
-            emit_events=emit_events,
-            store_pending_timeout_s=cfg.store_pending_timeout_s,
-            removals=removals,
-            group_chunk_tokens=tuple(
-                group.tokens_per_block * self.blocks_per_chunk for group in self.config.groups
-            ),
-            admission=cfg.admission,
-            admission_window_s=cfg.admission_window_s,
-        )
+        return lookup_manager(self, store, self.keyspace, self.tier_config)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         cfg = self.tier_config
@@ -234,6 +217,31 @@ class RedisOffloadingSpec(OffloadingSpec):
             kv_cache_layout=self.config.kv_cache_layout or "",
             idle_wait_s=cfg.idle_wait_ms / 1e3,
         )
+
+
+def lookup_manager(
+    spec: OffloadingSpec, store: RedisBlockStore, keyspace: KeySpace, cfg: RedisTierConfig
+) -> RedisOffloadingManager:
+    """The scheduler side's manager over ``store`` for ``spec``'s groups, in both modes (the
+    direct spec's manager; the secondary tier's lookups). With vLLM's KV events on and
+    ``removal_events``, a removal watcher (Redis' keyspace notifications) feeds it the chunks
+    Redis removed (docs/operations.md)."""
+    emit_events = spec.kv_events_config.enable_kv_cache_events
+    removals = None
+    if emit_events and cfg.removal_events:
+        removals = RemovalWatcher(cfg, keyspace.block_pattern()).start()
+    return RedisOffloadingManager(
+        store,
+        keyspace,
+        emit_events=emit_events,
+        store_pending_timeout_s=cfg.store_pending_timeout_s,
+        removals=removals,
+        group_chunk_tokens=tuple(
+            group.tokens_per_block * spec.blocks_per_chunk for group in spec.config.groups
+        ),
+        admission=cfg.admission,
+        admission_window_s=cfg.admission_window_s,
+    )
 
 
 def lower_gil_switch_interval(seconds: float) -> None:

@@ -39,14 +39,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hma_redis.adapter.manager import RedisOffloadingManager
 from hma_redis.adapter.metrics import metric_definitions
-from hma_redis.adapter.spec import explicit_namespace
+from hma_redis.adapter.spec import explicit_namespace, lookup_manager
 from hma_redis.adapter.tiering.layout import PrimaryRowLayout, tier_fingerprint
 from hma_redis.core import transfer
 from hma_redis.core.config import VLLM_OWNED_KEYS, RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.notifications import RemovalWatcher
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import ChunkTransfer, LayerSource, TransferEngine, ValueFormat
 
@@ -116,7 +114,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         self.keyspace = KeySpace(self.config.key_prefix, self._namespace(), 1)
         self._store = RedisBlockStore(self.config, stats_key=self.keyspace.stats_key())
         self._announce()
-        self._lookups = self._make_lookups(offloading_spec)
+        self._lookups = lookup_manager(offloading_spec, self._store, self.keyspace, self.config)
         self._engine: TransferEngine | None = self._make_engine(primary_kv_view)
         self._jobs: dict[int, _Job] = {}
         self._done: list[JobResult] = []
@@ -140,25 +138,6 @@ class RedisSecondaryTier(SecondaryTierManager):
             self.fingerprint.model,
             self.row.payload_bytes,
             self.config.redacted_url,
-        )
-
-    def _make_lookups(self, spec: OffloadingSpec) -> RedisOffloadingManager:
-        cfg = self.config
-        emit_events = spec.kv_events_config.enable_kv_cache_events
-        removals = None
-        if emit_events and cfg.removal_events:
-            removals = RemovalWatcher(cfg, self.keyspace.block_pattern()).start()
-        return RedisOffloadingManager(
-            self._store,
-            self.keyspace,
-            emit_events=emit_events,
-            store_pending_timeout_s=cfg.store_pending_timeout_s,
-            removals=removals,
-            group_chunk_tokens=tuple(
-                group.tokens_per_block * spec.blocks_per_chunk for group in spec.config.groups
-            ),
-            admission=cfg.admission,
-            admission_window_s=cfg.admission_window_s,
         )
 
     @property
