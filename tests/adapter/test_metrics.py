@@ -4,6 +4,7 @@ tests/engine/test_metrics_serve.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import redis
@@ -18,6 +19,7 @@ from hma_redis.adapter.metrics import (
     ManagerMetrics,
     RedisMetricName,
     WorkerMetrics,
+    exported_name,
     metric_definitions,
     metrics_table,
 )
@@ -163,3 +165,17 @@ def test_existing_chunk_help_counts_this_instances_repeats_too() -> None:
     (_, help_text) = WORKER_COUNTERS["store_existed_chunks"]
     assert "another instance stored them" not in help_text
     assert "this one included" in help_text
+
+
+def test_every_metric_the_docs_name_is_one_the_tier_exports() -> None:
+    """One vocabulary: a ``vllm:kv_offload_redis_*`` name in the README, docs/ or docker/README.md
+    is a metric of :func:`metric_definitions`, as defined or as a scrape shows it (counters
+    with ``_total``, histograms with ``_bucket``/``_sum``/``_count``)."""
+    root = Path(__file__).resolve().parents[2]
+    known: set[str] = set()
+    for name, meta in metric_definitions().items():
+        known |= {name, exported_name(name, meta)}
+        known |= {f"{name}_{part}" for part in ("bucket", "sum", "count")}
+    for doc in [root / "README.md", root / "docker" / "README.md", *(root / "docs").glob("*.md")]:
+        named = set(re.findall(r"vllm:kv_offload_redis_[a-z_]*[a-z]", doc.read_text()))
+        assert named <= known, (doc.name, sorted(named - known))
