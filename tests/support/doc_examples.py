@@ -68,20 +68,24 @@ def abridge_doctor(output: str) -> str:
     return "\n".join(kept)
 
 
-def readme_example(command: str) -> str:
-    """The lines the README shows after ``$ hma-redis <command>``, up to the next blank line."""
+def readme_example(command: str) -> tuple[str, str]:
+    """The README's ``$ hma-redis <command>`` line (found by shape: its ids may differ) and
+    the lines it shows after it, up to the next blank line or the end of the block."""
     text = README.read_text()
-    start = text.index(f"$ hma-redis {command}\n") + len(f"$ hma-redis {command}\n")
-    end = text.index("\n\n", start)
-    return text[start:end]
+    wanted = shape(f"$ hma-redis {command}")
+    (line,) = [x for x in text.splitlines() if x.startswith("$ hma-redis") and shape(x) == wanted]
+    start = text.index(line + "\n") + len(line) + 1
+    end = min(text.index("\n\n", start), text.index("\n```", start))
+    return line, text[start:end]
 
 
 def check_readme_example(command: str, output: str) -> None:
     """Fail unless the README's example of ``command`` has the shape of ``output`` (or write
-    ``output`` into the README with ``HMA_WRITE_DOC_EXAMPLES=1``)."""
-    shown = readme_example(command)
+    ``command`` and ``output`` into the README with ``HMA_WRITE_DOC_EXAMPLES=1``)."""
+    line, shown = readme_example(command)
     if os.environ.get(WRITE_ENV) == "1":
-        README.write_text(README.read_text().replace(shown, output.strip("\n"), 1))
+        new = f"$ hma-redis {command}\n{output.strip(chr(10))}"
+        README.write_text(README.read_text().replace(f"{line}\n{shown}", new, 1))
         return
     assert shape(shown) == shape(output), (
         f"README's `hma-redis {command}` example drifted from what it prints now; regenerate "

@@ -368,6 +368,11 @@ def test_the_readme_doctor_example_is_what_doctor_prints_on_a_cluster(on_cluster
     check_readme_example("doctor", abridge_doctor(cli(on_cluster.url, "doctor").out))
 
 
+def test_the_readme_purge_example_is_what_a_dry_run_prints_on_a_cluster(on_cluster, cli):
+    command = ["purge", "--namespace", on_cluster.ns, "--dry-run", "--by-node"]
+    check_readme_example(" ".join(command), cli(on_cluster.url, *command).out)
+
+
 # ---------------------------------------------------------------------------------- sentinel
 
 
