@@ -131,7 +131,7 @@ class RedisOffloadingConnector(OffloadingConnector):
                 spec, RedisOffloadingSpec
             ):
                 return None
-            self._worker_metrics = WorkerMetrics(spec.store.counters)
+            self._worker_metrics = WorkerMetrics(spec.store.counters, spec.store.latency)
         return self._worker_metrics.collect()
 
     def shutdown(self) -> None:

@@ -551,6 +551,7 @@ class RedisOffloadingManager(OffloadingManager):
             available=breaker.state is BreakerState.CLOSED,
             refusals=self._store.counters.snapshot(),
             detail=self.detail_stats,
+            latency=self._store.latency,
         )
 
     def shutdown(self) -> None:

@@ -36,15 +36,21 @@ model-runner output and sums over workers)
     ``vllm:kv_offload_redis_loaded_chunks``          chunks read from Redis into the KV cache
     ``vllm:kv_offload_redis_load_failed_chunks``     chunks missing, invalid or unreadable at load
 
-both sides (each store's :class:`~hma_redis.core.counters.PendingCounters`): commands a healthy
-Redis refused, one counter per kind; a refusal never turns the tier off (see
-hma_redis.core.breaker)
-    ``vllm:kv_offload_redis_refused_noperm``    NOPERM: the ACL user may not run it / touch the key
-    ``vllm:kv_offload_redis_refused_oom``       OOM: maxmemory reached under noeviction
-    ``vllm:kv_offload_redis_refused_readonly``  READONLY: a replica takes no writes
-    ``vllm:kv_offload_redis_refused_other``     any other error reply (WRONGTYPE, ERR ...)
+both sides (each store's :class:`~hma_redis.core.counters.PendingCounters` and
+:class:`~hma_redis.core.latency.LatencySamples`)
+    ``vllm:kv_offload_redis_refused{kind=...}``  commands a healthy Redis refused, by kind (a
+                                               refusal never turns the tier off, see
+                                               hma_redis.core.breaker): ``noperm`` (ACL),
+                                               ``oom`` (maxmemory under noeviction),
+                                               ``readonly`` (a replica), ``other`` (WRONGTYPE,
+                                               ERR ...); ``hma-redis info`` counts each as
+                                               ``refused_<kind>``
+    ``vllm:kv_offload_redis_round_trip_seconds{operation=...}``  histogram: seconds of each
+                                               Redis call Redis answered, by ``lookup``,
+                                               ``load``, ``store`` (see hma_redis.core.latency)
 
-Every counter is a delta since the previous report, as vLLM's stats payload expects.
+Every counter is a delta since the previous report, as vLLM's stats payload expects; histogram
+samples are reported once each.
 """
 
 from __future__ import annotations
@@ -59,11 +65,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
 )
 
 from hma_redis.adapter.types import ManagerStats
+from hma_redis.core.breaker import Refusal
 from hma_redis.core.counters import PendingCounters
+from hma_redis.core.latency import LatencySamples
 
 PREFIX = "vllm:kv_offload_redis_"
 
@@ -84,10 +93,8 @@ class RedisMetricName:
     STORE_FAILED_CHUNKS = PREFIX + "store_failed_chunks"
     LOADED_CHUNKS = PREFIX + "loaded_chunks"
     LOAD_FAILED_CHUNKS = PREFIX + "load_failed_chunks"
-    REFUSED_NOPERM = PREFIX + "refused_noperm"
-    REFUSED_OOM = PREFIX + "refused_oom"
-    REFUSED_READONLY = PREFIX + "refused_readonly"
-    REFUSED_OTHER = PREFIX + "refused_other"
+    REFUSED = PREFIX + "refused"
+    ROUND_TRIP_SECONDS = PREFIX + "round_trip_seconds"
     REMOVED_CHUNKS = PREFIX + "removed_chunks"
     ADMISSION_DEFERRED = PREFIX + "admission_deferred"
     GROUP_HIT_CHUNKS = PREFIX + "group_hit_chunks"
@@ -179,25 +186,42 @@ WORKER_COUNTERS: dict[str, tuple[str, str]] = {
     ),
 }
 
-# PendingCounters field (either process) -> counter, with its help text.
-REFUSAL_COUNTERS: dict[str, tuple[str, str]] = {
-    "refused_noperm": (
-        RedisMetricName.REFUSED_NOPERM,
-        "Redis commands refused with NOPERM (ACL); the tier stays on.",
-    ),
-    "refused_oom": (
-        RedisMetricName.REFUSED_OOM,
-        "Redis commands refused with OOM (maxmemory under noeviction); the tier stays on.",
-    ),
-    "refused_readonly": (
-        RedisMetricName.REFUSED_READONLY,
-        "Redis writes refused with READONLY (a replica); the tier stays on.",
-    ),
-    "refused_other": (
-        RedisMetricName.REFUSED_OTHER,
-        "Redis commands answered with another error reply; the tier stays on.",
-    ),
+# Refusal kind (the ``kind`` label; PendingCounters field ``refused_<kind>``, either process)
+# -> what it means.
+REFUSAL_KINDS: dict[str, str] = {
+    Refusal.NOPERM.value: "Redis commands refused with NOPERM (ACL); the tier stays on.",
+    Refusal.OOM.value: "Redis commands refused with OOM (maxmemory under noeviction); the "
+    "tier stays on.",
+    Refusal.READONLY.value: "Redis writes refused with READONLY (a replica); the tier stays on.",
+    Refusal.OTHER.value: "Redis commands answered with another error reply; the tier stays on.",
 }
+_REFUSED_HELP = (
+    "Redis commands a healthy Redis refused, by kind: noperm (ACL), oom (maxmemory under "
+    "noeviction), readonly (a replica), other (another error reply); the tier stays on."
+)
+_ROUND_TRIP_HELP = (
+    "Seconds of each Redis call that Redis answered, by operation: lookup (the scheduler's "
+    "batch), load (a load job's GETs), store (a store job's SETs and the EXISTS before them)."
+)
+# From a loopback round trip (~0.1 ms) to a load of hundreds of MiB.
+ROUND_TRIP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 _ERRORS_HELP = "Redis calls of the scheduler that failed (connection errors, timeouts)."
 _AVAILABLE_HELP = "1 while the scheduler reaches Redis, 0 while it serves without the tier."
@@ -207,12 +231,14 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Every metric hma_redis emits (vLLM registers them from the spec class at start-up)."""
     definitions: dict[str, OffloadingMetricMetadata] = {
         name: OffloadingCounterMetadata(documentation=doc)
-        for name, doc in (
-            *MANAGER_COUNTERS.values(),
-            *WORKER_COUNTERS.values(),
-            *REFUSAL_COUNTERS.values(),
-        )
+        for name, doc in (*MANAGER_COUNTERS.values(), *WORKER_COUNTERS.values())
     }
+    definitions[RedisMetricName.REFUSED] = OffloadingCounterMetadata(
+        documentation=_REFUSED_HELP, labelnames=("kind",)
+    )
+    definitions[RedisMetricName.ROUND_TRIP_SECONDS] = OffloadingHistogramMetadata(
+        documentation=_ROUND_TRIP_HELP, labelnames=("operation",), buckets=ROUND_TRIP_BUCKETS
+    )
     for name, doc in DETAIL_COUNTERS.values():
         definitions[name] = OffloadingCounterMetadata(documentation=doc)
     for name, doc in GROUP_COUNTERS.values():
@@ -225,6 +251,23 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 def _named(totals: Mapping[str, int], table: Mapping[str, tuple[str, str]]) -> dict[str, int]:
     """``totals`` of the fields in ``table``, under their metric names."""
     return {table[field][0]: value for field, value in totals.items() if field in table}
+
+
+def _refusal_deltas(
+    totals: Mapping[str, int], reported: Counter[str], out: OffloadingConnectorStats
+) -> None:
+    """The ``refused_<kind>`` totals' changes since ``reported``, as the ``kind``-labelled
+    counter; ``reported`` catches up."""
+    refusals = {f"refused_{kind}": totals.get(f"refused_{kind}", 0) for kind in REFUSAL_KINDS}
+    for field_name, delta in _deltas(refusals, reported).items():
+        out.increase_counter(RedisMetricName.REFUSED, delta, (field_name.removeprefix("refused_"),))
+
+
+def _observe_latency(latency: LatencySamples, out: OffloadingConnectorStats) -> None:
+    """Every latency sample since the last report, into the ``operation``-labelled histogram."""
+    for operation, samples in latency.take().items():
+        for seconds in samples:
+            out.observe_histogram(RedisMetricName.ROUND_TRIP_SECONDS, seconds, (operation.value,))
 
 
 def _deltas(totals: Mapping[str, int], reported: Counter[str]) -> dict[str, int]:
@@ -254,6 +297,7 @@ class ManagerMetrics:
         available: bool = True,
         refusals: Mapping[str, int] | None = None,
         detail: ManagerDetailStats | None = None,
+        latency: LatencySamples | None = None,
     ) -> OffloadingConnectorStats | None:
         """What changed since the last call, or None if nothing did.
 
@@ -262,16 +306,19 @@ class ManagerMetrics:
 
         ``errors`` is the scheduler store's cumulative count of failed Redis calls, ``available``
         whether it reaches Redis now, ``refusals`` its counters' totals
-        (:meth:`~hma_redis.core.counters.PendingCounters.snapshot`; the ``refused_*`` ones count).
+        (:meth:`~hma_redis.core.counters.PendingCounters.snapshot`; the ``refused_*`` ones count),
+        ``latency`` its call times (drained here).
         """
         totals = {name: getattr(stats, field) for field, (name, _) in MANAGER_COUNTERS.items()}
-        totals.update(_named(refusals or {}, REFUSAL_COUNTERS))
         totals[RedisMetricName.ERRORS] = errors
         if detail is not None:
             totals.update({name: getattr(detail, f) for f, (name, _) in DETAIL_COUNTERS.items()})
         out = OffloadingConnectorStats()
         for name, delta in _deltas(totals, self._reported).items():
             out.increase_counter(name, delta)
+        _refusal_deltas(refusals or {}, self._reported, out)
+        if latency is not None:
+            _observe_latency(latency, out)
         if detail is not None:
             self._collect_groups(detail, out)
         if available != self._available:
@@ -298,16 +345,21 @@ class WorkerMetrics:
     model-runner output and sums them over workers.
     """
 
-    def __init__(self, counters: PendingCounters) -> None:
+    def __init__(self, counters: PendingCounters, latency: LatencySamples | None = None) -> None:
         self._counters = counters
+        self._latency = latency
         self._reported: Counter[str] = Counter()
 
     def collect(self) -> OffloadingConnectorStats | None:
-        """What changed since the last call, or None if nothing did."""
-        named = _named(self._counters.snapshot(), {**WORKER_COUNTERS, **REFUSAL_COUNTERS})
+        """What changed since the last call (the latency samples drained), or None if nothing
+        did."""
+        totals = self._counters.snapshot()
         out = OffloadingConnectorStats()
-        for name, delta in _deltas(named, self._reported).items():
+        for name, delta in _deltas(_named(totals, WORKER_COUNTERS), self._reported).items():
             out.increase_counter(name, delta)
+        _refusal_deltas(totals, self._reported, out)
+        if self._latency is not None:
+            _observe_latency(self._latency, out)
         return None if out.is_empty() else out
 
 
@@ -322,7 +374,7 @@ INFO_COUNTER_OF: dict[str, str] = {
     RedisMetricName.REMOVED_CHUNKS: "removed_chunks",
     RedisMetricName.GROUP_HIT_CHUNKS: "g<N>_hit_chunks",
     RedisMetricName.USABLE_HIT_CHUNKS: "g<N>_usable_chunks",
-    **{name: field for field, (name, _) in {**WORKER_COUNTERS, **REFUSAL_COUNTERS}.items()},
+    **{name: field for field, (name, _) in WORKER_COUNTERS.items()},
 }
 # ``hma-redis info`` counters no hma_redis metric counts, and what does instead.
 INFO_ONLY_COUNTERS: dict[str, str] = {
@@ -330,18 +382,30 @@ INFO_ONLY_COUNTERS: dict[str, str] = {
     "vllm:kv_offload_store_bytes).",
     "loaded_bytes": "Value bytes read from Redis (Prometheus: vLLM's vllm:kv_offload_load_bytes).",
     "load_failed_jobs": "Load jobs that failed (each fails its requests' loads; Prometheus "
-    "counts the requests: " + RedisMetricName.LOAD_FAILURES + ").",
+    "counts the requests: " + RedisMetricName.LOAD_FAILURES + "_total).",
     "admission_admitted": "KV chunks admitted by second_sighting (seen before) and stored.",
 }
 
 
+def exported_name(name: str, meta: OffloadingMetricMetadata) -> str:
+    """The name a scrape shows for metric ``name``: counters get ``_total``; a histogram's
+    series are ``<name>_bucket``, ``_sum`` and ``_count``."""
+    return f"{name}_total" if isinstance(meta, OffloadingCounterMetadata) else name
+
+
 def metrics_table() -> str:
-    """docs/operations.md's table: every metric (``_total`` added to counters on export), the
-    ``hma-redis info`` counter that counts the same, and what it means; then the counters no
-    metric counts."""
+    """docs/operations.md's table: every metric as a scrape shows it, the ``hma-redis info``
+    counter that counts the same, and what it means (the refusal counter one row per
+    ``kind``); then the counters no metric counts."""
     rows = ["| Prometheus metric | `hma-redis info` counter | meaning |", "| --- | --- | --- |"]
     for name, meta in metric_definitions().items():
-        shown = name if isinstance(meta, OffloadingGaugeMetadata) else f"{name}_total"
+        shown = exported_name(name, meta)
+        if name == RedisMetricName.REFUSED:
+            for kind, meaning in REFUSAL_KINDS.items():
+                rows.append(f'| `{shown}{{kind="{kind}"}}` | `refused_{kind}` | {meaning} |')
+            continue
+        if isinstance(meta, OffloadingHistogramMetadata):
+            shown += "_bucket` / `_sum` / `_count"
         info = INFO_COUNTER_OF.get(name)
         rows.append(f"| `{shown}` | {f'`{info}`' if info else '-'} | {meta.documentation} |")
     for field_name, meaning in INFO_ONLY_COUNTERS.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol, TypeVar
@@ -45,6 +46,7 @@ from hma_redis.core.client import RedisClient, bounded, make_client, new_client_
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.deadline import Deadline, budget_s
+from hma_redis.core.latency import LatencySamples, Operation
 from hma_redis.core.resp import OversizedValue, RawReplies, no_bulk, send_all
 
 __all__ = [
@@ -167,6 +169,8 @@ class RedisBlockStore:
         # Counter deltas for ``stats_key``, delivered on the store's next round trip.
         self.stats_key = stats_key
         self.counters = PendingCounters()
+        # Seconds of the calls Redis answered, by operation (drained by the metrics).
+        self.latency = LatencySamples()
         self._refusal_log = RateLimitedLog(refusal_log_interval_s)
         # A native job on a Cluster met MOVED/ASK: refresh the slot table after it.
         self._slots_stale = False
@@ -189,9 +193,15 @@ class RedisBlockStore:
 
     # ------------------------------------------------------------------ blocks
 
-    def exists(self, keys: Sequence[str], deadline: Deadline | None = None) -> list[bool]:
+    def exists(
+        self,
+        keys: Sequence[str],
+        deadline: Deadline | None = None,
+        operation: Operation = Operation.LOOKUP,
+    ) -> list[bool]:
         """Which of ``keys`` exist, in one round trip (per node). All ``False`` if Redis fails
-        (or does not answer by the operation's deadline)."""
+        (or does not answer by the operation's deadline). ``operation``: what the call's time
+        is a sample of (a store job's check before it stores is part of the store)."""
         if not keys:
             return []
 
@@ -223,7 +233,9 @@ class RedisBlockStore:
             return flags
 
         within = self._deadline(0, deadline)
-        return self._guarded("EXISTS", keys, run, collect, default=False, deadline=within)
+        return self._guarded(
+            "EXISTS", keys, run, collect, default=False, deadline=within, operation=operation
+        )
 
     def exists_and_mark(
         self, chunks: Sequence[Sequence[str]], markers: Sequence[str], marker_ttl_s: int
@@ -281,7 +293,9 @@ class RedisBlockStore:
             return codes
 
         # The guard's default is per key of ``batch``: pass one pseudo-key per chunk.
-        return self._guarded("EVAL", markers, run, collect, default=Sighting.FIRST)
+        return self._guarded(
+            "EVAL", markers, run, collect, default=Sighting.FIRST, operation=Operation.LOOKUP
+        )
 
     def _exists_flag(self, reply: Any) -> bool:
         """One cluster EXISTS reply as a flag (refusals are misses, outages raise)."""
@@ -320,6 +334,7 @@ class RedisBlockStore:
             default=PutResult.FAILED,
             client=self._bulk,
             deadline=self._deadline(nbytes, deadline),
+            operation=Operation.STORE,
         )
 
     def put_parts_if_absent(
@@ -365,7 +380,11 @@ class RedisBlockStore:
             return [self._put_result(replies.read(no_bulk)) for _ in keys]
 
         return self._streamed(
-            "SET", body, [PutResult.FAILED] * len(keys), self._deadline(nbytes, deadline)
+            "SET",
+            body,
+            [PutResult.FAILED] * len(keys),
+            self._deadline(nbytes, deadline),
+            Operation.STORE,
         )
 
     def _put_result(self, reply: Any) -> PutResult:
@@ -388,7 +407,9 @@ class RedisBlockStore:
             return [None if self._refusal("GET", reply) else reply for reply in replies]
 
         within = self._deadline(0, deadline)
-        return self._guarded("GET", keys, run, collect, default=None, deadline=within)
+        return self._guarded(
+            "GET", keys, run, collect, default=None, deadline=within, operation=Operation.LOAD
+        )
 
     def get_into(
         self,
@@ -443,7 +464,7 @@ class RedisBlockStore:
                 out.append(reply)
             return out
 
-        return self._streamed("GET", body, [None] * len(keys), within)
+        return self._streamed("GET", body, [None] * len(keys), within, Operation.LOAD)
 
     def _get_into_cluster(
         self,
@@ -497,7 +518,9 @@ class RedisBlockStore:
                     out.append(value)
             return out
 
-        return self._guarded("GET", keys, run, collect, default=None, deadline=deadline)
+        return self._guarded(
+            "GET", keys, run, collect, default=None, deadline=deadline, operation=Operation.LOAD
+        )
 
     def delete(self, keys: Sequence[str]) -> int:
         """UNLINK ``keys`` (used to drop values that failed validation); 0 if Redis fails."""
@@ -580,7 +603,7 @@ class RedisBlockStore:
                     self._native_error("GET", result.error)
             return results
 
-        return self._guard("GET", load, None, within, outcome)
+        return self._guard("GET", load, None, within, outcome, Operation.LOAD)
 
     def put_native(
         self,
@@ -634,7 +657,7 @@ class RedisBlockStore:
             return [self._store_result(r) for r in self._on_native_connections(keys, send)]
 
         default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", store, default, within, outcome)
+        return self._guard("SET", store, default, within, outcome, Operation.STORE)
 
     def job_outcome(self) -> JobOutcome:
         """One breaker outcome for the parts of a job that run on several connections at once
@@ -726,6 +749,7 @@ class RedisBlockStore:
         default: _T,
         deadline: Deadline | None = None,
         outcome: JobOutcome | None = None,
+        operation: Operation | None = None,
     ) -> _T:
         """Run ``call`` (one Redis round trip) under the breaker; every Redis call goes here.
         It must end by ``deadline`` (default: :meth:`_deadline` of no bytes): past it, its
@@ -740,10 +764,14 @@ class RedisBlockStore:
         Redis errors (a caller's bug, a failed allocation) propagate. With ``outcome`` (one
         part of a job) the job was let through or not as a whole, and the breaker hears of
         the part only through the job's outcome.
+
+        With ``operation``, the call's seconds go to :attr:`latency` when Redis answered it
+        (refusals included; not when the breaker let nothing through or the call failed).
         """
         report = outcome if outcome is not None else self.breaker.job()
         if not report.allowed:
             return default
+        started = time.perf_counter()
         try:
             with bounded(deadline or self._deadline()):
                 out = call()
@@ -754,11 +782,17 @@ class RedisBlockStore:
             else:
                 self._refused(command, exc, count=True)
                 report.answered()
+                self._record_latency(operation, started)
         else:
             report.answered()
+            self._record_latency(operation, started)
         if outcome is None:
             report.settle()
         return out
+
+    def _record_latency(self, operation: Operation | None, started: float) -> None:
+        if operation is not None:
+            self.latency.record(operation, time.perf_counter() - started)
 
     def _refusal(self, command: str, reply: Any, count: bool = True) -> bool:
         """One reply of a pipelined call: True if it is a refusal (counted and logged), False
@@ -800,12 +834,17 @@ class RedisBlockStore:
         body: Callable[[Any, RawReplies], _T],
         default: _T,
         deadline: Deadline,
+        operation: Operation,
     ) -> _T:
         """Run ``body`` on one connection of the bulk pool, replies read by :class:`RawReplies`
         (every wait bounded by ``deadline``), under :meth:`_guard` (an outage opens the breaker
         and yields ``default``)."""
         return self._guard(
-            command, lambda: self._on_bulk_connection(body, deadline), default, deadline
+            command,
+            lambda: self._on_bulk_connection(body, deadline),
+            default,
+            deadline,
+            operation=operation,
         )
 
     def _on_bulk_connection(self, body: Callable[[Any, RawReplies], _T], deadline: Deadline) -> _T:
@@ -978,6 +1017,7 @@ class RedisBlockStore:
         default: _T,
         client: RedisClient | None = None,
         deadline: Deadline | None = None,
+        operation: Operation | None = None,
     ) -> list[_T]:
         """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``,
         under :meth:`_guard` (an outage, or no answer by the deadline, yields ``default`` for
@@ -987,6 +1027,7 @@ class RedisBlockStore:
             lambda: self._execute(client or self.client, keys, run, collect),
             [default] * len(keys),
             deadline,
+            operation=operation,
         )
 
     def _execute(

@@ -60,6 +60,7 @@ from hma_redis.core import codec, fastpath
 from hma_redis.core.breaker import JobOutcome
 from hma_redis.core.codec import FORMAT_VERSION, BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.core.deadline import Deadline, budget_s
+from hma_redis.core.latency import Operation
 from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore
 
 logger = logging.getLogger(__name__)
@@ -628,7 +629,9 @@ class TransferEngine:
                 return
             self._start_clock(job, sum(self._value_bound(chunk) for chunk in chunks))
             # Another instance may have stored some chunks already: skip them (one round trip).
-            present = self._store.exists([c.redis_key for c in chunks], job.deadline)
+            present = self._store.exists(
+                [c.redis_key for c in chunks], job.deadline, Operation.STORE
+            )
             self._store.counters.add(store_existed_chunks=sum(present))
             job.chunks_counted += sum(present)
             plan = [c for c, there in zip(chunks, present, strict=True) if not there]

@@ -47,6 +47,21 @@ def _worker_stats(harness: ConnectorHarness) -> dict[str, int | float] | None:
     return None if stats is None else stats.reduce()
 
 
+def _counters(reduced: dict[str, int | float] | None) -> dict[str, int | float]:
+    """The counters of a reduced report (the round-trip histogram left out)."""
+    return {k: v for k, v in (reduced or {}).items() if not k.startswith(R.ROUND_TRIP_SECONDS)}
+
+
+def _round_trips(reduced: dict[str, int | float] | None) -> dict[str, int | float]:
+    """Redis calls timed, by operation, in a reduced report."""
+    prefix, suffix = f"{R.ROUND_TRIP_SECONDS}:('", "',)_count"
+    return {
+        k.removeprefix(prefix).removesuffix(suffix): v
+        for k, v in (reduced or {}).items()
+        if k.startswith(prefix) and k.endswith(suffix)
+    }
+
+
 def test_worker_stats_count_the_chunks_stored_then_loaded(
     instance: Callable[..., ConnectorHarness],
     redis_client: redis.Redis,
@@ -58,14 +73,19 @@ def test_worker_stats_count_the_chunks_stored_then_loaded(
     _store_prompt(first, _prompt(11))
     stored = len(_block_keys(redis_client))
     assert stored > NUM_BLOCKS  # the sliding-window and second full-attention groups too
-    assert _worker_stats(first) == {R.STORED_CHUNKS: stored}
+    reported = _worker_stats(first)
+    assert _counters(reported) == {R.STORED_CHUNKS: stored}
+    # The store job's EXISTS and its SETs, each timed as a store; no lookup on a worker.
+    assert set(_round_trips(reported)) == {"store"} and _round_trips(reported)["store"] >= 2
     assert _worker_stats(first) is None  # a delta: reported once
 
     second = instance()
     req = second.add_request(_prompt(11))
     second.run()
     assert len(second.load_jobs_of[req.request_id]) == 1
-    assert _worker_stats(second) == {R.LOADED_CHUNKS: stored}
+    reported = _worker_stats(second)
+    assert _counters(reported) == {R.LOADED_CHUNKS: stored}
+    assert _round_trips(reported).get("load", 0) >= 1
 
 
 def test_worker_stats_count_a_failed_load_and_the_chunks_stored_again(
@@ -83,7 +103,7 @@ def test_worker_stats_count_a_failed_load_and_the_chunks_stored_again(
     req = second.add_request(_prompt(12))
     steps = second.run()
     assert any(req.request_id in step.failed_recving for step in steps)
-    assert _worker_stats(second) == {
+    assert _counters(_worker_stats(second)) == {
         R.LOAD_FAILED_CHUNKS: total,
         R.STORED_CHUNKS: 1,
         R.STORE_EXISTED_CHUNKS: total - 1,

@@ -261,7 +261,7 @@ def test_refused_lookup_shows_in_the_schedulers_refusal_metrics(
         _put(redis_client, keyspace, 1)
         assert _ask(manager, [_key(1)]) == [MISS]
         reduced = _reduced(manager)
-        assert reduced[RedisMetricName.REFUSED_NOPERM] == 1
+        assert reduced[f"{RedisMetricName.REFUSED}:('noperm',)"] == 1
         assert reduced[RedisMetricName.AVAILABLE] == 1
         manager.shutdown()
     finally:

@@ -4,6 +4,7 @@ tests/engine/test_metrics_serve.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import redis
@@ -13,11 +14,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 
 from hma_redis.adapter.metrics import (
     PREFIX,
-    REFUSAL_COUNTERS,
+    REFUSAL_KINDS,
     WORKER_COUNTERS,
     ManagerMetrics,
     RedisMetricName,
     WorkerMetrics,
+    exported_name,
     metric_definitions,
     metrics_table,
 )
@@ -26,6 +28,7 @@ from hma_redis.adapter.types import ManagerStats
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.counters import PendingCounters
+from hma_redis.core.latency import LatencySamples, Operation
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.demo.local_redis import LocalRedis
 
@@ -88,26 +91,65 @@ def test_refusals_reach_prometheus_per_kind(local_redis: LocalRedis) -> None:
     url = f"redis://tier:pw@127.0.0.1:{local_redis.port}/0"
     store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
     store.put_if_absent([("hma:ns:g0:aa", b"v"), ("hma:ns:g0:bb", b"v")])
-    definitions = metric_definitions()
-    for name in ("NOPERM", "OOM", "READONLY", "OTHER"):
-        assert getattr(RedisMetricName, f"REFUSED_{name}") in definitions
+    assert metric_definitions()[R.REFUSED].labelnames == ("kind",)
+    assert set(REFUSAL_KINDS) == {"noperm", "oom", "readonly", "other"}
 
     worker_side = WorkerMetrics(store.counters).collect()
     assert worker_side is not None
-    assert worker_side.reduce()[RedisMetricName.REFUSED_NOPERM] == 2
+    assert worker_side.reduce() == {f"{R.REFUSED}:('noperm',)": 2}
 
     scheduler_side = ManagerMetrics().collect(ManagerStats(), refusals=store.counters.snapshot())
     assert scheduler_side is not None
-    assert scheduler_side.reduce()[RedisMetricName.REFUSED_NOPERM] == 2
+    assert scheduler_side.reduce()[f"{R.REFUSED}:('noperm',)"] == 2
     store.close()
+
+
+def test_round_trips_reach_the_histogram_once_by_operation(local_redis: LocalRedis) -> None:
+    """A lookup, a store (its SET) and a load against a real Redis are each one sample of
+    their operation; a sample is reported once; a call the breaker never let through is none."""
+    url = f"redis://127.0.0.1:{local_redis.port}/0"
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
+    store.exists(["hma:ns:g0:aa"])
+    store.put_if_absent([("hma:ns:g0:aa", b"v")])
+    store.get(["hma:ns:g0:aa"])
+    store.exists(["hma:ns:g0:aa"], operation=Operation.STORE)
+    metrics = WorkerMetrics(store.counters, store.latency)
+    out = metrics.collect()
+    assert out is not None
+    reduced = out.reduce()
+    histogram = R.ROUND_TRIP_SECONDS
+    counts = {k: v for k, v in reduced.items() if k.startswith(histogram) and k.endswith("_count")}
+    assert counts == {
+        f"{histogram}:('lookup',)_count": 1,
+        f"{histogram}:('store',)_count": 2,
+        f"{histogram}:('load',)_count": 1,
+    }
+    assert all(0 < reduced[k.replace("_count", "_sum")] < 5 for k in counts)
+    assert metrics.collect() is None  # each sample once
+    local_redis.stop()
+    store.exists(["hma:ns:g0:aa"])  # fails: Redis is gone
+    store.exists(["hma:ns:g0:aa"])  # the breaker is open: not even sent
+    assert store.latency.take() == {}
+    store.close()
+
+
+def test_latency_samples_are_bounded_and_keep_the_newest() -> None:
+    samples = LatencySamples(max_samples=3)
+    for seconds in (1.0, 2.0, 3.0, 4.0):
+        samples.record(Operation.LOAD, seconds)
+    assert samples.take() == {Operation.LOAD: [2.0, 3.0, 4.0]}
+    assert samples.take() == {}
 
 
 def test_a_worker_count_has_one_name_in_info_and_in_prometheus() -> None:
     """What ``hma-redis info`` calls ``store_existed_chunks`` is exported as
     ``vllm:kv_offload_redis_store_existed_chunks_total``, and so for every worker count."""
-    for field_name, (metric, _) in {**WORKER_COUNTERS, **REFUSAL_COUNTERS}.items():
+    for field_name, (metric, _) in WORKER_COUNTERS.items():
         assert field_name in COUNTER_FIELDS
         assert metric == PREFIX + field_name
+    for kind in REFUSAL_KINDS:
+        assert f"refused_{kind}" in COUNTER_FIELDS
+        assert f'`{R.REFUSED}_total{{kind="{kind}"}}` | `refused_{kind}` |' in metrics_table()
 
 
 def test_operations_md_maps_every_metric_and_info_counter_to_its_meaning() -> None:
@@ -123,3 +165,17 @@ def test_existing_chunk_help_counts_this_instances_repeats_too() -> None:
     (_, help_text) = WORKER_COUNTERS["store_existed_chunks"]
     assert "another instance stored them" not in help_text
     assert "this one included" in help_text
+
+
+def test_every_metric_the_docs_name_is_one_the_tier_exports() -> None:
+    """One vocabulary: a ``vllm:kv_offload_redis_*`` name in the README, docs/ or docker/README.md
+    is a metric of :func:`metric_definitions`, as defined or as a scrape shows it (counters
+    with ``_total``, histograms with ``_bucket``/``_sum``/``_count``)."""
+    root = Path(__file__).resolve().parents[2]
+    known: set[str] = set()
+    for name, meta in metric_definitions().items():
+        known |= {name, exported_name(name, meta)}
+        known |= {f"{name}_{part}" for part in ("bucket", "sum", "count")}
+    for doc in [root / "README.md", root / "docker" / "README.md", *(root / "docs").glob("*.md")]:
+        named = set(re.findall(r"vllm:kv_offload_redis_[a-z_]*[a-z]", doc.read_text()))
+        assert named <= known, (doc.name, sorted(named - known))

@@ -20,6 +20,7 @@ tokenizer (``--skip-tokenizer-init``; /v1/completions takes token-id prompts):
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from hma_redis.adapter.metrics import RedisMetricName, metric_definitions
 from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
 from hma_redis.tools.demo.openai_example import VllmServer, fetch_metrics_text, random_prompt
 from hma_redis.tools.demo.tiny_models import MAX_POSITIONS, build_llama
+from tests.support.dashboard import dashboard_queries
 
 SHUTDOWN_TIMEOUT_S = 10  # vllm serve --shutdown-timeout: drain, then tear down
 EXIT_BOUND_S = SHUTDOWN_TIMEOUT_S + 30  # plus process teardown on a busy 2-core machine
@@ -157,6 +159,16 @@ def run_scenario(server: VllmServer, client: redis.Redis) -> None:
     assert m2[STORE_BYTES] == m1[STORE_BYTES]  # nothing stored twice
     assert m2[total(R.LOADED_CHUNKS)] == num_chunks
     print("after the second request:", hma_view(m2))
+    # Looked up, stored and loaded: every metric the Grafana dashboard reads is on /metrics
+    # (hma_redis' and vLLM's own; a series shows once it moved, the family at start-up), and
+    # each operation's round trips were timed.
+    text = fetch_metrics_text(server.url)
+    for query in dashboard_queries():
+        for name in query.metrics:
+            family = re.sub(r"_(bucket|sum|count)$", "", name)
+            assert f"# HELP {name} " in text or f"# HELP {family} " in text, (query.panel, name)
+    for operation in ("lookup", "load", "store"):
+        assert f'operation="{operation}"' in text, operation
 
     # 3. The chunks vanish between lookup and load: recomputed, and counted.
     server.post("/reset_prefix_cache")

@@ -38,6 +38,7 @@ from tests.support.cli_run import (
     run_script,
     write_blocks,
 )
+from tests.support.doc_examples import shape
 
 OTHER_NS = "other-deployment"
 FOREIGN_KEYS = {"user:session:1": b"keep me", "hmax:not-ours": b"keep me too"}
@@ -889,3 +890,14 @@ def test_a_url_from_the_environment_is_named_by_its_variable(cli, monkeypatch):
     monkeypatch.setenv("HMA_REDIS_URL", "http://h:1/0")
     run = cli("info", url=None)
     assert "the URL ($HMA_REDIS_URL or $REDIS_URL) scheme must be one of" in run.err
+
+
+def test_operations_md_shows_the_notifications_warning_doctor_prints(local_redis, cli):
+    """docs/operations.md's doctor line for a Redis without keyspace events is the one doctor
+    prints on a fresh server (numbers and addresses aside)."""
+    out = cli("doctor", url=f"redis://127.0.0.1:{local_redis.port}/0").out
+    (line,) = [x for x in out.splitlines() if x.split()[1:2] == ["notifications"]]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    blocks = doc.split("```")[1::2]
+    (shown,) = [b for b in blocks if "notifications" in b and b.lstrip().startswith("WARN")]
+    assert shape(shown) == shape(line), line

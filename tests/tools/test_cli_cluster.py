@@ -30,6 +30,7 @@ from tests.support.cluster_servers import (
     started_cluster,
     started_sentinel,
 )
+from tests.support.doc_examples import abridge_doctor, check_readme_example
 
 USER, PASSWORD = "ops", "cli-cluster-s3cret"
 OTHER_NS = "other-deployment"
@@ -357,6 +358,19 @@ def test_the_readme_session_is_what_the_cli_prints_on_a_cluster(on_cluster, cli)
     names = {line.split()[1] for line in doctor.splitlines()}
     shown = {line[1] for line in session_lines if line and line[0] in ("OK", "WARN", "FAIL")}
     assert len(shown) >= 10 and shown <= names
+
+
+def test_the_readme_doctor_example_is_what_doctor_prints_on_a_cluster(on_cluster, cli, monkeypatch):
+    """The README's doctor session, check by check, verdicts and wording, is what doctor prints
+    on a 3-master cluster under an ACL user (addresses and numbers aside), run as an operator's
+    shell would be: without the test suite's PYTHONHASHSEED."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    check_readme_example("doctor", abridge_doctor(cli(on_cluster.url, "doctor").out))
+
+
+def test_the_readme_purge_example_is_what_a_dry_run_prints_on_a_cluster(on_cluster, cli):
+    command = ["purge", "--namespace", on_cluster.ns, "--dry-run", "--by-node"]
+    check_readme_example(" ".join(command), cli(on_cluster.url, *command).out)
 
 
 # ---------------------------------------------------------------------------------- sentinel

@@ -72,7 +72,7 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 def test_compose_has_redis_and_two_vllm_servers(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {"redis", *VLLM_SERVICES}
+    assert set(services) == {"redis", *VLLM_SERVICES, "prometheus", "grafana"}
     redis = services["redis"]
     assert redis["image"] == "redis:7"
     args = redis["command"]
