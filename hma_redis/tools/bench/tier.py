@@ -883,6 +883,8 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
             levels = parse_levels(args.concurrency)
         except ValueError as exc:
             parser.error(str(exc))
+        if args.plot or args.python_path:
+            parser.error("--concurrency takes neither --plot nor --python-path")
     to_stdout = args.json == "-"
     # With the JSON on stdout, everything else goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
