@@ -319,8 +319,14 @@ class HmaConcurrency:
         return self.keyspace.block_key(0, offload_key[:-4])
 
     def _slot_ids(self, slot: int) -> list[int]:
+        """A slot's blocks in random order; zeroed first where every job is compared, so a
+        load that writes nothing cannot pass on what the slot held before."""
         first = self.source_blocks + slot * self.job_blocks
-        return self.rng.sample(range(first, first + self.job_blocks), self.job_blocks)
+        ids = self.rng.sample(range(first, first + self.job_blocks), self.job_blocks)
+        if self.plan.check_every_job:
+            for array in self.arrays:
+                array[ids] = 0
+        return ids
 
     def _job_value_bytes(self, size: int) -> int:
         """Bytes a job of ``size`` values moves, envelopes included (its transfer_size)."""
@@ -425,8 +431,11 @@ class HmaConcurrency:
             )
 
     def _check_readback(self, worker: Any, size: int, stored: _Stored) -> None:
-        """Load what a store job wrote into slot 0 and compare it with its source pages."""
+        """Load what a store job wrote into slot 0 (zeroed first) and compare it with its
+        source pages."""
         job = _InFlight("load", 0.0, stored, 0, self._slot_ids(0))
+        for array in self.arrays:
+            array[job.dst_ids] = 0
         self._submit(worker, job)
         for _, nbytes in self._finished(worker, {self._job_id: job}):
             check(nbytes == self._job_value_bytes(size), "hma_redis: read-back moved too few")
