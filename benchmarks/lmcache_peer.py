@@ -2,12 +2,12 @@
 
 Measures LMCache's ``redis://`` connector (``RedisConnector``, redis-py asyncio) and its
 ``resp://`` connector (``RESPConnector``, the native C++ RESP client with ``--threads`` worker
-threads), built the way LMCache's ``RemoteBackend`` builds them (``CreateConnector`` with an
-``LMCacheEngineConfig``, ``LMCacheMetadata`` and a ``LocalCPUBackend`` that allocates the
-values) and called the way it calls them: ``batched_put`` for the puts; ``batched_get`` where the
-connector supports it (``resp://``), else one concurrent ``get`` per key (``redis://``). For
-reference ``--connector redis-py`` does the same with plain redis-py: pipelined SET, then GET,
-``--pipeline`` values per pipeline on one connection.
+threads, default LMCache's own: 8 in 0.5.6), built the way LMCache's ``RemoteBackend`` builds
+them (``CreateConnector`` with an ``LMCacheEngineConfig``, ``LMCacheMetadata`` and a
+``LocalCPUBackend`` that allocates the values) and called the way it calls them: ``batched_put``
+for the puts; ``batched_get`` where the connector supports it (``resp://``), else one concurrent
+``get`` per key (``redis://``). For reference ``--connector redis-py`` does the same with plain
+redis-py: pipelined SET, then GET, ``--pipeline`` values per pipeline on one connection.
 
 It runs in a separate virtual environment with ``lmcache`` installed, not in hma_redis's::
 
@@ -24,6 +24,15 @@ FLUSHDB). ``resp://`` has no database number, so it needs ``/0`` (or no path) in
 LMCache batch that takes over ``--timeout`` seconds counts as hung: in 0.5.6 ``resp://`` never ends
 a GET of a missing key, nor any call to an unreachable server.
 
+``--concurrency N`` (``resp://`` only; used by ``hma-redis bench --concurrency``) runs jobs of
+``--count`` values instead, N in flight at once as N coroutines on the connector's event loop,
+alternating a ``batched_get`` of one of 16 jobs' worth of values put before the loop and a
+``batched_put`` of one of 16 jobs' worth of filled CPU buffers under fresh keys: ``--warmup-jobs``
+untimed, then ``--jobs`` timed. Every value's presence and size is checked, the last N loads and
+the last put job (every one with ``--check-every-job``) byte for byte, and that Redis holds
+every value put. Its JSON line has ``wall_s`` and each job's (submitted, finished) seconds since
+the loop began (``load_spans``, ``store_spans``) instead of ``put_s`` and ``get_s``.
+
 Prints one JSON line on stdout: ``client``, ``size``, ``count``, ``put_s`` and ``get_s`` (seconds
 per repetition), ``lmcache_version``, ``redis_py_version``, ``threads`` (``resp://`` only) and
 ``pipeline`` (redis-py only). Everything else, LMCache's logs included, goes to stderr. Any
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import json
 import os
@@ -60,6 +70,7 @@ T = TypeVar("T")
 
 _CHUNK_TOKENS = 256  # LMCache's default chunk size; a value is one chunk
 _VALUE_ALIGN = 2 * _CHUNK_TOKENS  # K and V of 256 tokens of uint8: sizes are multiples of this
+_SOURCE_JOBS = 16  # jobs' worth of values loaded and put, as hma_redis' concurrent bench
 _SCAN_COUNT = 1000
 _UNLINK_BATCH = 500
 _MESSAGE_CHARS = 200  # error messages are cut to this: redis-py's quote whole commands
@@ -104,9 +115,23 @@ class LMCacheClient:
     keys_per_value = 1
 
     def __init__(
-        self, url: str, connector: str, size: int, count: int, threads: int, timeout: float
+        self,
+        url: str,
+        connector: str,
+        size: int,
+        count: int,
+        threads: int | None,
+        timeout: float,
+        held: int | None = None,
     ) -> None:
+        """``threads``: resp:// worker threads (None: LMCache's default); ``held``: the most
+        values held in LMCache's CPU buffers at once (default two repetitions' worth)."""
         self.timeout = timeout
+        self.url = url
+        held = 2 * count if held is None else held
+        extra: dict[str, Any] = {"save_chunk_meta": False}
+        if threads is not None:
+            extra["resp_num_threads"] = threads
         parts = urlsplit(url)
         if connector == "resp":
             if parts.path not in ("", "/", "/0"):
@@ -120,12 +145,11 @@ class LMCacheClient:
         self.config = LMCacheEngineConfig.from_defaults(
             chunk_size=_CHUNK_TOKENS,
             local_cpu=False,
-            # room for one repetition's put values and get values at once, plus slack
-            max_local_cpu_size=2 * size * count / 2**30 + 0.25,
+            max_local_cpu_size=held * size / 2**30 + 0.25,  # plus slack
             remote_url=remote_url,
             remote_serde="naive",
             save_unfull_chunk=False,
-            extra_config={"save_chunk_meta": False, "resp_num_threads": threads},
+            extra_config=extra,
         )
         self.metadata = LMCacheMetadata(
             model_name="hma:bench-lmc",
@@ -154,6 +178,9 @@ class LMCacheClient:
             # e.g. resp:// in LMCache 0.5.6: a GET of a missing key never completes
             raise BenchError(f"{what} did not finish in {self.timeout:g} s") from None
 
+    def keys(self, tag: str, count: int) -> list[CacheEngineKey]:
+        return self._keys(tag, count)
+
     def _keys(self, tag: str, count: int) -> list[CacheEngineKey]:
         # CacheEngineKey.to_string() starts with the model name: "<tag>@1@0@<hash>@uint8".
         return [CacheEngineKey(tag, 1, 0, i, torch.uint8) for i in range(count)]
@@ -161,7 +188,9 @@ class LMCacheClient:
     def pattern(self, tag: str) -> str:
         return f"{tag}@*"
 
-    def put(self, tag: str, payloads: list[bytes]) -> float:
+    def filled(self, payloads: list[bytes]) -> list[MemoryObj]:
+        """LMCache CPU buffers holding ``payloads``, as a store finds them after its copy
+        from the GPU."""
         objs: list[MemoryObj] = []
         for payload in payloads:
             obj = self.backend.allocate(self.metadata.get_shapes(), self.metadata.get_dtypes())
@@ -169,11 +198,36 @@ class LMCacheClient:
                 raise BenchError("LMCache's LocalCPUBackend could not allocate a value")
             memoryview(obj.byte_array).cast("B")[:] = payload
             objs.append(obj)
+        return objs
+
+    @property
+    def threads(self) -> int | None:
+        """The resp:// client's worker threads, as LMCache configured them."""
+        inner = getattr(self.connector, "_connector", self.connector)  # CreateConnector wraps
+        return getattr(inner, "num_threads", None)
+
+    def put(self, tag: str, payloads: list[bytes]) -> float:
+        objs = self.filled(payloads)
         keys = self._keys(tag, len(payloads))
         start = time.perf_counter()
         # Hands the objects' references to the connector, which drops them when done.
         self._run("batched_put", self.connector.batched_put(keys, objs))
         return time.perf_counter() - start
+
+    def run_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the connector's event loop (bounded by ``--timeout``)."""
+        return self._run("the concurrent loop", coro)
+
+    def put_keys(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
+        self._run("batched_put", self.connector.batched_put(keys, objs))
+
+    def get_keys(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return self._run("batched_get", self.connector.batched_get(keys))
+
+    def exists(self, key_strings: list[str]) -> int:
+        """How many of these Redis keys exist (the peer's own redis-py client)."""
+        with redis.Redis.from_url(self.url) as r:
+            return sum(r.exists(*key_strings[i : i + 500]) for i in range(0, len(key_strings), 500))
 
     async def _get_each(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         return list(await asyncio.gather(*(self.connector.get(key) for key in keys)))
@@ -232,6 +286,144 @@ class RedisPyClient:
         return seconds
 
 
+class ConcurrentLoop:
+    """``--concurrency N``: jobs of ``--count`` values with N in flight at once on one
+    ``resp://`` connector (N coroutines on its event loop), alternating a ``batched_get`` of
+    one of ``_SOURCE_JOBS`` jobs' worth of values put before the loop and a ``batched_put``
+    of one of ``_SOURCE_JOBS`` jobs' worth of filled CPU buffers under fresh keys."""
+
+    def __init__(self, client: LMCacheClient, args: argparse.Namespace, prefix: str) -> None:
+        self.client = client
+        self.args = args
+        self.prefix = prefix
+        self._serial = 0
+        count, size = args.count, args.size
+        self.load_payloads = [[os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)]
+        self.load_keys = [client.keys(self._tag(), count) for _ in range(_SOURCE_JOBS)]
+        self.store_payloads = [
+            [os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)
+        ]
+        self.store_objs = [client.filled(payloads) for payloads in self.store_payloads]
+        self.stored: list[tuple[list[CacheEngineKey], int]] = []  # keys, source index
+
+    def _tag(self) -> str:
+        self._serial += 1
+        return f"{self.prefix}j{self._serial}"
+
+    def prepare(self) -> None:
+        """Put the loads' values (untimed), every job at once."""
+        for keys, payloads in zip(self.load_keys, self.load_payloads, strict=True):
+            self.client.put_keys(keys, self.client.filled(payloads))
+
+    def run(self, jobs: int, spans: dict[str, list[tuple[float, float]]] | None) -> float:
+        """Run ``jobs`` jobs (``--concurrency`` in flight); each one's (submitted, finished)
+        seconds since the loop began into ``spans``; the loop's wall seconds. Checks what is
+        left to check after it."""
+        self.stored.clear()
+        recent: collections.deque[tuple[list[MemoryObj], int]] = collections.deque()
+        start = time.perf_counter()
+        self.client.run_loop(self._jobs(jobs, spans, recent, start))
+        wall_s = time.perf_counter() - start
+        for objs, source in recent:
+            self._check_load(objs, source, compare=True)
+        stored_keys = [key.to_string() for keys, _ in self.stored for key in keys]
+        holds = self.client.exists(stored_keys)
+        if holds != len(stored_keys):
+            raise BenchError(f"Redis holds {holds} of the {len(stored_keys)} values put")
+        checked = self.stored if self.args.check_every_job else self.stored[-1:]
+        for keys, source in checked:
+            objs = self.client.get_keys(keys)
+            self._check_load(objs, _SOURCE_JOBS + source, compare=True)
+        return wall_s
+
+    async def _jobs(
+        self,
+        jobs: int,
+        spans: dict[str, list[tuple[float, float]]] | None,
+        recent: collections.deque[tuple[list[MemoryObj], int]],
+        origin: float,
+    ) -> None:
+        connector = self.client.connector
+        in_flight = asyncio.Semaphore(self.args.concurrency)
+
+        async def job(n: int) -> None:
+            source = n // 2 % _SOURCE_JOBS
+            if n % 2:  # the connector drops one reference per put value; these are reused
+                for obj in self.store_objs[source]:
+                    obj.ref_count_up()
+            async with in_flight:
+                start = time.perf_counter()
+                if n % 2 == 0:
+                    objs = await connector.batched_get(self.load_keys[source])
+                else:
+                    keys = self.client.keys(self._tag(), self.args.count)
+                    await connector.batched_put(keys, self.store_objs[source])
+                end = time.perf_counter()
+            op = "load" if n % 2 == 0 else "store"
+            if spans is not None:
+                spans[op].append((start - origin, end - origin))
+            if op == "store":
+                self.stored.append((keys, source))
+                return
+            if self.args.check_every_job:
+                self._check_load(objs, source, compare=True)
+                return
+            self._check_load(objs, source, compare=False)
+            recent.append((objs, source))
+            while len(recent) > self.args.concurrency:  # keep the last N loads to compare
+                old, _ = recent.popleft()
+                _release(old)
+
+        await asyncio.gather(*(job(n) for n in range(jobs)))
+
+    def _check_load(self, objs: list[MemoryObj | None], source: int, *, compare: bool) -> None:
+        """Every value is there and of its size; with ``compare`` equal to its payload (then
+        the buffers are released). ``source`` counts the stores' sources after the loads'."""
+        payloads = (self.load_payloads + self.store_payloads)[source]
+        try:
+            for i, (obj, payload) in enumerate(zip(objs, payloads, strict=True)):
+                got = None if obj is None else memoryview(obj.byte_array).cast("B")
+                if compare or got is None:
+                    _check(i, got, payload)
+                elif len(got) != len(payload):
+                    raise BenchError(f"value {i}: {len(got)} bytes, expected {len(payload)}")
+        finally:
+            if compare:
+                _release(objs)
+
+
+def _release(objs: list[MemoryObj | None]) -> None:
+    for obj in objs:
+        if obj is not None:
+            obj.ref_count_down()
+
+
+def _measure_concurrent(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    count, level = args.count, args.concurrency
+    # The loads' and the stores' sources, the loads in flight and the last N kept to compare.
+    held = (2 * _SOURCE_JOBS + 2 * level + 1) * count
+    client = LMCacheClient(
+        args.url, "resp", args.size, count, args.threads, args.timeout, held=held
+    )
+    loop = ConcurrentLoop(client, args, prefix)
+    loop.prepare()
+    loop.run(args.warmup_jobs, None)
+    spans: dict[str, list[tuple[float, float]]] = {"load": [], "store": []}
+    wall_s = loop.run(args.jobs, spans)
+    return {
+        "client": client.name,
+        "size": args.size,
+        "count": count,
+        "concurrency": level,
+        "jobs": args.jobs,
+        "wall_s": wall_s,
+        "load_spans": spans["load"],
+        "store_spans": spans["store"],
+        "lmcache_version": lmcache.__version__,
+        "threads": client.threads,
+    }
+
+
 def _one_line(text: str) -> str:
     text = "".join(c if c.isascii() and c.isprintable() else "?" for c in " ".join(text.split()))
     return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 3] + "..."
@@ -274,7 +466,7 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
         "get_s": get_s,
         "lmcache_version": lmcache.__version__,
         "redis_py_version": redis.__version__,
-        "threads": args.threads if args.connector == "resp" else None,
+        "threads": getattr(client, "threads", None),
         "pipeline": args.pipeline if args.connector == "redis-py" else None,
     }
 
@@ -287,7 +479,24 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--count", type=int, required=True, help="values per repetition")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    parser.add_argument("--threads", type=int, default=2, help="resp:// client worker threads")
+    parser.add_argument(
+        "--threads", type=int, help="resp:// client worker threads (default: LMCache's)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        help="resp:// only: jobs of --count values, this many in flight at once, alternating "
+        "batched_get and batched_put (instead of --reps of a put then a get)",
+    )
+    parser.add_argument("--jobs", type=int, default=96, help="timed jobs with --concurrency")
+    parser.add_argument(
+        "--warmup-jobs", type=int, default=4, help="untimed jobs first with --concurrency"
+    )
+    parser.add_argument(
+        "--check-every-job",
+        action="store_true",
+        help="with --concurrency: compare every load and every put value, not the last ones",
+    )
     parser.add_argument("--pipeline", type=int, default=4, help="redis-py commands per pipeline")
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="seconds one LMCache batch may take"
@@ -295,8 +504,12 @@ def _parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.size <= 0 or args.size % _VALUE_ALIGN:
         parser.error(f"--size must be a positive multiple of {_VALUE_ALIGN}")
-    if min(args.count, args.reps, args.threads, args.pipeline, args.timeout) <= 0:
+    if min(args.count, args.reps, args.threads or 1, args.pipeline, args.timeout) <= 0:
         parser.error("--count, --reps, --threads, --pipeline and --timeout must be positive")
+    if args.concurrency is not None and args.connector != "resp":
+        parser.error("--concurrency measures the resp:// connector only")
+    if min(args.concurrency or 1, args.jobs, args.warmup_jobs + 1) <= 0:
+        parser.error("--concurrency and --jobs must be positive, --warmup-jobs not negative")
     if args.warmup < 0:
         parser.error("--warmup must not be negative")
     return args
@@ -313,7 +526,11 @@ def main() -> None:
     r = redis.Redis.from_url(args.url)
     status = 1
     try:
-        out.write(json.dumps(_measure(args, r, prefix)) + "\n")
+        if args.concurrency is not None:
+            result = _measure_concurrent(args, prefix)
+        else:
+            result = _measure(args, r, prefix)
+        out.write(json.dumps(result) + "\n")
         status = 0
     except BenchError as exc:
         print(f"lmcache_peer: {args.connector}: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.tools.bench import concurrency as bench_concurrency
 from hma_redis.tools.bench import store as bench_store
 from hma_redis.tools.bench import tier as bench_tier
 from hma_redis.tools.bench.common import (
@@ -156,3 +157,40 @@ def test_bench_json_is_the_report_on_stdout(argv, capsys) -> None:  # type: igno
     report = json.loads(captured.out)  # nothing but the JSON on stdout
     assert report and isinstance(report, dict)
     assert "smoke: every measured path round-tripped its bytes" in captured.err
+
+
+def test_concurrent_bench_smoke_loads_what_it_stored(capsys) -> None:  # type: ignore[no-untyped-def]
+    """--concurrency: N jobs in flight on one transfer engine, loads and stores mixed; every
+    load's blocks equal the pages its values were stored from and every stored value reads
+    back equal (the bench raises otherwise); the JSON carries each level's figures."""
+    assert main(["bench", "--smoke", "--concurrency", "1,4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "smoke: every concurrent job moved its bytes" in captured.err
+    report = json.loads(captured.out)
+    assert report["mode"] == "concurrency"
+    rows = {(row["size"], row["concurrency"]): row for row in report["rows"]}
+    assert set(rows) == {(s, n) for s in (512 * 1024, 2 * 1024 * 1024) for n in (1, 4)}
+    for row in rows.values():
+        hma = row["hma_redis"]
+        assert hma["jobs"] == report["plan"]["jobs"]  # every timed job finished and counted
+        assert hma["all_gbps"] > 0 and hma["p99_ms"] >= hma["p50_ms"] > 0
+        assert row["lmcache-resp"] is None  # no --lmcache-python
+
+
+def test_per_op_gbps_counts_the_time_that_op_was_in_flight() -> None:
+    """Loads and stores alternate, so their counts are equal: each op's GB/s is its bytes
+    over the time one of its jobs ran, the total over the loop's wall time."""
+    run = bench_concurrency.LevelRun(
+        "hma_redis", 2 * 1024 * 1024, 2, wall_s=4.0, job_bytes=10**9,
+        spans={"load": [(0.0, 1.0), (0.5, 1.5)], "store": [(1.5, 2.0), (2.0, 4.0)]},
+    )  # fmt: skip
+    assert run.gbps("load") == pytest.approx(2 / 1.5)
+    assert run.gbps("store") == pytest.approx(2 / 2.5)
+    assert run.gbps() == pytest.approx(4 / 4.0)
+    assert run.latencies("load") == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("text", ["", "0", "1,65", "4,x"])
+def test_concurrency_levels_are_refused_outside_1_to_64(text: str) -> None:
+    with pytest.raises(ValueError, match="from 1 to 64"):
+        bench_concurrency.parse_levels(text)

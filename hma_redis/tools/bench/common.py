@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -29,6 +30,9 @@ from hma_redis.tools.demo.local_redis import redis_or_local
 KIB = 1024
 MIB = 1024 * KIB
 GB = 1e9
+
+# benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
+LMCACHE_PEER = Path(__file__).resolve().parents[3] / "benchmarks" / "lmcache_peer.py"
 
 _T = TypeVar("_T")
 _P = TypeVar("_P", bound="Plan")
@@ -124,6 +128,21 @@ def timed(fn: Callable[[], _T]) -> tuple[float, _T]:
 
 
 # ---------------------------------------------------------------------------------- servers
+
+
+def require_lmcache_python(python: str, cfg: RedisTierConfig) -> None:
+    """``SystemExit`` (one line) unless LMCache's peer can run with ``python`` against ``cfg``:
+    the peer script is here, ``python`` is an executable, and the Redis needs no password (the
+    peer takes the URL on its command line, where other users can read it)."""
+    if cfg.password:
+        raise SystemExit(
+            "bench: --lmcache-python needs a Redis without a password: LMCache's peer takes "
+            "the URL (and its password) on its command line, where other users can read it"
+        )
+    if not LMCACHE_PEER.is_file():
+        raise SystemExit(f"bench: {LMCACHE_PEER} not found (run from a source checkout)")
+    if not os.access(python, os.X_OK):
+        raise SystemExit(f"bench: --lmcache-python {python} is not an executable")
 
 
 def require_single_server(cfg: RedisTierConfig) -> None:

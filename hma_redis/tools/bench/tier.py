@@ -3,6 +3,7 @@ Redis connectors, in one run.
 
     hma-redis bench [--quick | --smoke] [--url URL] [--reps N] [--plot PNG] [--json FILE]
                     [--lmcache-python PYTHON] [--connections N] [--python-path]
+                    [--concurrency N,N,...]
     python benchmarks/tier_bench.py ...              (the same)
 
 Without ``--url`` it starts its own ``redis-server`` on a free loopback port (persistence off) and
@@ -28,6 +29,10 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
   the Redis secondary tier of vLLM's ``TieringOffloadingSpec``, one cascade job (primary rows ->
   Redis) and one promotion job (Redis -> other primary rows) of the same bytes, chunks as large
   as the values, timed from submit until ``get_finished_jobs`` reports the job, rows compared.
+
+``--concurrency 1,4,16`` measures instead N jobs in flight at once on one transfer engine,
+loads and stores mixed, against LMCache's ``resp://`` client doing the same
+(:mod:`hma_redis.tools.bench.concurrency`).
 
 Then lookups for a 32k-token prompt over 3 KV groups (256 chunks of 128 tokens each, half of them
 present): one ``PING``, one :meth:`~hma_redis.core.store.RedisBlockStore.exists` of the 768
@@ -64,7 +69,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -77,6 +81,7 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.tools.bench.common import (
     GB,
     KIB,
+    LMCACHE_PEER,
     MIB,
     BenchError,
     Plan,
@@ -86,10 +91,18 @@ from hma_redis.tools.bench.common import (
     chosen_plan,
     redis_benchmark_plan,
     report_lines,
+    require_lmcache_python,
     require_single_server,
     run_redis_benchmark,
     server_config,
     timed,
+)
+from hma_redis.tools.bench.concurrency import (
+    ConcurrencyReport,
+    concurrency_plan,
+    format_concurrency,
+    measure_concurrency,
+    parse_levels,
 )
 from hma_redis.tools.bench.tiering import TieringBench
 
@@ -111,8 +124,6 @@ CLIENTS = (
     "hma-tiering",
 )
 OPS = ("load", "store")
-# benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
-LMCACHE_PEER = Path(__file__).resolve().parents[3] / "benchmarks" / "lmcache_peer.py"
 LMCACHE_CONNECTORS = ("redis", "resp")
 
 
@@ -213,15 +224,7 @@ class LMCachePeer:
     one get of a job's worth of fresh values, after one untimed warm-up, every byte checked."""
 
     def __init__(self, python: str, cfg: RedisTierConfig, plan: TierPlan) -> None:
-        if cfg.password:
-            raise SystemExit(
-                "bench: --lmcache-python needs a Redis without a password: LMCache's peer takes "
-                "the URL (and its password) on its command line, where other users can read it"
-            )
-        if not LMCACHE_PEER.is_file():
-            raise SystemExit(f"bench: {LMCACHE_PEER} not found (run from a source checkout)")
-        if not os.access(python, os.X_OK):
-            raise SystemExit(f"bench: --lmcache-python {python} is not an executable")
+        require_lmcache_python(python, cfg)
         self.python = python
         self.url = cfg.url
         self.plan = plan
@@ -846,6 +849,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure the worker on the Python data path (column hma-py)",
     )
     parser.add_argument(
+        "--concurrency",
+        metavar="N,N,...",
+        help="instead of the tables above: N jobs in flight at once on one transfer engine, "
+        "loads and stores mixed, for each N (e.g. 1,4,16); with --lmcache-python LMCache's "
+        "resp:// client does the same in the same run (hma_redis.tools.bench.concurrency)",
+    )
+    parser.add_argument(
         "--lmcache-python",
         metavar="PYTHON",
         help="also measure LMCache's redis:// and resp:// connectors with this interpreter "
@@ -867,10 +877,21 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
     plan = chosen_plan(parser, args, FULL, QUICK, SMOKE)
     if args.connections is not None and args.connections < 1:
         parser.error("--connections must be at least 1")
+    levels = None
+    if args.concurrency is not None:
+        try:
+            levels = parse_levels(args.concurrency)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.plot or args.python_path:
+            parser.error("--concurrency takes neither --plot nor --python-path")
     to_stdout = args.json == "-"
     # With the JSON on stdout, everything else goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
-        report = _measure_and_print(cfg, args, plan)
+        if levels is not None:
+            report: Report | ConcurrencyReport = _concurrency_and_print(cfg, args, levels)
+        else:
+            report = _measure_and_print(cfg, args, plan)
     if to_stdout:
         json.dump(report.to_json(), sys.stdout, indent=2)
         print()
@@ -878,6 +899,25 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
         with open(args.json, "w") as fh:
             json.dump(report.to_json(), fh, indent=2)
     return 0
+
+
+def _concurrency_and_print(
+    cfg: RedisTierConfig | None, args: argparse.Namespace, levels: tuple[int, ...]
+) -> ConcurrencyReport:
+    """The concurrent mode (:mod:`~hma_redis.tools.bench.concurrency`) against ``cfg`` (or a
+    local server); print its table; the report."""
+    plan = concurrency_plan(levels, smoke=args.smoke, quick=args.quick, reps=args.reps)
+    with server_config(cfg) as (target, where):
+        if args.connections is not None:
+            target = dataclasses.replace(target, connections_per_job=args.connections)
+        report = measure_concurrency(target, plan, where, args.lmcache_python)
+    print(format_concurrency(report))
+    if args.smoke:
+        print(
+            "\nsmoke: every concurrent job moved its bytes; every load's blocks and every "
+            "stored value read back equal the stored pages"
+        )
+    return report
 
 
 def _measure_and_print(
