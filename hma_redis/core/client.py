@@ -37,7 +37,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from hma_redis.core.config import RedisTierConfig, endpoint_url
+from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.deadline import Deadline
 
 logger = logging.getLogger(__name__)
@@ -123,17 +123,17 @@ def make_client(
         "max_connections": max(cfg.pool_size, max_connections or 0),
         "timeout": cfg.connect_timeout_s + cfg.read_timeout_s,
     }
-    topo = cfg.topology
-    if topo.kind == "cluster":
+    topo = cfg.endpoint
+    if topo.kind is EndpointKind.CLUSTER:
         kwargs["redis_connect_func"] = _name_only(name)
         return _cluster_client(cfg, kwargs, pool_kwargs, zero_copy)
     kwargs["redis_connect_func"] = _named_connect(name)
     if zero_copy:
         kwargs["command_packer"] = _zero_copy_packer()
-    if topo.kind == "sentinel":
+    if topo.kind is EndpointKind.SENTINEL:
         return _sentinel_client(cfg, kwargs, pool_kwargs)
     pool = _BoundedPool.from_url(
-        endpoint_url(cfg.url), db=cfg.db, retry=Retry(NoBackoff(), 0), **pool_kwargs, **kwargs
+        cfg.endpoint.address, db=cfg.db, retry=Retry(NoBackoff(), 0), **pool_kwargs, **kwargs
     )
     # The client owns its pool: close() disconnects the pool's connections.
     return redis.Redis.from_pool(pool)
@@ -161,7 +161,7 @@ def _cluster_client(
     cfg: RedisTierConfig, kwargs: dict[str, Any], pool_kwargs: dict[str, Any], zero_copy: bool
 ) -> RedisCluster:
     """A :class:`_BoundedCluster` over the URL's startup nodes, with blocking per-node pools."""
-    topo = cfg.topology
+    topo = cfg.endpoint
     (first_host, first_port), *others = topo.hosts
     if zero_copy:
         base = redis.SSLConnection if topo.tls else redis.Connection
@@ -289,7 +289,7 @@ def _sentinel_client(
     cfg: RedisTierConfig, kwargs: dict[str, Any], pool_kwargs: dict[str, Any]
 ) -> redis.Redis:
     """The master of ``service`` as the sentinels name it; re-asked after every failover."""
-    topo = cfg.topology
+    topo = cfg.endpoint
     assert topo.service is not None
     sentinel_kwargs: dict[str, Any] = {
         "socket_timeout": cfg.read_timeout_s,

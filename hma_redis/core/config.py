@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit, urlunsplit
 
@@ -44,7 +45,7 @@ _SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
 _OTHER_SPELLINGS = {
     scheme.replace("+", "-"): scheme for scheme in (*CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
 }
-_CLUSTER_PORT = 6379
+_SINGLE_PORT = _CLUSTER_PORT = 6379
 _SENTINEL_PORT = 26379
 # Matched whole (fullmatch): a trailing newline or any other control character is refused.
 _SERVICE_RE = re.compile(r"[^\s/\x00-\x1f\x7f-\x9f]{1,256}")
@@ -252,6 +253,8 @@ class RedisTierConfig:
     # instance of the deployment already looked up within admission_window_s).
     admission: str = "always"
     admission_window_s: int = 3600
+    # Where to connect: parsed once from ``url`` when the config is built (never passed in).
+    endpoint: Endpoint = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # A secret file is read once, when the secret itself is not set: a copy made with
@@ -270,7 +273,7 @@ class RedisTierConfig:
         for name, value in _url_parts(self.url).items():
             if getattr(self, name) == _DEFAULTS[name]:
                 object.__setattr__(self, name, value)
-        _validate(self)
+        object.__setattr__(self, "endpoint", _validate(self))
 
     @property
     def redacted_url(self) -> str:
@@ -278,7 +281,7 @@ class RedisTierConfig:
 
     @property
     def tls(self) -> bool:
-        return _split_url(self.url).scheme in TLS_SCHEMES
+        return self.endpoint.tls
 
     @property
     def auth_key_id(self) -> str:
@@ -289,11 +292,6 @@ class RedisTierConfig:
             return ""
         key = blake3.blake3(self.auth_key, derive_key_context=_AUTH_KEY_ID_CONTEXT).digest()
         return blake3.blake3(b"hma_redis auth_key id", key=key).hexdigest()[:16]
-
-    @property
-    def topology(self) -> Topology:
-        """How to reach Redis: one server, a cluster's startup nodes, or sentinels."""
-        return topology(self.url)
 
     def __repr__(self) -> str:
         shown = []
@@ -336,7 +334,7 @@ class RedisTierConfig:
                 "hma_redis: auth_key must not be in kv_connector_extra_config (vLLM logs it at "
                 f"start-up); set the {AUTH_KEY_ENV} environment variable or auth_key_file instead"
             )
-        names = {f.name for f in dataclasses.fields(cls)} - {"url", "auth_key"}
+        names = {f.name for f in dataclasses.fields(cls) if f.init} - {"url", "auth_key"}
         known = names | {"redis_url"} | VLLM_OWNED_KEYS
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
@@ -402,7 +400,7 @@ def _read_secret(path: str, name: str) -> bytes:
 
 _DEFAULTS: dict[str, Any] = {"username": None, "password": None, "db": 0}
 # Field kinds, from the annotations: a new option is coerced and checked like its kind.
-_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(RedisTierConfig)}
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(RedisTierConfig) if f.init}
 _INT_FIELDS = {n for n, t in _FIELD_TYPES.items() if t in ("int", "int | None")}
 _FLOAT_FIELDS = {n for n, t in _FIELD_TYPES.items() if t in ("float", "float | None")}
 _BOOL_FIELDS = {n for n, t in _FIELD_TYPES.items() if t == "bool"}
@@ -485,27 +483,42 @@ def _url_parts(url: str) -> dict[str, Any]:
     return out
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Where to connect, parsed from the URL (credentials, db and TLS files are config fields).
+class EndpointKind(StrEnum):
+    """How a deployment is reached: one server (``redis://``, ``rediss://``, ``unix://``), a
+    Redis Cluster's startup nodes, or the sentinels of a monitored master."""
 
-    ``kind`` is ``"single"`` (``redis://``, ``rediss://``, ``unix://``: use :func:`endpoint_url`),
-    ``"cluster"`` (``hosts`` are startup nodes) or ``"sentinel"`` (``hosts`` are the sentinels,
-    ``service`` the name of the monitored master).
+    SINGLE = "single"
+    CLUSTER = "cluster"
+    SENTINEL = "sentinel"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where to connect, parsed once from the URL (credentials, db and TLS files are config
+    fields, never part of it).
+
+    ``address``: a single server's URL without credentials, database or query (``unix://path``
+    or ``scheme://host[:port]``), what its connection pool is built from; ``hosts``: the single
+    server's ``(host, port)``, a cluster's startup nodes or the sentinels; ``socket_path``: a
+    ``unix://`` server's socket; ``service``: the sentinels' master name.
     """
 
-    kind: str
+    kind: EndpointKind
+    scheme: str
+    tls: bool
+    address: str = ""
     hosts: tuple[tuple[str, int], ...] = ()
+    socket_path: str | None = None
     service: str | None = None
-    tls: bool = False
 
 
-def topology(url: str) -> Topology:
-    """Parse ``url`` into a :class:`Topology`; ``ValueError`` (redacted) if it is malformed."""
-    parts = _split_url(url)
+def _endpoint(parts: SplitResult, url: str) -> Endpoint:
+    """The :class:`Endpoint` of ``url`` (split into ``parts``); ``ValueError`` (redacted) if
+    its host list or service name is malformed."""
     tls = parts.scheme in TLS_SCHEMES
     if parts.scheme in CLUSTER_SCHEMES:
-        return Topology("cluster", _hosts(url, _CLUSTER_PORT), tls=tls)
+        hosts = _hosts(parts.netloc, _CLUSTER_PORT, url)
+        return Endpoint(EndpointKind.CLUSTER, parts.scheme, tls, hosts=hosts)
     if parts.scheme in SENTINEL_SCHEMES:
         service = unquote(parts.path.strip("/").split("/")[0])
         if not _SERVICE_RE.fullmatch(service):
@@ -513,13 +526,17 @@ def topology(url: str) -> Topology:
                 "hma_redis: a sentinel redis_url needs the master's service name: "
                 f"redis+sentinel://host:port[,host:port]/<service>[/<db>]: {redact_url(url)}"
             )
-        return Topology("sentinel", _hosts(url, _SENTINEL_PORT), service=service, tls=tls)
-    return Topology("single", tls=tls)
+        hosts = _hosts(parts.netloc, _SENTINEL_PORT, url)
+        return Endpoint(EndpointKind.SENTINEL, parts.scheme, tls, hosts=hosts, service=service)
+    address = _address(parts)
+    if parts.scheme == "unix":
+        return Endpoint(EndpointKind.SINGLE, "unix", False, address, socket_path=parts.path)
+    host = ((parts.hostname or "", parts.port or _SINGLE_PORT),)
+    return Endpoint(EndpointKind.SINGLE, parts.scheme, tls, address, hosts=host)
 
 
-def _hosts(url: str, default_port: int) -> tuple[tuple[str, int], ...]:
+def _hosts(netloc: str, default_port: int, url: str) -> tuple[tuple[str, int], ...]:
     """``host[:port][,host[:port]...]`` of a cluster or sentinel URL (IPv6 in brackets)."""
-    netloc = _split_url(url).netloc
     out: list[tuple[str, int]] = []
     for item in netloc.split(","):
         if item.startswith("["):
@@ -537,13 +554,12 @@ def _hosts(url: str, default_port: int) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def endpoint_url(url: str) -> str:
-    """``url`` without credentials, database or query: only where to connect.
+def _address(parts: SplitResult) -> str:
+    """A single server's URL without credentials, database or query: only where to connect.
 
     The connection's username, password and db always come from the config fields, so a value
     given as a separate key wins over one in the URL (redis-py would let the URL win).
     """
-    parts = _split_url(url)
     if parts.scheme == "unix":
         return f"unix://{parts.path}"  # urlunsplit would drop the empty authority: unix:/path
     host = parts.hostname or ""
@@ -554,7 +570,8 @@ def endpoint_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, "", "", ""))
 
 
-def _validate(cfg: RedisTierConfig) -> None:
+def _validate(cfg: RedisTierConfig) -> Endpoint:
+    """Check every field; the URL's :class:`Endpoint` (the one parse of the URL)."""
     parts = _split_url(cfg.url)
     if parts.scheme in _OTHER_SPELLINGS:
         right = _OTHER_SPELLINGS[parts.scheme]
@@ -569,7 +586,7 @@ def _validate(cfg: RedisTierConfig) -> None:
     if parts.scheme in CLUSTER_SCHEMES or parts.scheme in SENTINEL_SCHEMES:
         if not parts.netloc:
             raise ValueError(f"hma_redis: redis_url has no host: {cfg.redacted_url}")
-        topology(cfg.url)  # raises on a bad host list or a missing service name
+        endpoint = _endpoint(parts, cfg.url)  # raises on a bad host list or service name
         if parts.scheme in CLUSTER_SCHEMES and cfg.db != 0:
             raise ValueError(
                 f"hma_redis: db must be 0 with Redis Cluster (it has no other), got {cfg.db}"
@@ -587,6 +604,7 @@ def _validate(cfg: RedisTierConfig) -> None:
             raise ValueError(f"hma_redis: redis_url has no host: {cfg.redacted_url}")
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"hma_redis: redis_url port out of range: {cfg.redacted_url}")
+        endpoint = _endpoint(parts, cfg.url)
     for name in sorted(_FLOAT_FIELDS):
         _finite(getattr(cfg, name), name)
     _validate_numbers(cfg)
@@ -615,6 +633,7 @@ def _validate(cfg: RedisTierConfig) -> None:
         raise ValueError(
             f"hma_redis: admission must be one of {list(ADMISSION_POLICIES)}, got {cfg.admission!r}"
         )
+    return endpoint
 
 
 def _validate_auth_key(key: object) -> None:

@@ -17,7 +17,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from hma_redis.core.breaker import BreakerState
-from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.tools.demo.local_redis import free_port
@@ -76,8 +76,8 @@ def _stats(client: redis.Redis) -> dict[str, int]:
 )
 def test_cluster_url_forms(url: str, hosts: tuple[tuple[str, int], ...], tls: bool) -> None:
     cfg = RedisTierConfig.from_extra_config({"redis_url": url}, env={})
-    assert cfg.topology.kind == "cluster"
-    assert (cfg.topology.hosts, cfg.tls, cfg.db) == (hosts, tls, 0)
+    assert cfg.endpoint.kind is EndpointKind.CLUSTER
+    assert (cfg.endpoint.hosts, cfg.tls, cfg.db) == (hosts, tls, 0)
     if "@" in url:
         assert (cfg.username, cfg.password) == ("u", "p@ss")
         assert "p%40ss" not in cfg.redacted_url and "***@h1:7000,[::1]:7001" in cfg.redacted_url

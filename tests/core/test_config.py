@@ -10,8 +10,9 @@ import pytest
 from hma_redis.core.config import (
     MAX_EXPIRE_S,
     NUMERIC_RANGES,
+    Endpoint,
+    EndpointKind,
     RedisTierConfig,
-    endpoint_url,
     redact_url,
 )
 from hma_redis.core.store import PutResult, RedisBlockStore
@@ -346,16 +347,59 @@ def test_password_of_every_printable_character_parses_and_never_shows(form, reda
     cfg = RedisTierConfig.from_extra_config({"redis_url": url}, env={}, warn_credentials=False)
     assert (cfg.username, cfg.password, cfg.db) == ("u", PRINTABLE, db)
     assert cfg.redacted_url == redacted
-    shown = [repr(cfg), str(cfg), cfg.redacted_url, repr(cfg.topology)]
-    if cfg.topology.kind == "single":
-        shown.append(endpoint_url(cfg.url))
+    shown = [repr(cfg), str(cfg), cfg.redacted_url, repr(cfg.endpoint)]
+    if cfg.endpoint.kind is EndpointKind.SINGLE:
+        shown.append(cfg.endpoint.address)
     for text in shown:
         assert not _leaks(text, PRINTABLE), text
-    if cfg.topology.kind == "cluster":
-        assert cfg.topology.hosts == (("h1", 7000), ("::1", 7001))
-    if cfg.topology.kind == "sentinel":
-        assert cfg.topology.hosts == (("s1", 26379), ("s2", 26379))
-        assert cfg.topology.service == "mymaster"
+    if cfg.endpoint.kind is EndpointKind.CLUSTER:
+        assert cfg.endpoint.hosts == (("h1", 7000), ("::1", 7001))
+    if cfg.endpoint.kind is EndpointKind.SENTINEL:
+        assert cfg.endpoint.hosts == (("s1", 26379), ("s2", 26379))
+        assert cfg.endpoint.service == "mymaster"
+
+
+_SINGLE, _CLUSTER, _SENTINEL = EndpointKind.SINGLE, EndpointKind.CLUSTER, EndpointKind.SENTINEL
+
+
+@pytest.mark.parametrize(
+    ("url", "want"),
+    [
+        ("redis://h:7000/2", Endpoint(_SINGLE, "redis", False, "redis://h:7000", (("h", 7000),))),
+        ("rediss://[::1]/0", Endpoint(_SINGLE, "rediss", True, "rediss://[::1]", (("::1", 6379),))),
+        (
+            "unix:///run/redis.sock?db=3",
+            Endpoint(
+                _SINGLE, "unix", False, "unix:///run/redis.sock", socket_path="/run/redis.sock"
+            ),
+        ),
+        (
+            "rediss+cluster://a:7000,b/",
+            Endpoint(_CLUSTER, "rediss+cluster", True, hosts=(("a", 7000), ("b", 6379))),
+        ),
+        (
+            "redis+sentinel://s1,s2:5000/mymaster/1",
+            Endpoint(
+                _SENTINEL,
+                "redis+sentinel",
+                False,
+                hosts=(("s1", 26379), ("s2", 5000)),
+                service="mymaster",
+            ),
+        ),
+    ],
+)
+def test_the_url_is_parsed_once_into_an_endpoint(url: str, want: Endpoint) -> None:
+    """Every user of the config reads ``cfg.endpoint``, parsed when the config was built: the
+    kind (an enum), the scheme, TLS, where to connect; never credentials, db or query."""
+    cfg = RedisTierConfig(url=url)
+    assert cfg.endpoint == want
+    assert cfg.tls is want.tls
+    # A copy with another URL gets its own endpoint; the field is no option.
+    other = dataclasses.replace(cfg, url="redis://elsewhere:1")
+    assert other.endpoint.hosts == (("elsewhere", 1),)
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key"):
+        RedisTierConfig.from_extra_config({"endpoint": "x"}, env={})
 
 
 def test_password_with_unencoded_delimiters_ends_at_the_last_at():
@@ -364,7 +408,7 @@ def test_password_with_unencoded_delimiters_ends_at_the_last_at():
     )
     assert (cfg.username, cfg.password, cfg.db) == ("user", "p@ss/w#?rd", 0)
     assert cfg.redacted_url == "redis://***@host:6379/0"
-    assert endpoint_url(cfg.url) == "redis://host:6379"
+    assert cfg.endpoint.address == "redis://host:6379"
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from hma_redis.core.breaker import BreakerState
-from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
 from tests.support.cluster_servers import LocalSentinel, started_sentinel
@@ -71,9 +71,9 @@ def test_sentinel_url_forms(
     url: str, hosts: tuple[tuple[str, int], ...], service: str, db: int, tls: bool
 ) -> None:
     cfg = RedisTierConfig.from_extra_config({"redis_url": url}, env={})
-    topo = cfg.topology
+    topo = cfg.endpoint
     assert (topo.kind, topo.hosts, topo.service, cfg.db, cfg.tls) == (
-        "sentinel",
+        EndpointKind.SENTINEL,
         hosts,
         service,
         db,

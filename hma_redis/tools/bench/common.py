@@ -22,9 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import urlsplit
 
-from hma_redis.core.config import RedisTierConfig, strip_userinfo
+from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.tools.demo.local_redis import redis_or_local
 
 KIB = 1024
@@ -147,7 +146,7 @@ def require_lmcache_python(python: str, cfg: RedisTierConfig) -> None:
 
 def require_single_server(cfg: RedisTierConfig) -> None:
     """``SystemExit`` (one line) for a deployment the benchmarks do not measure."""
-    if cfg.topology.kind != "single":
+    if cfg.endpoint.kind is not EndpointKind.SINGLE:
         raise BenchError(
             "bench: measures one Redis server: give its redis://, rediss:// or unix:// URL "
             "(for a cluster, one master's address)"
@@ -178,11 +177,12 @@ def redis_benchmark_target(cfg: RedisTierConfig) -> list[str]:
     require_single_server(cfg)
     if cfg.password:
         raise RedisBenchmarkSkipped(PASSWORD_SKIP_NOTE)
-    parts = urlsplit(strip_userinfo(cfg.url))
-    if parts.scheme == "unix":
-        target = ["-s", parts.path]
+    endpoint = cfg.endpoint
+    if endpoint.socket_path is not None:
+        target = ["-s", endpoint.socket_path]
     else:
-        target = ["-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379)]
+        ((host, port),) = endpoint.hosts
+        target = ["-h", host, "-p", str(port)]
     if cfg.db:
         target += ["--dbnum", str(cfg.db)]
     if cfg.tls:

@@ -76,7 +76,7 @@ import redis
 import torch
 
 from hma_redis.core.client import tls_options
-from hma_redis.core.config import RedisTierConfig, endpoint_url
+from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.tools.bench.common import (
     GB,
@@ -205,7 +205,7 @@ def redis_py_client(cfg: RedisTierConfig) -> redis.Redis:
     """Plain redis-py as a user would build it for ``cfg`` (``Redis.from_url``: hiredis parser
     and packer), with the config's credentials, database and TLS files."""
     return redis.Redis.from_url(
-        endpoint_url(cfg.url),
+        cfg.endpoint.address,
         username=cfg.username,
         password=cfg.password,
         db=cfg.db,

@@ -33,7 +33,7 @@ from redis.exceptions import AskError, RedisError, ResponseError, TryAgainError
 from redis.sentinel import SentinelConnectionPool
 
 from hma_redis.core.client import make_client
-from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import parse_block_key
 
 # Keys per pipelined batch (SCAN COUNT hint, per-key commands, UNLINK arguments): large enough
@@ -383,7 +383,7 @@ class RedisAdmin:
     def __init__(self, cfg: RedisTierConfig) -> None:
         self.cfg = cfg
         self.prefix = cfg.key_prefix
-        self.kind = cfg.topology.kind  # "single", "cluster" or "sentinel"
+        self.kind = cfg.endpoint.kind
         self.client: redis.Redis | RedisCluster = make_client(cfg)
         self._nodes: list[NodeAdmin] | None = None
 
@@ -430,7 +430,7 @@ class RedisAdmin:
     def is_one_cluster_master(self) -> bool:
         """True when a one-server URL (``redis://``) reaches a node in cluster mode: it holds
         one master's share only. False when not, or when INFO is not allowed to tell."""
-        if self.kind != "single":
+        if self.kind is not EndpointKind.SINGLE:
             return False
         try:
             cluster = self.nodes()[0].info("cluster")
@@ -447,7 +447,7 @@ class RedisAdmin:
         except NodeError:
             raise
         except RedisError as exc:
-            if self.kind == "single":
+            if self.kind is EndpointKind.SINGLE:
                 raise
             raise NodeError(node.name, exc) from exc
 
@@ -455,18 +455,18 @@ class RedisAdmin:
         """What the CLI talks to, in words: ``one server``, ``Redis Cluster, 3 masters``, ...;
         with ``, db N`` when the database is not 0 (``--db`` overrides the URL's)."""
         nodes = self.nodes()
-        if self.kind == "cluster":
+        if self.kind is EndpointKind.CLUSTER:
             return f"Redis Cluster, {len(nodes)} master{'' if len(nodes) == 1 else 's'}"
         db = f", db {self.cfg.db}" if self.cfg.db else ""
-        if self.kind == "sentinel":
-            return f"Sentinel service {self.cfg.topology.service!r}, master {nodes[0].name}{db}"
+        if self.kind is EndpointKind.SENTINEL:
+            return f"Sentinel service {self.cfg.endpoint.service!r}, master {nodes[0].name}{db}"
         return f"one server{db}"
 
     def sentinel_answers(self) -> list[SentinelAnswer]:
         """Each sentinel of the URL asked for the master of the service (Sentinel only)."""
         assert isinstance(self.client, redis.Redis)
         pool = self.client.connection_pool
-        service = self.cfg.topology.service
+        service = self.cfg.endpoint.service
         assert isinstance(pool, SentinelConnectionPool) and service is not None
         answers = []
         for sentinel in pool.sentinel_manager.sentinels:
@@ -635,7 +635,7 @@ class RedisAdmin:
         :class:`PurgeRefused` (nothing deleted).
         """
         nodes = self.nodes()
-        if self.kind == "sentinel":
+        if self.kind is EndpointKind.SENTINEL:
             self._require_agreed_master(nodes[0].name)
         for node in nodes:
             with self.on(node):
@@ -658,7 +658,7 @@ class RedisAdmin:
         said = "; ".join(f"{a.sentinel} names {a.master}" for a in answers) or "none answers"
         raise PurgeRefused(
             f"purge refused: the sentinels do not agree that {master} is the master of "
-            f"{self.cfg.topology.service!r} ({said}); nothing deleted"
+            f"{self.cfg.endpoint.service!r} ({said}); nothing deleted"
         )
 
 

@@ -14,12 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-from urllib.parse import urlsplit
 
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
-from hma_redis.core.config import RedisTierConfig, strip_userinfo
+from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import parse_block_key
 from hma_redis.core.notifications import NEEDED_FLAGS, missing_flags
 from hma_redis.tools.cli.admin import CLUSTER_SLOTS, GroupOrphans, NodeAdmin, RedisAdmin
@@ -56,17 +55,17 @@ def doctor_checks(admin: RedisAdmin, env: Mapping[str, str]) -> list[Check]:
     then every server in turn (its checks only when it answers PING)."""
     cfg = admin.cfg
     checks = [_check_auth(cfg), _check_transport(cfg), _check_hash_seed(env)]
-    if admin.kind == "sentinel":
+    if admin.kind is EndpointKind.SENTINEL:
         checks.append(_check_sentinels(admin))
     try:
         nodes = admin.nodes()
     except RedisError as exc:
         return [*_auth_judged_by(exc, checks[:1]), *checks[1:], _unreachable(cfg, exc)]
-    if admin.kind == "cluster":
+    if admin.kind is EndpointKind.CLUSTER:
         names = ", ".join(node.name for node in nodes)
         checks.append(Check("masters", Verdict.OK, f"{len(nodes)} in the slot map: {names}"))
     for node in nodes:
-        label = None if admin.kind == "single" else node.name
+        label = None if admin.kind is EndpointKind.SINGLE else node.name
         checks += [dataclasses.replace(c, node=label) for c in _node_checks(admin, node)]
     if all(c.name != "connectivity" or c.verdict is not Verdict.FAIL for c in checks):
         checks += _intersection_checks(admin)
@@ -105,7 +104,7 @@ def _server_checks(admin: RedisAdmin, node: NodeAdmin) -> list[tuple[str, Callab
         ("scripts", lambda: _check_script_flags(node)),
         ("cluster", lambda: _check_cluster(admin, node)),
     ]
-    if admin.kind == "sentinel":
+    if admin.kind is EndpointKind.SENTINEL:
         steps.append(("role", lambda: _check_role(admin, node.info("replication"))))
     return [
         *steps,
@@ -153,7 +152,7 @@ def _auth_judged_by(exc: BaseException, checks: list[Check]) -> list[Check]:
 
 
 def _check_transport(cfg: RedisTierConfig) -> Check:
-    scheme = urlsplit(strip_userinfo(cfg.url)).scheme
+    scheme = cfg.endpoint.scheme
     if scheme == "unix":
         return Check("tls", Verdict.OK, "unix socket")
     if not cfg.tls:
@@ -192,7 +191,7 @@ def _check_hash_seed(env: Mapping[str, str]) -> Check:
 
 def _check_sentinels(admin: RedisAdmin) -> Check:
     """Do the URL's sentinels answer, and agree on the master?"""
-    service = admin.cfg.topology.service
+    service = admin.cfg.endpoint.service
     answers = admin.sentinel_answers()
     named = {a.master for a in answers if a.master is not None}
     silent = [f"{a.sentinel} ({a.error})" for a in answers if a.master is None]
@@ -241,7 +240,7 @@ def _check_script_flags(node: NodeAdmin) -> Check:
 def _check_cluster(admin: RedisAdmin, node: NodeAdmin) -> Check:
     """Cluster mode matches the URL; on a cluster, this master sees every slot served."""
     enabled = bool(int(node.info("cluster").get("cluster_enabled", 0)))
-    if admin.kind != "cluster":
+    if admin.kind is not EndpointKind.CLUSTER:
         if enabled:
             return Check(
                 "cluster",
@@ -271,7 +270,7 @@ def _check_cluster(admin: RedisAdmin, node: NodeAdmin) -> Check:
 def _check_role(admin: RedisAdmin, replication: Mapping[str, Any]) -> Check:
     """Sentinel: the server the sentinels name is a master, and has a replica to fail over to."""
     role = str(replication.get("role", "?"))
-    service = admin.cfg.topology.service
+    service = admin.cfg.endpoint.service
     if role != "master":
         return Check("role", Verdict.FAIL, f"named master of {service!r} but its role is {role}")
     replicas = int(replication.get("connected_slaves", 0))
@@ -441,12 +440,9 @@ def _check_intersection(
 
 def _is_local(cfg: RedisTierConfig) -> bool:
     """Every server (or sentinel) the URL names is on this host."""
-    parts = urlsplit(strip_userinfo(cfg.url))
-    if parts.scheme == "unix":
+    if cfg.endpoint.socket_path is not None:
         return True
-    topo = cfg.topology
-    hosts = [host for host, _ in topo.hosts] if topo.hosts else [parts.hostname or ""]
-    return all(_is_loopback(host) for host in hosts)
+    return all(_is_loopback(host) for host, _ in cfg.endpoint.hosts)
 
 
 def _is_loopback(host: str) -> bool:

@@ -42,7 +42,7 @@ from hma_redis.core.codec import (
     decode,
     decode_header,
 )
-from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.keys import parse_block_key
 from hma_redis.tools.cli.admin import (
@@ -566,7 +566,7 @@ def cmd_ls(admin: RedisAdmin, args: argparse.Namespace) -> int:
             }
         )
         return EXIT_OK
-    with_node = admin.kind == "cluster"
+    with_node = admin.kind is EndpointKind.CLUSTER
     rows = [_key_row(e, with_node) for e in sorted(page.entries, key=lambda e: e.key)]
     header = ["type", "value bytes", "memory", "ttl", *(["node"] if with_node else []), "key"]
     if rows:

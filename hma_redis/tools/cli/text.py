@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
-from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.tools.cli.admin import NodeError
 
 # Where an operator finds the ACL the CLI's Redis user needs.
@@ -23,7 +23,9 @@ def redis_error_message(exc: BaseException, cfg: RedisTierConfig) -> str:
     under Sentinel, the server that failed (a :class:`NodeError`)."""
     at = f"Redis at {cfg.redacted_url}"
     if isinstance(exc, NodeError):
-        deployment = "Redis Cluster" if cfg.topology.kind == "cluster" else "Sentinel service"
+        deployment = (
+            "Redis Cluster" if cfg.endpoint.kind is EndpointKind.CLUSTER else "Sentinel service"
+        )
         at = f"the master {exc.node} of the {deployment} at {cfg.redacted_url}"
         exc = exc.cause
     if needs_password(exc):
