@@ -79,7 +79,7 @@ _PUT_BATCH_IN_PLACE = 64
 # Room in a value's bound for header fields whose msgpack width varies with their value.
 _HEADER_SLACK = 64
 # The codec's prefix (hma_redis.core.codec): magic, version, flags, header length (the fields
-# its MAC covers), then CRC32C at 12 and the MAC at 16. Native stores fill every field but the
+# its MAC covers), then CRC32C at 12 and the MAC at 16. Stores fill every field but the
 # CRC, which the store job computes as it sends; loads compare the first 12 bytes.
 _SIGNED = struct.Struct(">4sHHI")
 _MAC_AT = 16
@@ -212,8 +212,8 @@ class _Job:
 @dataclass(frozen=True)
 class _Expected:
     """What a value written by this engine for a chunk starts with: its header (and that
-        header as msgpack), and the prefix fields before the CRC (magic, version, flags, header
-        length). A load's value must be exactly this (and its body) to land in its target; any
+    header as msgpack), and the prefix fields before the CRC (magic, version, flags, header
+    length). A load's value must be exactly this (and its body) to land in its target; any
     other value lands in staging and is decoded."""
 
     header: BlockHeader

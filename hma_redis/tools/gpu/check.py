@@ -5,10 +5,10 @@ against a local ``redis-server`` and a local 3-shard Redis Cluster; one table ou
     python -m hma_redis.tools.gpu.check --device cpu --output t.txt   # the CI variant, seconds
 
 For each Redis (single, cluster), chunk size (1 and 16 blocks) and connection count per job
-(1, 2, 4, 8 where the engine has ``connections_per_job``, else 1): stores from random block ids and loads into other ids, every load
-compared byte for byte on the device; per chunk size, a full-cache correctness check and a
-corrupted value that must be refused with nothing written;
-a load's time against the sum of its phases; and a matmul loop's rate on the compute stream
+(1, 2, 4, 8 where the engine has ``connections_per_job``, else 1): stores from random block
+ids and loads into other ids, every load compared byte for byte on the device; per chunk
+size, a full-cache correctness check and a corrupted value that must be refused with nothing
+written; a load's time against the sum of its phases; and a matmul loop's rate on the compute stream
 with and without loads running. Exit status: 0 every byte right, 1 a wrong byte (or a corrupted
 value let through, or a load that failed), 2 the check could not run. Speed targets are shown
 (``below`` / ``BLOCKED``) but do not change the exit status.
