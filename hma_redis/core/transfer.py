@@ -17,19 +17,19 @@ each part on a thread of its own and in one call of :mod:`hma_redis.core.fastpat
 part sends every node its own keys on a connection to that node). That call runs the C job
 (sockets, RESP parsing and CRC32C with the GIL released) where the extension is built and the
 connection is plain TCP or a unix socket, and its byte-identical pure-Python twin otherwise
-(TLS, ``HMA_REDIS_NATIVE=0``, no extension); one INFO line at start-up says which. A load's
-values are received straight into the KV cache's pages when it is host memory and values carry
-no MAC (else into pooled buffers, copied once valid); a value that is not exactly what this
-engine would have written for its chunk lands whole in a staging buffer and is judged by
-``codec.decode``. A store sends the pages in place (CPU) or from pooled buffers (other
-devices).
+(TLS, ``HMA_REDIS_NATIVE=0``, no extension); one INFO line at start-up says which. The C job
+receives a load's values straight into the KV cache's pages when it is host memory and values
+carry no MAC (else, and always on the twin, into pooled buffers, copied once valid); a value
+that is not exactly what this engine would have written for its chunk lands whole in a
+staging buffer and is judged by ``codec.decode``. A store sends the pages in place (CPU) or
+from pooled buffers (other devices).
 
 A load reports success only once every value was checked: checksum, prefix (magic, version,
 flags), header (key echo, group, dtype, layout, page sizes, blocks) and length, and the MAC
-with an ``auth_key``. Pages may land before their value's checksum is known; a job with any
-bad or missing value fails, and every page it may have written is zeroed before its failure is
-reported: no page the engine may read ever holds bytes that failed validation (vLLM frees a
-failed load's blocks without rewriting them, and reuses them).
+with an ``auth_key``. In place, pages may land before their value's checksum is known; a job
+with any bad or missing value fails, and every page it may have written is zeroed before its
+failure is reported: no page the engine may read ever holds bytes that failed validation
+(vLLM frees a failed load's blocks without rewriting them, and reuses them).
 
     engine = TransferEngine(store, [[LayerSource.of(t, page_bytes) for t in tensors]],
                             ValueFormat(kv_dtype="float16"), blocks_per_chunk=16)
@@ -446,9 +446,12 @@ class TransferEngine:
         elif native and reason is not None:
             raise ValueError(f"hma_redis: the native data path cannot run: {reason}")
         self._native = reason is None
-        # Loads land in the KV cache's pages only where it is host memory and values carry no
-        # MAC: a keyed value's MAC is checked before any of its bytes reach a page.
-        self._land_in_place = self._in_place and self._mac_key is None
+        # Loads land in the KV cache's pages only where it is host memory, values carry no MAC
+        # (a keyed value's MAC is checked before any of its bytes reach a page) and the C job
+        # runs: the twin receives into buffers and copies once every value is valid, so on the
+        # fallback no page ever holds a byte of a load that fails (the cost, one copy, is small
+        # beside the twin's own per-byte work).
+        self._land_in_place = self._native and self._in_place and self._mac_key is None
         self._connections = connections_per_job or store.cfg.connections_per_job
         # Threads that run the other connections' parts of a job (its own thread runs one).
         self._parts: ThreadPoolExecutor | None = None
@@ -533,8 +536,8 @@ class TransferEngine:
 
     @property
     def loads_land_in_place(self) -> bool:
-        """Whether loads receive values straight into the KV cache's pages (CPU KV cache, no
-        auth_key; either path): a failed load may then have written its own blocks."""
+        """Whether loads receive values straight into the KV cache's pages (the C job, CPU KV
+        cache, no auth_key): a failed load may then have written its own blocks."""
         return self._land_in_place
 
     @property

@@ -83,8 +83,8 @@ def _changed_only_in(before: list[torch.Tensor], pages: Pages, blocks) -> bool:
 
 
 def _unchanged_unless_landed(before: list[torch.Tensor], pages: Pages, blocks) -> bool:
-    """A failed load wrote nothing, except that into a CPU KV cache values land in their pages
-    before the job knows it fails (either path): there only the job's own blocks may
+    """A failed load wrote nothing, except that on the native path into a CPU KV cache values
+    land in their pages before the job knows it fails: there only the job's own blocks may
     have changed, and each of them holds what it held before or zeros (the job zeroes every
     page it may have written before it reports its failure)."""
     if pages.engine.loads_land_in_place:
