@@ -1,10 +1,9 @@
-"""Loads and stores of one 32 MiB job through the three data paths, quiet and with a thread that
+"""Loads and stores of one 32 MiB job through the two data paths, quiet and with a thread that
 holds the GIL.
 
-Paths: ``native`` (hma_redis.core._fastpath, GIL released for the whole job), ``python`` (its
-pure-Python oracle in hma_redis.core.fastpath) and ``store.py`` (today's
-``RedisBlockStore.get_into`` + decode + scatter, and ``put_parts_if_absent`` of
-``codec.encode_parts``). Every load lands the values in the pages of a CPU "KV cache" (8 layers,
+Paths: ``native`` (hma_redis.core._fastpath, GIL released for the whole job) and ``python`` (its
+pure-Python twin in hma_redis.core.fastpath, the fallback for TLS and ``HMA_REDIS_NATIVE=0``).
+Every load lands the values in the pages of a CPU "KV cache" (8 layers,
 16 KiB pages, random block ids: one destination span per page) and checks them (CRC32C and the
 header); every store sends the pages in place.
 
@@ -36,7 +35,7 @@ from urllib.parse import urlsplit
 from hma_redis.core import codec, fastpath
 from hma_redis.core.codec import FORMAT_VERSION, BlockHeader
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.store import OversizedValue, RedisBlockStore
+from hma_redis.core.store import RedisBlockStore
 
 try:
     from hma_redis.local_redis import LocalRedis
@@ -46,7 +45,7 @@ except ImportError:  # moved with the tools
 MiB = 1 << 20
 LAYERS = 8
 PAGE = 16 * 1024
-PATHS = ("native", "python", "store.py")
+PATHS = ("native", "python")
 _PREFIX = struct.Struct(">4sHHII32s")
 
 
@@ -59,7 +58,6 @@ class Setup:
     chunks: list[tuple[str, list[int]]]
     headers: list[BlockHeader]
     bodies: list[bytes]
-    pool: list[bytearray]  # value buffers reused by store.py loads (the worker pools them)
 
     @classmethod
     def make(cls, value_bytes: int, job_bytes: int, tag: str) -> Setup:
@@ -79,8 +77,7 @@ class Setup:
             chunks.append((key, ids))
             headers.append(header)
             bodies.append(rng.randbytes(header.body_bytes))
-        pool = [bytearray(codec.value_size(h) + 64) for h in headers]
-        return cls(value_bytes, cache, chunks, headers, bodies, pool)
+        return cls(value_bytes, cache, chunks, headers, bodies)
 
     @property
     def job_bytes(self) -> int:
@@ -125,30 +122,6 @@ def load_fast(setup: Setup, sock: socket.socket, native: bool, window: int) -> N
             raise RuntimeError(f"bad load: {result}")
 
 
-def load_store_py(setup: Setup, store: RedisBlockStore) -> None:
-    """Today's path: get_into pooled buffers, decode (CRC) as each arrives, then scatter."""
-    decoded: dict[int, codec.DecodedBlock] = {}
-    keys = [key for key, _ in setup.chunks]
-    pool = iter(setup.pool)
-
-    def alloc(nbytes: int) -> memoryview:
-        return memoryview(next(pool))[:nbytes]  # as the worker's buffer pool: no allocation
-
-    def check(idx: int, value: memoryview) -> None:
-        decoded[idx] = codec.decode(value, expected_key=keys[idx], expected_group=0)
-
-    bound = [codec.value_size(h) + 64 for h in setup.headers]
-    values = store.get_into(keys, alloc, check, max_bytes=bound)
-    if any(v is None or isinstance(v, OversizedValue) for v in values) or len(decoded) != len(keys):
-        raise RuntimeError("store.py load failed")
-    for idx, (_, ids) in enumerate(setup.chunks):
-        body = decoded[idx].body
-        offset = 0
-        for dest in setup.dests(ids):
-            dest[:] = body[offset : offset + PAGE]
-            offset += PAGE
-
-
 # ------------------------------------------------------------------------------------- stores
 
 
@@ -170,15 +143,6 @@ def store_fast(setup: Setup, sock: socket.socket, native: bool) -> None:
     results = store(sock, values, 10.0)
     if any(r.status is not fastpath.StoreStatus.STORED for r in results):
         raise RuntimeError(f"store failed: {results[:3]}")
-
-
-def store_store_py(setup: Setup, store: RedisBlockStore) -> None:
-    def parts(idx: int) -> list[memoryview]:
-        return codec.encode_parts(setup.headers[idx], setup.dests(setup.chunks[idx][1]))
-
-    results = store.put_parts_if_absent([k for k, _ in setup.chunks], parts)
-    if any(r.value != "stored" for r in results):
-        raise RuntimeError(f"store.py store failed: {results[:3]}")
 
 
 # ------------------------------------------------------------------------------------- runner
@@ -222,16 +186,10 @@ class Bench:
             self.store.client.set(key, bytes(codec.encode(header, body)))
 
     def run_load(self, path: str, setup: Setup) -> None:
-        if path == "store.py":
-            load_store_py(setup, self.store)
-        else:
-            load_fast(setup, self.sock, path == "native", self.window)
+        load_fast(setup, self.sock, path == "native", self.window)
 
     def run_store(self, path: str, setup: Setup) -> None:
-        if path == "store.py":
-            store_store_py(setup, self.store)
-        else:
-            store_fast(setup, self.sock, path == "native")
+        store_fast(setup, self.sock, path == "native")
 
     def timed(self, op: str, path: str, setup: Setup, spinning: bool) -> float:
         """GB/s of one repetition (setup and checks outside the timing)."""
@@ -288,16 +246,12 @@ def run(args: argparse.Namespace, url: str) -> None:
 
 def print_table(title: str, rows: list[tuple[int, str, dict[str, float]]]) -> None:
     print(f"\n## {title} (GB/s)")
-    print(
-        f"{'value':>8} {'op':>6} {'native':>8} {'python':>8} {'store.py':>9} "
-        f"{'nat/py':>7} {'nat/store':>9}"
-    )
+    print(f"{'value':>8} {'op':>6} {'native':>8} {'python':>8} {'nat/py':>7}")
     for size, op, gbs in rows:
         label = f"{size // 1024} KiB" if size < MiB else f"{size // MiB} MiB"
         print(
             f"{label:>8} {op:>6} {gbs['native']:8.2f} {gbs['python']:8.2f} "
-            f"{gbs['store.py']:9.2f} {gbs['native'] / gbs['python']:7.2f} "
-            f"{gbs['native'] / gbs['store.py']:9.2f}"
+            f"{gbs['native'] / gbs['python']:7.2f}"
         )
 
 

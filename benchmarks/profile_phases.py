@@ -8,11 +8,11 @@ wraps the worker's and store's own functions with timers, so each line is the ti
 that function, per job (averaged over ``--jobs`` jobs after one warm-up job per size):
 
 - store: ``exists`` (the pre-check), ``_pages_in_place`` (slicing the pages' views),
-  ``codec.encode_parts`` (CRC32C over the pages in place), ``put_parts_if_absent`` (sending,
-  replies); ``encode_parts`` and ``_pages_in_place`` run inside ``put_parts_if_absent``, which
-  builds each value just before sending it, so its line includes them;
-- load: ``get_into`` (GETs received into pooled buffers; ``_validate`` runs inside it, as each
-  value arrives), ``_validate`` (CRC32C, header checks), ``_scatter`` (copies into the KV cache).
+  ``_value_head`` (prefix, header, MAC with an auth_key), ``put_values`` (the store job, C or
+  twin: CRC32C over the pages in place, sending, replies);
+- load: ``load_values`` (the load job, C or twin: GETs received into the pages or pooled
+  buffers, CRC32C as they arrive), ``_validate`` (``codec.decode`` of values that landed in
+  staging), ``_scatter`` (copies from buffers into the KV cache).
 
 Wall time of the whole job is the ``total`` line. Profiling adds a little overhead per call.
 """
@@ -27,7 +27,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from hma_redis.core import codec
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import TransferEngine
 from hma_redis.tools.bench import tier as bench_tier
@@ -57,12 +56,12 @@ def main() -> None:
     for owner, name, label in (
         (TransferEngine, "_run_store", "store total"),
         (RedisBlockStore, "exists", "store exists"),
-        (RedisBlockStore, "put_parts_if_absent", "store put_parts_if_absent"),
-        (codec, "encode_parts", "store   encode_parts (CRC32C)"),
-        (TransferEngine, "_pages_in_place", "store   _pages_in_place"),
+        (RedisBlockStore, "put_values", "store put_values (CRC32C, send)"),
+        (TransferEngine, "_value_head", "store _value_head"),
+        (TransferEngine, "_pages_in_place", "_pages_in_place (stores and loads)"),
         (TransferEngine, "_run_load", "load total"),
-        (RedisBlockStore, "get_into", "load get_into"),
-        (TransferEngine, "_validate", "load   _validate (CRC32C)"),
+        (RedisBlockStore, "load_values", "load load_values (receive, CRC32C)"),
+        (TransferEngine, "_validate", "load _validate (staged values)"),
         (TransferEngine, "_scatter", "load _scatter"),
     ):
         _timed(owner, name, label)

@@ -588,7 +588,9 @@ static int receive_value(conn_t *c, target_t *t, long long len) {
     } else if (!matched && t->has_staging && len <= (long long)t->staging.len) {
         /* Anything else Python decodes: the whole value in staging. */
         uint8_t *staging = t->staging.buf;
-        memcpy(staging, head, got);
+        /* memmove: staging may be the very buffer head is a view of (the transfer engine
+         * gives one buffer for both). */
+        memmove(staging, head, got);
         seg.ptr = staging + got;
         seg.len = (size_t)len - got;
         if (conn_recv_segments(c, &seg, 1, &acc) < 0) return -1;

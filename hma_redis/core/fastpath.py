@@ -6,10 +6,11 @@ caller's buffers:
 * native: the C extension ``hma_redis.core._fastpath`` (built by ``pip install`` with the
   system compiler), which runs the whole job with the GIL released, so a Python thread that
   holds the GIL (vLLM's step loop while a request waits for its KV) does not stall it;
-* pure Python: this module, over the socket object. It is the test oracle and the fallback
-  where the extension was not built, is disabled (``HMA_REDIS_NATIVE=0``), or cannot serve the
-  socket: TLS sockets always take this path (the native code needs a plain fd; encryption
-  stays in Python's ``ssl``).
+* pure Python: the twin in this module, over the socket object. It is the test oracle of the
+  native code and THE fallback: it runs every job where the extension was not built, is
+  disabled (``HMA_REDIS_NATIVE=0``), or cannot serve the socket: TLS sockets always take it
+  (the native code needs a plain fd; encryption stays in Python's ``ssl``). There is no third
+  way for a value to travel.
 
 One INFO line says which path runs and why: the transfer engine's at start-up (:func:`announce`),
 or this module's at first use.
@@ -41,7 +42,8 @@ group and layout).
 
 A timeout (no progress for ``timeout_s``, or the job not done within ``budget_s`` seconds of
 its start when a budget is given), an EOF or a malformed reply (among them a reply line that
-does not fit :data:`MAX_REPLY_LINE` bytes with its CRLF) raises (``TimeoutError``,
+does not fit :data:`MAX_REPLY_LINE` bytes with its CRLF, found before more than that is held)
+raises (``TimeoutError``,
 ``ConnectionError``, :class:`ProtocolError`): the stream is then at an unknown position and the
 caller must drop the connection. Destination memory may have been written by then.
 
@@ -71,13 +73,16 @@ from typing import Any, NamedTuple
 import crc32c as _crc32c
 
 from hma_redis.core.deadline import Deadline
-from hma_redis.core.resp import MAX_REPLY_LINE, send_all
-from hma_redis.core.resp import ProtocolError as ProtocolError  # raised by both paths
 
 logger = logging.getLogger(__name__)
 
 # Set to "0" to run the pure-Python path even where the extension is built.
 NATIVE_ENV = "HMA_REDIS_NATIVE"
+
+# The longest reply line, CRLF included, that either path accepts (the native reader's buffer).
+MAX_REPLY_LINE = 64 * 1024
+# Buffers per sendmsg call (Linux' IOV_MAX is 1024).
+_IOV_MAX = 1024
 
 PREFIX_BYTES = 48  # the codec's prefix (hma_redis.core.codec.PREFIX_BYTES)
 _HLEN_OFFSET = 8  # header length field (big-endian u32) inside the prefix
@@ -104,6 +109,21 @@ try:
 except ImportError as exc:  # not built (no compiler at install time), or a broken build
     _native = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def _protocol_error_class() -> type[ConnectionError]:
+    """The extension's ProtocolError where it is built: both paths raise one class."""
+    if _native is not None:
+        cls: type[ConnectionError] = _native.ProtocolError
+        return cls
+
+    class ProtocolError(ConnectionError):
+        """Redis sent bytes that are not the expected RESP reply; drop the connection."""
+
+    return ProtocolError
+
+
+ProtocolError = _protocol_error_class()
 
 
 class LoadStatus(Enum):
@@ -214,9 +234,9 @@ def _announce() -> None:
             logger.info("hma_redis: transfer data path: %s", describe())
 
 
-def _native_for(sock: socket.socket) -> bool:
+def _native_for(sock: socket.socket, native: bool = True) -> bool:
     _announce()
-    return available() and not isinstance(sock, ssl.SSLSocket)
+    return native and available() and not isinstance(sock, ssl.SSLSocket)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -254,15 +274,16 @@ def load_values(
     timeout_s: float,
     window: int | None = None,
     budget_s: float | None = None,
+    native: bool = True,
 ) -> list[LoadResult]:
     """Run a load job on ``sock`` (see the module docstring): ``commands[i]`` asks for the value
     that goes to ``targets[i]``; at most ``window`` are unanswered at once (0: all sent first;
     None: :func:`window_for` the targets); the whole job within ``budget_s`` seconds when
-    given (TimeoutError at once when it is not > 0). Native unless unavailable or ``sock`` is
-    TLS."""
+    given (TimeoutError at once when it is not > 0). Native unless unavailable, ``sock`` is
+    TLS or ``native`` is False; the pure-Python twin otherwise."""
     if window is None:
         window = window_for(targets)
-    if _native_for(sock):
+    if _native_for(sock, native):
         return native_load_values(sock, commands, targets, timeout_s, window, budget_s)
     return python_load_values(sock, commands, targets, timeout_s, window, budget_s)
 
@@ -272,11 +293,13 @@ def store_values(
     values: Sequence[StoreValue],
     timeout_s: float,
     budget_s: float | None = None,
+    native: bool = True,
 ) -> list[StoreResult]:
     """Run a store job on ``sock`` (see the module docstring): checksum each value into its
     head, send it with its pages in place, then read one reply per value; the whole job within
-    ``budget_s`` seconds when given. Native unless unavailable or ``sock`` is TLS."""
-    if _native_for(sock):
+    ``budget_s`` seconds when given. Native unless unavailable, ``sock`` is TLS or ``native``
+    is False; the pure-Python twin otherwise."""
+    if _native_for(sock, native):
         return native_store_values(sock, values, timeout_s, budget_s)
     return python_store_values(sock, values, timeout_s, budget_s)
 
@@ -431,9 +454,26 @@ def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
 
 
 def _send(sock: socket.socket, parts: Sequence[Any], waits: _Waits) -> None:
-    """Send ``parts`` back to back (the store's own sender: sendmsg, no joining; TLS piece by
-    piece), each send bounded by ``waits``."""
-    send_all(sock, [memoryview(p).cast("B") for p in parts], waits.arm)
+    """Send ``parts`` back to back: ``sendmsg`` (scatter-gather, no joining) where the socket
+    has it, TLS piece by piece; each socket call bounded by ``waits``."""
+    views = [memoryview(p).cast("B") for p in parts]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            waits.arm()
+            sock.sendall(view)
+        return
+    pending = [view for view in views if view.nbytes]  # sendmsg of only empty parts sends 0
+    first = 0
+    while first < len(pending):
+        waits.arm()
+        sent = sock.sendmsg(pending[first : first + _IOV_MAX])
+        while sent:
+            size = pending[first].nbytes
+            if sent < size:
+                pending[first] = pending[first][sent:]
+                break
+            sent -= size
+            first += 1
 
 
 def _be32(view: memoryview, offset: int) -> int:

@@ -22,10 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol, TypeVar
 
-import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import (
-    InvalidResponse,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -47,10 +45,8 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.latency import LatencySamples, Operation
-from hma_redis.core.resp import OversizedValue, RawReplies, no_bulk, send_all
 
 __all__ = [
-    "OversizedValue",
     "PutResult",
     "RedisBlockStore",
     "RedisUnavailableError",
@@ -90,17 +86,15 @@ for c = 1, #KEYS / (ranks + 1) do
 end
 return out
 """
-# GETs in flight on a bulk read (see RedisBlockStore.get_into).
-_GET_WINDOW = 2
 # A refusal of each kind is logged at most once per this many seconds (the rest are counted).
 REFUSAL_LOG_INTERVAL_S = 60.0
 
 _T = TypeVar("_T")
-_R = TypeVar("_R", bound="_NativeResult")
+_R = TypeVar("_R", bound="_JobResult")
 
 
-class _NativeResult(Protocol):
-    """A native job's result for one key (:class:`fastpath.LoadResult`, ``StoreResult``)."""
+class _JobResult(Protocol):
+    """A value job's result for one key (:class:`fastpath.LoadResult`, ``StoreResult``)."""
 
     @property
     def error(self) -> str | None: ...
@@ -172,7 +166,7 @@ class RedisBlockStore:
         # Seconds of the calls Redis answered, by operation (drained by the metrics).
         self.latency = LatencySamples()
         self._refusal_log = RateLimitedLog(refusal_log_interval_s)
-        # A native job on a Cluster met MOVED/ASK: refresh the slot table after it.
+        # A value job on a Cluster met MOVED/ASK: refresh the slot table after it.
         self._slots_stale = False
 
     # ------------------------------------------------------------------ health
@@ -337,56 +331,6 @@ class RedisBlockStore:
             operation=Operation.STORE,
         )
 
-    def put_parts_if_absent(
-        self,
-        keys: Sequence[str],
-        parts: Callable[[int], Sequence[memoryview]],
-        ttl_s: int | None = None,
-        deadline: Deadline | None = None,
-        nbytes: int = 0,
-    ) -> list[PutResult]:
-        """:meth:`put_if_absent` of values given as pieces, sent without joining them.
-
-        ``parts(i)`` gives the pieces of ``keys[i]``'s value (the codec's prefix and header,
-        then pages read in place from the KV cache). It is called just before that value is
-        sent, so building the next value overlaps Redis reading the previous one. The pieces
-        go to the socket in one ``sendmsg`` (``writev``): the kernel copies them straight from
-        where they are, so a store makes no copy of its own. Every SET is sent before the first
-        reply is read (one round trip). TLS sockets send piece by piece; a Cluster joins each
-        value and uses :meth:`put_if_absent`. ``nbytes`` (the values' total size) sets the
-        operation's deadline.
-        """
-        if not keys:
-            return []
-        if self._is_cluster:
-            joined = [(key, b"".join(parts(idx))) for idx, key in enumerate(keys)]
-            return self.put_if_absent(joined, ttl_s, deadline)
-        ttl = ttl_s if ttl_s is not None else self.cfg.ttl_s
-        tail = b"\r\n$2\r\nNX\r\n"
-        if ttl:
-            tail += b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
-
-        def body(conn: Any, replies: RawReplies) -> list[PutResult]:
-            for idx, key in enumerate(keys):
-                value = parts(idx)
-                raw_key = key.encode()
-                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-                    6 if ttl else 4,
-                    len(raw_key),
-                    raw_key,
-                    sum(part.nbytes for part in value),
-                )
-                send_all(conn._sock, [memoryview(head), *value, memoryview(tail)], replies.arm)
-            return [self._put_result(replies.read(no_bulk)) for _ in keys]
-
-        return self._streamed(
-            "SET",
-            body,
-            [PutResult.FAILED] * len(keys),
-            self._deadline(nbytes, deadline),
-            Operation.STORE,
-        )
-
     def _put_result(self, reply: Any) -> PutResult:
         """One SET NX reply: OK, nil (the key existed), or a refusal (e.g. OOM under
         maxmemory + noeviction: this key is not stored)."""
@@ -411,117 +355,6 @@ class RedisBlockStore:
             "GET", keys, run, collect, default=None, deadline=within, operation=Operation.LOAD
         )
 
-    def get_into(
-        self,
-        keys: Sequence[str],
-        alloc: Callable[[int], memoryview],
-        on_value: Callable[[int, memoryview], None] | None = None,
-        max_bytes: Sequence[int] | None = None,
-        deadline: Deadline | None = None,
-    ) -> list[memoryview | OversizedValue | None]:
-        """Like :meth:`get` (one round trip; ``None`` for missing, refused, or all if Redis
-        fails), but each value is received straight into ``alloc(nbytes)``: one copy, where
-        redis-py + hiredis make three (its read buffer, hiredis' buffer, a new ``bytes``).
-        Every value returned lives in memory that ``alloc`` gave, whatever the topology.
-
-        With ``max_bytes``, a value longer than ``max_bytes[i]`` is never held whole: ``alloc``
-        is not asked for it, its bytes are received in bounded pieces and dropped, and it comes
-        back as :class:`OversizedValue`. A bad value under a key thus never makes the caller
-        allocate more than it bounded.
-
-        Only ``_GET_WINDOW`` GETs are in flight, one more is sent as each value arrives: sending
-        them all at once makes Redis build every reply in its output buffer before the socket
-        drains it (measured 2x slower at 512 KiB and 2 MiB). ``on_value(index, value)`` runs as
-        each value arrives, while Redis already sends the next one; it does not make the value
-        final: if Redis fails later in the call, every key still comes back ``None``.
-        Cluster: redis-py's GET (GETRANGE up to the bound with ``max_bytes``), each value then
-        copied into ``alloc``'d memory.
-        """
-        if not keys:
-            return []
-        within = self._deadline(sum(max_bytes or ()), deadline)
-        if self._is_cluster:
-            return self._get_into_cluster(keys, alloc, on_value, max_bytes, within)
-
-        def body(conn: Any, replies: RawReplies) -> list[memoryview | OversizedValue | None]:
-            first = [("GET", key) for key in keys[:_GET_WINDOW]]
-            replies.arm()
-            conn.send_packed_command(conn.pack_commands(first), check_health=False)
-            out: list[memoryview | OversizedValue | None] = []
-            for idx in range(len(keys)):
-                reply = replies.read(alloc, None if max_bytes is None else max_bytes[idx])
-                if idx + _GET_WINDOW < len(keys):
-                    command = conn.pack_command("GET", keys[idx + _GET_WINDOW])
-                    replies.arm()
-                    conn.send_packed_command(command, check_health=False)
-                if self._refusal("GET", reply):
-                    reply = None
-                elif isinstance(reply, bytes):
-                    raise InvalidResponse(f"unexpected reply to GET: {reply[:40]!r}")
-                elif isinstance(reply, memoryview) and on_value is not None:
-                    on_value(idx, reply)
-                assert not isinstance(reply, ResponseError | bytes)
-                out.append(reply)
-            return out
-
-        return self._streamed("GET", body, [None] * len(keys), within, Operation.LOAD)
-
-    def _get_into_cluster(
-        self,
-        keys: Sequence[str],
-        alloc: Callable[[int], memoryview],
-        on_value: Callable[[int, memoryview], None] | None,
-        max_bytes: Sequence[int] | None,
-        deadline: Deadline,
-    ) -> list[memoryview | OversizedValue | None]:
-        """:meth:`get_into` through redis-py's cluster pipeline: values arrive as ``bytes`` and
-        are copied into ``alloc``'d memory (the caller may write to and reuse it)."""
-        fetched: Sequence[bytes | OversizedValue | None]
-        if max_bytes is None:
-            fetched = self.get(keys, deadline)
-        else:
-            fetched = self._get_bounded(keys, max_bytes, deadline)
-        out: list[memoryview | OversizedValue | None] = []
-        for idx, value in enumerate(fetched):
-            if not isinstance(value, bytes):
-                out.append(value)
-                continue
-            buffer = alloc(len(value))
-            buffer[:] = value
-            if on_value is not None:
-                on_value(idx, buffer)
-            out.append(buffer)
-        return out
-
-    def _get_bounded(
-        self, keys: Sequence[str], max_bytes: Sequence[int], deadline: Deadline
-    ) -> list[bytes | OversizedValue | None]:
-        """Values of ``keys`` (one round trip per node), none read past ``max_bytes[i] + 1``
-        bytes: GETRANGE stops there, and EXISTS tells a missing key from an empty value."""
-
-        def run(pipe: Any, batch: Sequence[str]) -> None:
-            for key, limit in zip(batch, max_bytes, strict=True):
-                pipe.exists(key)
-                pipe.getrange(key, 0, limit)  # one byte past the bound shows it is over
-
-        def collect(
-            replies: list[Any], batch: Sequence[str]
-        ) -> list[bytes | OversizedValue | None]:
-            out: list[bytes | OversizedValue | None] = []
-            for limit, there, value in zip(max_bytes, replies[::2], replies[1::2], strict=True):
-                refused = [self._refusal("EXISTS", there), self._refusal("GETRANGE", value)]
-                if any(refused) or not there:
-                    out.append(None)
-                elif len(value) > limit:
-                    out.append(OversizedValue(len(value)))
-                else:
-                    out.append(value)
-            return out
-
-        return self._guarded(
-            "GET", keys, run, collect, default=None, deadline=deadline, operation=Operation.LOAD
-        )
-
     def delete(self, keys: Sequence[str]) -> int:
         """UNLINK ``keys`` (used to drop values that failed validation); 0 if Redis fails."""
         if not keys:
@@ -537,12 +370,13 @@ class RedisBlockStore:
 
         return self._guard("UNLINK", unlink, 0)
 
-    # ------------------------------------------------------------------ native fast path
+    # ------------------------------------------------------------------ value jobs
 
     def native_unavailable_reason(self) -> str | None:
-        """Why :meth:`load_native` / :meth:`put_native` cannot serve this store, or None.
+        """Why :meth:`load_values` / :meth:`put_values` cannot run the C job for this store
+        (they run its pure-Python twin then), or None.
 
-        They need the built extension (not disabled by ``HMA_REDIS_NATIVE=0``) and plain
+        The C job needs the built extension (not disabled by ``HMA_REDIS_NATIVE=0``) and plain
         connections (standalone, unix socket, Sentinel's master, or each node of a Cluster):
         TLS stays in Python's ``ssl``.
         """
@@ -565,22 +399,27 @@ class RedisBlockStore:
         """:meth:`warm_bulk` for the connection lookups use (one per pool)."""
         return _warm(self.client, 1)
 
-    def load_native(
+    def load_values(
         self,
         keys: Sequence[str],
         targets: Sequence[fastpath.LoadTarget],
         deadline: Deadline | None = None,
         outcome: JobOutcome | None = None,
+        native: bool = True,
     ) -> list[fastpath.LoadResult] | None:
-        """``GET`` every key into its target, the whole job in one native call on one
-        connection with the GIL released (:func:`fastpath.load_values`: values land where the
-        targets say, CRC32C computed as they arrive; nothing is validated beyond that).
+        """``GET`` every key into its target, the whole job in one call of
+        :func:`fastpath.load_values` per connection (values land where the targets say,
+        CRC32C computed as they arrive; nothing is validated beyond that): the C job with the
+        GIL released, or its pure-Python twin where the C job cannot serve the connection
+        (:meth:`native_unavailable_reason`) or ``native`` is False. Same bytes either way.
 
-        An error reply is a refusal (counted and logged; its result stays ``ERROR``) unless it
-        is an outage. None when Redis failed (outage: the breaker opens) or the breaker is
-        open. Counters pending delivery go first on the same connection, one round trip of
-        their own. ``outcome``: this call is one part of a job (see :meth:`job_outcome`).
-        Only where :meth:`native_unavailable_reason` is None.
+        On a Cluster the keys are grouped by the node that serves their slot, each group on a
+        connection to that node; ASK is followed, MOVED is a refusal and refreshes the slot
+        table (:meth:`_on_job_connections`). An error reply is a refusal (counted and logged;
+        its result stays ``ERROR``) unless it is an outage. None when Redis failed (outage:
+        the breaker opens) or the breaker is open. Counters pending delivery go first on the
+        same connection, one round trip of their own. ``outcome``: this call is one part of a
+        job (see :meth:`job_outcome`).
         """
         if not keys:
             return []
@@ -594,18 +433,19 @@ class RedisBlockStore:
                 [targets[i] for i in idx],
                 self.cfg.read_timeout_s,
                 budget_s=within.remaining(),
+                native=native,
             )
 
         def load() -> list[fastpath.LoadResult]:
-            results = self._on_native_connections(keys, body)
+            results = self._on_job_connections(keys, body)
             for result in results:
                 if result.status is fastpath.LoadStatus.ERROR:
-                    self._native_error("GET", result.error)
+                    self._job_error("GET", result.error)
             return results
 
         return self._guard("GET", load, None, within, outcome, Operation.LOAD)
 
-    def put_native(
+    def put_values(
         self,
         keys: Sequence[str],
         heads: Sequence[Any],
@@ -613,15 +453,17 @@ class RedisBlockStore:
         ttl_s: int | None = None,
         deadline: Deadline | None = None,
         outcome: JobOutcome | None = None,
+        native: bool = True,
     ) -> list[PutResult]:
-        """``SET key value NX [EX ttl]`` for every key, in one native call on one connection
-        with the GIL released (:func:`fastpath.store_values`).
+        """``SET key value NX [EX ttl]`` for every key, in one call of
+        :func:`fastpath.store_values` per connection: the C job with the GIL released, or its
+        pure-Python twin (as :meth:`load_values`; a Cluster likewise, per node).
 
         A value is ``heads[i]`` (the codec's prefix and header, every field filled but the
         CRC32C, which is computed over header and body and written into the head here) then
-        ``bodies[i]``'s pieces, sent in place by ``sendmsg``. Results as
+        ``bodies[i]``'s pieces, sent in place (``sendmsg``; TLS piece by piece). Results as
         :meth:`put_if_absent`. ``outcome``: this call is one part of a job (see
-        :meth:`job_outcome`). Only where :meth:`native_unavailable_reason` is None.
+        :meth:`job_outcome`).
         """
         if not keys:
             return []
@@ -651,27 +493,28 @@ class RedisBlockStore:
                 [values[i] for i in idx],
                 self.cfg.read_timeout_s,
                 budget_s=within.remaining(),
+                native=native,
             )
 
         def store() -> list[PutResult]:
-            return [self._store_result(r) for r in self._on_native_connections(keys, send)]
+            return [self._store_result(r) for r in self._on_job_connections(keys, send)]
 
         default = [PutResult.FAILED] * len(keys)
         return self._guard("SET", store, default, within, outcome, Operation.STORE)
 
     def job_outcome(self) -> JobOutcome:
         """One breaker outcome for the parts of a job that run on several connections at once
-        (:meth:`load_native` / :meth:`put_native` with ``outcome``): the job is let through or
+        (:meth:`load_values` / :meth:`put_values` with ``outcome``): the job is let through or
         not as a whole now, and :meth:`JobOutcome.settle`, once every part has finished,
         reports one failure if any part met an outage (else one success)."""
         return self.breaker.job()
 
-    def _native_error(self, command: str, error: str | None) -> None:
-        """An error reply to one GET of a native job: a refusal (counted, logged)."""
-        self._refusal(command, self._native_reply_error(error))
+    def _job_error(self, command: str, error: str | None) -> None:
+        """An error reply to one GET of a load job: a refusal (counted, logged)."""
+        self._refusal(command, self._job_reply_error(error))
 
-    def _native_reply_error(self, error: str | None) -> ResponseError:
-        """An error reply of a native job as redis-py's exception; a Cluster key that moved
+    def _job_reply_error(self, error: str | None) -> ResponseError:
+        """An error reply of a value job as redis-py's exception; a Cluster key that moved
         (MOVED, ASK) also marks the slot table stale."""
         text = error or ""
         self._slots_stale = self._slots_stale or text.startswith(("MOVED", "ASK"))
@@ -679,7 +522,7 @@ class RedisBlockStore:
 
     def _store_result(self, result: fastpath.StoreResult) -> PutResult:
         if result.status is fastpath.StoreStatus.ERROR:
-            return self._put_result(self._native_reply_error(result.error))
+            return self._put_result(self._job_reply_error(result.error))
         stored = result.status is fastpath.StoreStatus.STORED
         return PutResult.STORED if stored else PutResult.EXISTED
 
@@ -828,60 +671,7 @@ class RedisBlockStore:
         with self._stats_lock:
             self.round_trips += 1
 
-    def _streamed(
-        self,
-        command: str,
-        body: Callable[[Any, RawReplies], _T],
-        default: _T,
-        deadline: Deadline,
-        operation: Operation,
-    ) -> _T:
-        """Run ``body`` on one connection of the bulk pool, replies read by :class:`RawReplies`
-        (every wait bounded by ``deadline``), under :meth:`_guard` (an outage opens the breaker
-        and yields ``default``)."""
-        return self._guard(
-            command,
-            lambda: self._on_bulk_connection(body, deadline),
-            default,
-            deadline,
-            operation=operation,
-        )
-
-    def _on_bulk_connection(self, body: Callable[[Any, RawReplies], _T], deadline: Deadline) -> _T:
-        """Pending counter deltas go first on the same connection (same round trip). Any
-        exception resets the connection (it may stop inside a reply) and propagates."""
-        self._count_round_trip()
-        assert isinstance(self._bulk, redis.Redis)
-        pool = self._bulk.connection_pool
-        pending = self.counters.take() if self.stats_key is not None else {}
-        replies: RawReplies | None = None
-        conn = None
-        try:
-            conn = pool.get_connection()
-            replies = RawReplies(
-                conn,
-                skip=len(pending),
-                on_skipped=lambda r: self._check_counter_replies([r]),
-                deadline=deadline,
-            )
-            if pending:
-                counters = [("HINCRBY", self.stats_key, n, d) for n, d in pending.items()]
-                replies.arm()
-                conn.send_packed_command(conn.pack_commands(counters), check_health=False)
-            return body(conn, replies)
-        except BaseException:
-            if conn is not None:
-                conn.disconnect()
-            if replies is None or replies.skip:
-                self.counters.restore(pending)
-            raise
-        finally:
-            if replies is not None:
-                replies.restore_timeout()
-            if conn is not None:
-                pool.release(conn)
-
-    def _on_native_connections(
+    def _on_job_connections(
         self, keys: Sequence[str], body: Callable[[Any, Sequence[int]], list[_R]]
     ) -> list[_R]:
         """``body(socket, positions)`` for the positions of ``keys``, its results back in key
@@ -893,7 +683,7 @@ class RedisBlockStore:
         table is refreshed for the next job."""
         if not isinstance(self._bulk, RedisCluster):
             pool = self._bulk.connection_pool
-            return self._on_native_connection(pool, lambda sock: body(sock, range(len(keys))))
+            return self._on_job_connection(pool, lambda sock: body(sock, range(len(keys))))
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for idx, key in enumerate(keys):
             node = self._bulk.get_node_from_key(key)
@@ -907,7 +697,7 @@ class RedisBlockStore:
                     return body(sock, on_node)
 
                 pool = self._bulk.get_redis_connection(node).connection_pool
-                results = self._on_native_connection(pool, run, counters=False)
+                results = self._on_job_connection(pool, run, counters=False)
                 for idx, result in zip(positions, results, strict=True):
                     out[idx] = result
             self._follow_asks(out, body)  # type: ignore[arg-type,type-var]  # all filled
@@ -937,7 +727,7 @@ class RedisBlockStore:
             def again(sock: Any, at: int = idx) -> list[_R]:
                 return body(sock, [at])
 
-            (out[idx],) = self._on_native_connection(pool, again, counters=False, asking=True)
+            (out[idx],) = self._on_job_connection(pool, again, counters=False, asking=True)
 
     def _ask_target(self, error: str | None) -> Any:
         """The node an ``ASK`` error reply names, or None (not an ASK, or an unknown node)."""
@@ -954,7 +744,7 @@ class RedisBlockStore:
 
     def _deliver_counters_to_cluster(self) -> None:
         """Pending counter deltas through the cluster client (the stats key's node), before
-        a native job on a Cluster; restored for later unless every reply arrived."""
+        a value job on a Cluster; restored for later unless every reply arrived."""
         pending = self.counters.take() if self.stats_key is not None else {}
         if not pending:
             return
@@ -964,12 +754,12 @@ class RedisBlockStore:
             self.counters.restore(pending)
             raise
 
-    def _on_native_connection(
+    def _on_job_connection(
         self, pool: Any, body: Callable[[Any], _T], counters: bool = True, asking: bool = False
     ) -> _T:
         """Run ``body(socket)`` on one connection of ``pool``, which nothing else reads while
         it runs. Pending counter deltas are delivered first (unless ``counters`` is false), in
-        a round trip of their own (a native job reads only the replies to its own commands);
+        a round trip of their own (a value job reads only the replies to its own commands);
         with ``asking``, ``ASKING`` goes first (Cluster: the next command may use a slot the
         node is importing). A connection holding bytes nobody asked for (a push message) is
         reconnected first, so the job starts at a reply boundary. Any exception drops the
@@ -1001,9 +791,8 @@ class RedisBlockStore:
         try:
             counters = [("HINCRBY", self.stats_key, n, d) for n, d in pending.items()]
             conn.send_packed_command(conn.pack_commands(counters), check_health=False)
-            replies = RawReplies(conn)
             for _ in counters:
-                self._check_counter_replies([replies.read(no_bulk)])
+                self._check_counter_replies([_reply_of(conn)])
         except BaseException:
             self.counters.restore(pending)
             raise
@@ -1096,6 +885,15 @@ def bulk_connections(cfg: RedisTierConfig) -> int:
     engine built from ``cfg``, each with ``connections_per_job`` connections, and one more."""
     threads = cfg.io_threads + max(1, cfg.io_threads // 2)
     return threads * cfg.connections_per_job + 1
+
+
+def _reply_of(conn: Any) -> Any:
+    """The next reply on ``conn`` through redis-py's parser, an error reply as its exception
+    (returned, not raised: the stream is at the next reply either way)."""
+    try:
+        return conn.read_response()
+    except ResponseError as exc:
+        return exc
 
 
 def _get_command(key: str) -> bytes:

@@ -11,24 +11,25 @@ into pooled, pinned buffers), encode and put them with SET NX; loads get, valida
 into the given block ids. Bytes held in buffers are bounded (:class:`_ByteBudget`); on CUDA
 every transfer is ordered after the work the caller queued before submitting it.
 
-Two data paths move the bytes (one INFO line at start-up says which runs):
+One flow moves the bytes: a job's chunks are split over ``connections_per_job`` connections,
+each part on a thread of its own and in one call of :mod:`hma_redis.core.fastpath` (through
+:meth:`RedisBlockStore.load_values` / :meth:`~RedisBlockStore.put_values`; on a Cluster each
+part sends every node its own keys on a connection to that node). That call runs the C job
+(sockets, RESP parsing and CRC32C with the GIL released) where the extension is built and the
+connection is plain TCP or a unix socket, and its byte-identical pure-Python twin otherwise
+(TLS, ``HMA_REDIS_NATIVE=0``, no extension); one INFO line at start-up says which. The C job
+receives a load's values straight into the KV cache's pages when it is host memory and values
+carry no MAC (else, and always on the twin, into pooled buffers, copied once valid); a value
+that is not exactly what this engine would have written for its chunk lands whole in a
+staging buffer and is judged by ``codec.decode``. A store sends the pages in place (CPU) or
+from pooled buffers (other devices).
 
-* native (:mod:`hma_redis.core.fastpath`, where the extension is built and connections are
-  plain TCP or unix sockets): a job's sockets, RESP parsing and CRC32C run in C with the GIL
-  released, its chunks split over ``connections_per_job`` connections, each on a thread of its
-  own (on a Cluster each part sends every node its own keys on a connection to that node).
-  A load's values are received straight into the KV cache's pages when it is host memory and
-  values carry no MAC (else into pooled buffers, copied once valid); a store sends the pages
-  in place (CPU) or from pooled buffers (other devices);
-* Python (TLS, ``HMA_REDIS_NATIVE=0``, no extension): redis-py connections,
-  :class:`~hma_redis.core.resp.RawReplies` and ``codec``.
-
-Either way a load reports success only once every value was checked: checksum, prefix (magic,
-version, flags), header (key echo, group, dtype, layout, page sizes, blocks) and length, and
-the MAC with an ``auth_key``. On the native path pages may land before their value's checksum
-is known; a job with any bad or missing value fails, and every page it may have written is
-zeroed before its failure is reported: no page the engine may read ever holds bytes that failed
-validation (vLLM frees a failed load's blocks without rewriting them, and reuses them).
+A load reports success only once every value was checked: checksum, prefix (magic, version,
+flags), header (key echo, group, dtype, layout, page sizes, blocks) and length, and the MAC
+with an ``auth_key``. In place, pages may land before their value's checksum is known; a job
+with any bad or missing value fails, and every page it may have written is zeroed before its
+failure is reported: no page the engine may read ever holds bytes that failed validation
+(vLLM frees a failed load's blocks without rewriting them, and reuses them).
 
     engine = TransferEngine(store, [[LayerSource.of(t, page_bytes) for t in tensors]],
                             ValueFormat(kv_dtype="float16"), blocks_per_chunk=16)
@@ -61,7 +62,7 @@ from hma_redis.core.breaker import JobOutcome
 from hma_redis.core.codec import FORMAT_VERSION, BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.latency import Operation
-from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore
+from hma_redis.core.store import PutResult, RedisBlockStore
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +73,15 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 # Redis between the scheduler's lookup and the load's GET. Never set in production.
 TEST_LOAD_DELAY_ENV = "HMA_REDIS_TEST_LOAD_DELAY_S"
 
-# Values per pipelined put: large enough to amortize the round trip, small enough to bound memory.
+# Values per put: large enough to amortize the round trip, small enough to bound memory.
 _PUT_BATCH = 16
 # The same when values are sent from the KV cache in place (no memory to bound).
 _PUT_BATCH_IN_PLACE = 64
 # Room in a value's bound for header fields whose msgpack width varies with their value.
 _HEADER_SLACK = 64
 # The codec's prefix (hma_redis.core.codec): magic, version, flags, header length (the fields
-# its MAC covers), then CRC32C at 12 and the MAC at 16. Native stores fill every field but the
-# CRC, which the native job computes as it sends; native loads compare the first 12 bytes.
+# its MAC covers), then CRC32C at 12 and the MAC at 16. Stores fill every field but the
+# CRC, which the store job computes as it sends; loads compare the first 12 bytes.
 _SIGNED = struct.Struct(">4sHHI")
 _MAC_AT = 16
 
@@ -213,7 +214,8 @@ class _Job:
 class _Expected:
     """What a value written by this engine for a chunk starts with: its header (and that
     header as msgpack), and the prefix fields before the CRC (magic, version, flags, header
-    length). A load's value must be exactly this (and its body) to land natively."""
+    length). A load's value must be exactly this (and its body) to land in its target; any
+    other value lands in staging and is decoded."""
 
     header: BlockHeader
     packed: bytes
@@ -389,9 +391,9 @@ class TransferEngine:
     own, as by a secondary tier); without it such a load lands nothing.
 
     ``connections_per_job`` (default: the store's config) splits each job's chunks over that
-    many connections on the native path. ``native``: None runs the native path wherever the
-    store allows it (:meth:`RedisBlockStore.native_unavailable_reason`), False the Python
-    path; True requires the native path (``ValueError`` where it cannot run).
+    many connections. ``native``: None runs the C job wherever the store allows it
+    (:meth:`RedisBlockStore.native_unavailable_reason`) and its pure-Python twin elsewhere,
+    False the twin everywhere; True requires the C job (``ValueError`` where it cannot run).
 
     Thread safety: ``submit_*``, :meth:`finished`, :meth:`wait` and :meth:`shutdown` are
     called from one thread (the caller's step loop); the jobs run on the engine's threads.
@@ -445,11 +447,13 @@ class TransferEngine:
         elif native and reason is not None:
             raise ValueError(f"hma_redis: the native data path cannot run: {reason}")
         self._native = reason is None
-        # Loads land in the KV cache's pages only where it is host memory and values carry no
-        # MAC: a keyed value's MAC is checked before any of its bytes reach a page.
+        # Loads land in the KV cache's pages only where it is host memory, values carry no MAC
+        # (a keyed value's MAC is checked before any of its bytes reach a page) and the C job
+        # runs: the twin receives into buffers and copies once every value is valid, so on the
+        # fallback no page ever holds a byte of a load that fails (the cost, one copy, is small
+        # beside the twin's own per-byte work).
         self._land_in_place = self._native and self._in_place and self._mac_key is None
-        connections = connections_per_job or store.cfg.connections_per_job
-        self._connections = connections if self._native else 1
+        self._connections = connections_per_job or store.cfg.connections_per_job
         # Threads that run the other connections' parts of a job (its own thread runs one).
         self._parts: ThreadPoolExecutor | None = None
         if self._connections > 1:
@@ -467,10 +471,9 @@ class TransferEngine:
         self._loads_lock = threading.Lock()
         self._closed = False
         self._test_load_delay_s = float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
-        if self._native:
-            # The first job's connections, opened now on a load thread: a fresh engine's first
-            # load would otherwise open them itself (in_engine_timeline.py: ~1 ms).
-            self._loads.submit(store.warm_bulk, self._connections)
+        # The first job's connections, opened now on a load thread: a fresh engine's first
+        # load would otherwise open them itself (in_engine_timeline.py: ~1 ms).
+        self._loads.submit(store.warm_bulk, self._connections)
 
     # ------------------------------------------------------------------ API
 
@@ -529,13 +532,13 @@ class TransferEngine:
 
     @property
     def native(self) -> bool:
-        """Whether jobs run on the native path (see the module docstring)."""
+        """Whether jobs run the C job (else its pure-Python twin; see the module docstring)."""
         return self._native
 
     @property
     def loads_land_in_place(self) -> bool:
-        """Whether loads receive values straight into the KV cache's pages (native path, CPU
-        KV cache, no auth_key): a failed load may then have written its own blocks."""
+        """Whether loads receive values straight into the KV cache's pages (the C job, CPU KV
+        cache, no auth_key): a failed load may then have written its own blocks."""
         return self._land_in_place
 
     @property
@@ -572,17 +575,16 @@ class TransferEngine:
 
     def _describe_path(self, reason: str | None) -> str:
         if reason is not None:
-            return f"pure Python ({reason})"
+            which = f"pure Python ({reason})"
+        else:
+            crc = "SSE4.2" if fastpath.hardware_crc() else "a portable table"
+            which = f"native, GIL released (CRC32C by {crc})"
         where = (
             "loads land in the KV cache's pages"
             if self._land_in_place
             else "loads received into buffers, copied once valid"
         )
-        crc = "SSE4.2" if fastpath.hardware_crc() else "a portable table"
-        return (
-            f"native, GIL released (CRC32C by {crc}); {where}; "
-            f"{self._connections} connection(s) per job"
-        )
+        return f"{which}; {where}; {self._connections} connection(s) per job"
 
     def _in_parts(
         self, sizes: Sequence[int], run: Callable[[slice, JobOutcome], list[_T] | None]
@@ -657,47 +659,9 @@ class TransferEngine:
         job.deadline = Deadline(job.submitted + paused_s + seconds)
 
     def _store_batch(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
-        if self._native:
-            return self._store_batch_native(job, chunks)
-        headers = [self._header(c) for c in chunks]
-        if self._in_place:
-            # The checksum is computed over the pages in place and the kernel copies them from
-            # there to the socket: no gather, no buffer (the job holds its blocks until sent).
-            # Each value is built as it is sent, while Redis reads the one before.
-            def parts(idx: int) -> list[memoryview]:
-                return codec.encode_parts(
-                    headers[idx], self._pages_in_place(chunks[idx]), self._mac_key
-                )
-
-            keys = [c.redis_key for c in chunks]
-            sizes = [codec.value_size(h) for h in headers]
-            results = self._store.put_parts_if_absent(
-                keys, parts, deadline=job.deadline, nbytes=sum(sizes)
-            )
-            return self._count_stored(job, sizes, results)
-        sizes = [codec.value_size(h) for h in headers]
-        self._budget.acquire(sum(sizes), load=False)
-        taken: list[memoryview] = []
-        try:
-            encoded: list[codec.EncodedBlock] = []
-            for header, size in zip(headers, sizes, strict=True):
-                taken.append(self._buffers.take(size))
-                encoded.append(codec.start_encode(header, taken[-1], self._mac_key))
-            # Every page is in its buffer when this block ends (CUDA: its copies completed).
-            with self._streams.ordered(job.ready):
-                for chunk, block in zip(chunks, encoded, strict=True):
-                    self._gather(chunk, block.body)
-            items = [(c.redis_key, block.seal()) for c, block in zip(chunks, encoded, strict=True)]
-            results = self._store.put_if_absent(items, deadline=job.deadline)
-        finally:
-            self._buffers.give(taken)
-            self._budget.release(sum(sizes))
-        return self._count_stored(job, sizes, results)
-
-    def _store_batch_native(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
-        """Put a batch on the native path: every value's head (prefix and header, MAC with an
-        auth_key, the CRC32C left to the native job) and body, sent by ``sendmsg`` over
-        ``connections_per_job`` connections. A CPU KV cache's pages are sent in place (the job
+        """Put a batch: every value's head (prefix and header, MAC with an auth_key, the
+        CRC32C left to the store job) and body, sent in place over ``connections_per_job``
+        connections. A CPU KV cache's pages are sent in place (the job
         holds its blocks until sent); other devices' are gathered into pooled buffers first."""
         layouts = [self._expected(chunk) for chunk in chunks]
         sizes = [layout.value_bytes for layout in layouts]
@@ -737,8 +701,13 @@ class TransferEngine:
         bodies: Sequence[Sequence[memoryview]],
     ) -> list[PutResult]:
         def put(part: slice, outcome: JobOutcome) -> list[PutResult]:
-            return self._store.put_native(
-                keys[part], heads[part], bodies[part], deadline=job.deadline, outcome=outcome
+            return self._store.put_values(
+                keys[part],
+                heads[part],
+                bodies[part],
+                deadline=job.deadline,
+                outcome=outcome,
+                native=self._native,
             )
 
         results = self._in_parts(sizes, put)
@@ -754,7 +723,7 @@ class TransferEngine:
         )
 
     def _value_head(self, layout: _Expected, body: Sequence[memoryview]) -> bytearray:
-        """A value's prefix and header, every field but the CRC32C (zero: the native job
+        """A value's prefix and header, every field but the CRC32C (zero: the store job
         writes it): magic, version, flags, header length, and with an auth_key the MAC over
         ``body`` (the value's body pieces in order), header and those fields, as the codec
         computes it. ValueError if the body's size is not the header's (a block id past the
@@ -892,14 +861,13 @@ class TransferEngine:
 
         The byte budget is taken before anything is received, for the most bytes each chunk's
         value can hold (:meth:`_value_bound`); a longer value is never received (its bytes are
-        dropped as they arrive) and is corrupt. Values are checked as they arrive, while Redis
-        sends the next. Python path: nothing is copied unless every chunk is valid (each
-        valid chunk with ``partial_loads``). Native path: values land in the pages (CPU, no
-        auth_key) or in buffers copied once every chunk is valid; a value that does not look
-        like what this engine would have written for its chunk (another header, prefix or
-        length) is never written into a page: it is fetched again and judged by the Python
-        path. Invalid values are deleted: SET NX would never replace them, so the recompute's
-        store could not heal them otherwise.
+        dropped as they arrive) and is corrupt. Values land in the pages (CPU, no auth_key)
+        or in buffers copied once every chunk is valid (each valid chunk with
+        ``partial_loads``); a value that does not look like what this engine would have
+        written for its chunk (another header or prefix) is never written into a page: it
+        lands whole in its chunk's staging buffer, in the same round trip, and is judged by
+        ``codec.decode`` (copied once valid). Invalid values are deleted: SET NX would never
+        replace them, so the recompute's store could not heal them otherwise.
         """
         if self._test_load_delay_s:
             time.sleep(self._test_load_delay_s)
@@ -913,10 +881,7 @@ class TransferEngine:
         self._start_clock(job, sum(bounds), paused_s=self._test_load_delay_s)
         self._budget.acquire(sum(bounds), load=True)
         try:
-            if self._native:
-                got = self._receive_native(plan, bounds, take, job.deadline)
-            else:
-                got = self._receive(plan, bounds, take, job.deadline)
+            got = self._receive(plan, bounds, take, job.deadline)
             if got.invalid:
                 self._store.delete(list(got.invalid))
             failed = self._failed_indices(plan, got)
@@ -958,63 +923,42 @@ class TransferEngine:
         take: Callable[[int], memoryview],
         deadline: Deadline | None,
     ) -> _Received:
-        """The Python path: every value received into a buffer from ``take`` and decoded."""
-        got = _Received()
-
-        def check(idx: int, value: memoryview) -> None:
-            try:
-                got.blocks[idx] = self._validate(plan[idx], value)
-            except CorruptBlockError as exc:
-                got.invalid[plan[idx].redis_key] = exc
-
-        keys = [c.redis_key for c in plan]
-        values = self._store.get_into(keys, take, check, max_bytes=bounds, deadline=deadline)
-        for key, value, bound in zip(keys, values, bounds, strict=True):
-            if value is None:
-                got.missing.append(key)
-            elif isinstance(value, OversizedValue):
-                got.invalid[key] = CorruptBlockError(
-                    f"{key} holds {value.nbytes} bytes, its chunk at most {bound}"
-                )
-            else:
-                got.nbytes += len(value)
-        return got
-
-    def _receive_native(
-        self,
-        plan: Sequence[ChunkTransfer],
-        bounds: Sequence[int],
-        take: Callable[[int], memoryview],
-        deadline: Deadline | None,
-    ) -> _Received:
-        """The native path: each value must be exactly what this engine would have written
-        for its chunk (prefix fields, header, length) to land, in the KV cache's pages or in
-        a buffer; its checksum (and MAC) is checked once it has. Values that do not look like
-        that were dropped unwritten; they go through :meth:`_receive` (a second round trip)."""
+        """Receive every chunk's value in one round trip (per connection) and judge it. A value
+        that is exactly what this engine would have written for its chunk (prefix fields,
+        header, length) has landed in its target: its checksum (and MAC) decide. Any other
+        value has landed whole in its staging buffer and ``codec.decode`` decides
+        (:meth:`_validate`)."""
         layouts = [self._expected(chunk) for chunk in plan]
-        targets, bodies = self._native_targets(plan, layouts, bounds, take)
+        targets, bodies = self._targets(plan, layouts, bounds, take)
         keys = [chunk.redis_key for chunk in plan]
 
         def load(part: slice, outcome: JobOutcome) -> list[fastpath.LoadResult] | None:
-            return self._store.load_native(keys[part], targets[part], deadline, outcome)
+            return self._store.load_values(
+                keys[part], targets[part], deadline, outcome, native=self._native
+            )
 
         results = self._in_parts(bounds, load)
         got = _Received()
         if results is None:  # Redis failed: every chunk is missing
             got.missing = keys
             return got
-        again: list[int] = []
         for idx, result in enumerate(results):
             key = keys[idx]
             status = result.status
-            if status is fastpath.LoadStatus.LAYOUT_MISMATCH:
-                again.append(idx)
-            elif status is fastpath.LoadStatus.OVERSIZED:
+            if status is fastpath.LoadStatus.OVERSIZED:
                 got.invalid[key] = CorruptBlockError(
                     f"{key} holds {result.value_len} bytes, its chunk at most {bounds[idx]}"
                 )
+            elif status is fastpath.LoadStatus.LAYOUT_MISMATCH:
+                # The expected prefix and header, but not the length they announce (a value
+                # that fits no target lands in staging, whose bound is the oversized one).
+                got.invalid[key] = CorruptBlockError(
+                    f"{key}: {result.value_len} bytes, not the length its header announces"
+                )
             elif status is not fastpath.LoadStatus.OK:
                 got.missing.append(key)  # missing, or refused (counted by the store)
+            elif result.landed is fastpath.Landed.STAGING:
+                self._judge_staged(got, idx, plan[idx], targets[idx], result.value_len)
             elif not result.crc_ok:
                 got.invalid[key] = CorruptBlockError(f"{key}: checksum mismatch")
             elif not self._mac_ok(targets[idx].head, bodies[idx]):
@@ -1026,38 +970,53 @@ class TransferEngine:
                 received = bodies[idx]
                 if received is not None:  # in a buffer (else already in its pages)
                     got.blocks[idx] = DecodedBlock(layouts[idx].header, received)
-        if again:
-            self._merge(
-                got,
-                again,
-                self._receive([plan[i] for i in again], [bounds[i] for i in again], take, deadline),
-            )
         return got
 
-    def _native_targets(
+    def _judge_staged(
+        self,
+        got: _Received,
+        idx: int,
+        chunk: ChunkTransfer,
+        target: fastpath.LoadTarget,
+        value_len: int,
+    ) -> None:
+        """A value that landed whole in ``target``'s staging buffer: a block to copy once
+        every chunk is judged, or invalid (every check of :meth:`_validate`)."""
+        assert target.staging is not None
+        try:
+            got.blocks[idx] = self._validate(chunk, target.staging[:value_len])
+        except CorruptBlockError as exc:
+            got.invalid[chunk.redis_key] = exc
+        else:
+            got.nbytes += value_len
+
+    def _targets(
         self,
         plan: Sequence[ChunkTransfer],
         layouts: Sequence[_Expected],
         bounds: Sequence[int],
         take: Callable[[int], memoryview],
     ) -> tuple[list[fastpath.LoadTarget], list[memoryview | None]]:
-        """Where each chunk's value lands: its head in a small buffer and its body in the
-        chunk's pages (in place), or head and body in one pooled buffer; the bodies in
-        buffers (None for in place)."""
+        """Where each chunk's value lands. Each chunk takes one pooled buffer of its bound: a
+        value that is exactly the expected one has its head at the buffer's start and its body
+        in the chunk's pages (in place) or right after the head; any other value lands whole
+        in that buffer (staging, from its start: the head it overlaps is no longer needed).
+        The bodies in buffers (None for in place)."""
         targets: list[fastpath.LoadTarget] = []
         bodies: list[memoryview | None] = []
         for chunk, layout, bound in zip(plan, layouts, bounds, strict=True):
+            buffer = take(bound)
+            head = buffer[: layout.head_bytes]
+            dests: list[memoryview]
             if self._land_in_place:
-                head: memoryview | bytearray = bytearray(layout.head_bytes)
                 dests = self._pages_in_place(chunk)
                 bodies.append(None)
             else:
-                buffer = take(layout.value_bytes)
-                head, body = buffer[: layout.head_bytes], buffer[layout.head_bytes :]
-                bodies.append(body)
+                body = buffer[layout.head_bytes : layout.value_bytes]
                 dests = [body]
+                bodies.append(body)
             targets.append(
-                fastpath.LoadTarget(head, layout.packed, dests, None, bound, layout.signed)
+                fastpath.LoadTarget(head, layout.packed, dests, buffer, bound, layout.signed)
             )
         return targets, bodies
 
@@ -1072,14 +1031,6 @@ class TransferEngine:
         hasher.update(head[codec.PREFIX_BYTES :])
         hasher.update(head[: _SIGNED.size])
         return hmac.compare_digest(hasher.digest(), bytes(head[_MAC_AT : codec.PREFIX_BYTES]))
-
-    @staticmethod
-    def _merge(got: _Received, indices: Sequence[int], more: _Received) -> None:
-        """Add ``more`` (received for the chunks at ``indices``) to ``got``."""
-        got.blocks.update({indices[idx]: block for idx, block in more.blocks.items()})
-        got.invalid.update(more.invalid)
-        got.missing += more.missing
-        got.nbytes += more.nbytes
 
     def _value_bound(self, chunk: ChunkTransfer) -> int:
         """The most bytes a valid value under ``chunk``'s key can hold: every block of the

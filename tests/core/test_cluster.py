@@ -19,7 +19,7 @@ from redis.crc import key_slot
 from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import OversizedValue, PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.tools.demo.local_redis import free_port
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
@@ -200,28 +200,6 @@ def test_put_get_and_dedup(clean: LocalCluster) -> None:
     store.close()
 
 
-def test_get_into_fills_the_callers_buffers_and_bounds_each_value(clean: LocalCluster) -> None:
-    store = _store(clean.url)
-    keys = _keys("bounded", groups=1, per_group=6)
-    values = {k: os.urandom(n) for k, n in zip(keys, [100, 5000, 0, 100, 100], strict=False)}
-    store.put_if_absent(list(values.items()))
-    given: list[memoryview] = []
-
-    def alloc(nbytes: int) -> memoryview:
-        given.append(memoryview(bytearray(nbytes)))
-        return given[-1]
-
-    got = store.get_into(keys, alloc, max_bytes=[100] * len(keys))
-    assert got[1] == OversizedValue(101)  # read no further than one byte past its bound
-    assert got[5] is None  # missing
-    present = [got[i] for i in (0, 2, 3, 4)]
-    assert [bytes(v) for v in present] == [values[keys[i]] for i in (0, 2, 3, 4)]
-    # Every value is in memory alloc gave (writable, reusable), never a view of redis-py's bytes.
-    assert all(v is g for v, g in zip(present, given, strict=True))
-    assert sorted(g.nbytes for g in given) == [0, 100, 100, 100]
-    store.close()
-
-
 def test_buffered_pages_keep_storing_after_loads(clean: LocalCluster) -> None:
     """Pages the engine cannot address in place (a GPU's, here a strided CPU view) go through
     pooled buffers: buffers that served loads are reused by stores."""
@@ -317,8 +295,9 @@ def test_no_reachable_node_degrades_and_never_raises() -> None:
 def test_native_jobs_run_node_by_node_and_read_back_on_the_python_path(
     clean: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a Cluster the native path sends each node its own keys on a connection to that
-    node; what it stores, the Python path reads back byte for byte (and the reverse)."""
+    """On a Cluster the C job and its pure-Python twin (``HMA_REDIS_NATIVE=0``) both send
+    each node its own keys on a connection to that node; what one stores, the other reads
+    back byte for byte."""
     store = _store(clean.url, stats_key="hma:stats:worker-test")
     native = make_pages(store)
     assert native.engine.native and native.engine.loads_land_in_place
@@ -346,15 +325,20 @@ def test_native_jobs_run_node_by_node_and_read_back_on_the_python_path(
         store.close()
 
 
+@pytest.mark.parametrize("path", ["native", "twin"])
 def test_a_native_load_of_a_moved_key_fails_whole_then_the_next_one_succeeds(
     clean: LocalCluster,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A slot resharded after the client learnt the slot table: the node answers MOVED, the
     job fails (its blocks are recomputed, never half-filled from a guess) and the next job,
     on the refreshed table, loads every byte."""
     store = _store(clean.url)
+    if path == "twin":  # as TLS runs it
+        monkeypatch.setenv("HMA_REDIS_NATIVE", "0")
     pages = make_pages(store)
-    assert pages.engine.native
+    assert pages.engine.native == (path == "native")
     try:
         assert pages.store_job(1, chunks(SRC)).ok
         assert pages.load_job(2, chunks(DST)).ok
@@ -372,13 +356,18 @@ def test_a_native_load_of_a_moved_key_fails_whole_then_the_next_one_succeeds(
         store.close()
 
 
-def test_native_loads_and_stores_follow_ask_while_a_slot_migrates(clean: LocalCluster) -> None:
+@pytest.mark.parametrize("path", ["native", "twin"])
+def test_native_loads_and_stores_follow_ask_while_a_slot_migrates(
+    clean: LocalCluster, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """While a slot is MIGRATING its old owner answers ASK for keys it no longer (or never)
     held: a native load of a key already moved, and a native store of a new key, follow the
     ASK to the importing node (ASKING first) and succeed; nothing is counted as refused."""
     store = _store(clean.url, stats_key="hma:stats:worker-test")
+    if path == "twin":  # as TLS runs it
+        monkeypatch.setenv("HMA_REDIS_NATIVE", "0")
     pages = make_pages(store)
-    assert pages.engine.native
+    assert pages.engine.native == (path == "native")
     others = tuple([h[:-1] + b"\xee" for h in group] for group in HASHES)
     moved_key = chunks(SRC)[0].redis_key
     new_key = chunks(SRC, others)[0].redis_key

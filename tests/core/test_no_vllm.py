@@ -96,7 +96,7 @@ def test_the_blocker_blocks_vllm() -> None:
 
 def test_every_core_module_imports_and_moves_pages_without_vllm(redis_url: str) -> None:
     modules = _core_modules()
-    assert {"config", "keys", "codec", "client", "resp", "store", "transfer"} <= {
+    assert {"config", "keys", "codec", "client", "fastpath", "store", "transfer"} <= {
         m.rsplit(".", 1)[1] for m in modules
     }
     proc = _without_vllm(_ROUND_TRIP, redis_url, *modules)

@@ -22,6 +22,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from hma_redis.core import codec, fastpath
 from hma_redis.core.breaker import (
     BreakerState,
     ErrorKind,
@@ -30,6 +31,7 @@ from hma_redis.core.breaker import (
     classify,
     refusal_of,
 )
+from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.store import PutResult, RedisBlockStore
 from hma_redis.tools.demo.local_redis import LocalRedis
@@ -45,9 +47,23 @@ def _store(url: str, **kwargs: object) -> RedisBlockStore:
     return RedisBlockStore(cfg, stats_key=STATS_KEY, **kwargs)  # type: ignore[arg-type]
 
 
-class _Buffers:
-    def __call__(self, nbytes: int) -> memoryview:
-        return memoryview(bytearray(nbytes))
+def _job_value(key: str, body: memoryview) -> tuple[bytearray, list[memoryview]]:
+    """A codec value as ``put_values`` takes it: head (CRC field blank) and body pieces."""
+    header = BlockHeader(key=key, group=1, first_block=0, num_blocks=1, page_bytes=(len(body),))
+    head = bytearray(codec.encode_parts(header, [body])[0])
+    head[12:16] = bytes(4)
+    return head, [body[:10], body[10:]]
+
+
+def _loaded(store: RedisBlockStore, keys: list[str], native: bool) -> list[bytes | None]:
+    """``load_values`` of ``keys``, each whole in a staging buffer (no header expected)."""
+    targets = [fastpath.LoadTarget(bytearray(48), b"", [], bytearray(2000), 2000) for _ in keys]
+    results = store.load_values(keys, targets, native=native)
+    assert results is not None
+    return [
+        bytes(t.staging[: r.value_len]) if r.status is fastpath.LoadStatus.OK else None  # type: ignore[index]
+        for t, r in zip(targets, results, strict=True)
+    ]
 
 
 def _assert_refused_writes_leave_the_tier_on(
@@ -59,20 +75,22 @@ def _assert_refused_writes_leave_the_tier_on(
     keys = [f"hma:ns:g1:{i:02x}" for i in range(4)]
     value = memoryview(os.urandom(5000))
     assert store.put_if_absent([(k, value) for k in keys]) == [PutResult.FAILED] * 4
-    parts = store.put_parts_if_absent(keys, lambda i: [value[:10], value[10:]])
-    assert parts == [PutResult.FAILED] * 4
+    jobs = [_job_value(k, value) for k in keys]
+    for native in (True, False):  # the C job and its twin
+        got = store.put_values(keys, [h for h, _ in jobs], [b for _, b in jobs], native=native)
+        assert got == [PutResult.FAILED] * 4
     assert store.write_info(INFO_KEY, {"model": "m"})  # Redis answered: not "unreachable"
     store.counters.add(lookups=1)
     store.flush_counters()
 
     counted = store.counters.snapshot()
-    assert counted[f"refused_{kind.value}"] >= 9, counted  # 8 SETs and the HSET
+    assert counted[f"refused_{kind.value}"] >= 13, counted  # 12 SETs and the HSET
     assert store.breaker.state is BreakerState.CLOSED
     assert (store.breaker.failures, store.breaker.openings) == (0, 0)
     # Reads work on: lookups find the values, loads receive them.
     assert store.exists([*VALUES, "hma:ns:g0:ff"]) == [True, True, True, False]
-    got = store.get_into(list(VALUES), _Buffers())
-    assert [bytes(v) for v in got if isinstance(v, memoryview)] == list(VALUES.values())
+    for native in (True, False):
+        assert _loaded(store, list(VALUES), native) == list(VALUES.values())
     assert "not reachable" not in caplog.text and "failed (" not in caplog.text
     assert f"({kind.name};" in caplog.text
 

@@ -1,7 +1,7 @@
-"""Every reader of replies takes a reply line of at most 64 KiB with its CRLF and refuses a longer
-one with ProtocolError before holding more: the native reader, its pure-Python twin and the
-reader of the Python data path (TLS, ``HMA_REDIS_NATIVE=0``) draw the line at the same byte.
-The long lines are real Redis error replies (a script's ``redis.error_reply``)."""
+"""Both readers of replies take a reply line of at most 64 KiB with its CRLF and refuse a longer
+one with ProtocolError before holding more: the native reader and its pure-Python twin (which
+serves TLS and ``HMA_REDIS_NATIVE=0``) draw the line at the same byte. The long lines are real
+Redis error replies (a script's ``redis.error_reply``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import pytest
-import redis
 
 from hma_redis.core import fastpath
-from hma_redis.core.fastpath import LoadTarget
-from hma_redis.core.resp import MAX_REPLY_LINE, ProtocolError, RawReplies, no_bulk
+from hma_redis.core.fastpath import MAX_REPLY_LINE, LoadTarget, ProtocolError
 
 # A script whose error reply line is "-ERR " and ARGV[1] x's: 5 + n bytes before the CRLF.
 _LONG_ERROR = "return redis.error_reply(string.rep('x', tonumber(ARGV[1])))"
@@ -55,27 +53,9 @@ def _fastpath_reader(
     return read
 
 
-def _python_path_reader(url: str, line_bytes: int) -> Outcome:
-    """RawReplies, the reader of the store's Python data path, on a redis-py connection."""
-    pool = redis.ConnectionPool.from_url(url)
-    conn = pool.get_connection()
-    try:
-        conn.send_packed_command([_command(line_bytes)], check_health=False)
-        try:
-            reply = RawReplies(conn).read(no_bulk)
-        except ProtocolError:
-            return "refused", 0
-        assert isinstance(reply, redis.ResponseError)
-        return "error", len(str(reply))
-    finally:
-        pool.release(conn)
-        pool.disconnect()
-
-
 READERS: dict[str, Callable[[str, int], Outcome]] = {
     "native": _fastpath_reader(fastpath.native_load_values),
     "python-twin": _fastpath_reader(fastpath.python_load_values),
-    "python-path": _python_path_reader,
 }
 
 
@@ -96,11 +76,11 @@ def test_every_reader_draws_the_reply_line_bound_at_the_same_byte(
     assert outcomes == dict.fromkeys(READERS, want)
 
 
-def test_the_python_path_refuses_a_huge_reply_line_without_reading_it_all(
+def test_the_twin_refuses_a_huge_reply_line_without_reading_it_all(
     redis_url: str,
 ) -> None:
-    """A 16 MiB error line is refused after its first 64 KiB, at once (it used to be buffered
-    whole, copied once per 4 KiB received: a 64 MiB line took minutes)."""
+    """A 16 MiB error line is refused after its first 64 KiB, at once (the streamed Python path
+    this twin replaced once buffered it whole: a 64 MiB line took minutes)."""
     started = time.monotonic()
-    assert _python_path_reader(redis_url, 16 << 20) == ("refused", 0)
+    assert READERS["python-twin"](redis_url, 16 << 20) == ("refused", 0)
     assert time.monotonic() - started < 10

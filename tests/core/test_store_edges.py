@@ -20,7 +20,6 @@ from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import (
-    OversizedValue,
     PutResult,
     RedisBlockStore,
     Sighting,
@@ -80,18 +79,38 @@ def _refused(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [m.group(1) for m in found if m]
 
 
-def _alloc(nbytes: int) -> memoryview:
-    return memoryview(bytearray(nbytes))
+def _load_raw(
+    store: RedisBlockStore, keys: list[str], max_len: int = 1 << 21, native: bool = True
+) -> list[bytes | int | None] | None:
+    """``load_values`` of ``keys``, each value whole in a staging buffer (the head expects no
+    header, so short or random values never match it): its bytes, its length when longer
+    than ``max_len`` (dropped unread), None when missing or refused; None when Redis failed."""
+    targets = [
+        fastpath.LoadTarget(bytearray(48), b"", [], bytearray(max_len), max_len) for _ in keys
+    ]
+    results = store.load_values(keys, targets, native=native)
+    if results is None:
+        return None
+    out: list[bytes | int | None] = []
+    for target, result in zip(targets, results, strict=True):
+        if result.status is fastpath.LoadStatus.OVERSIZED:
+            out.append(result.value_len)
+        elif result.status is fastpath.LoadStatus.OK:
+            assert result.landed is fastpath.Landed.STAGING and target.staging is not None
+            out.append(bytes(target.staging[: result.value_len]))
+        else:
+            out.append(None)
+    return out
 
 
 def _native_value(key: str, body: bytes) -> tuple[bytearray, list[memoryview], bytes]:
-    """A codec value as put_native takes it (head with its CRC field blank, the body's pieces)
+    """A codec value as put_values takes it (head with its CRC field blank, the body's pieces)
     and the bytes Redis must hold once it is stored."""
     header = BlockHeader(key=key, group=0, first_block=0, num_blocks=1, page_bytes=(len(body),))
     parts = codec.encode_parts(header, [memoryview(body)])
     whole = b"".join(bytes(p) for p in parts)
     head = bytearray(parts[0])
-    head[12:16] = bytes(4)  # the CRC32C field: put_native fills it
+    head[12:16] = bytes(4)  # the CRC32C field: put_values fills it
     return head, [memoryview(body)], whole
 
 
@@ -105,12 +124,10 @@ def test_empty_requests_answer_at_once_without_touching_redis(redis_client, redi
     assert store.exists([]) == []
     assert store.exists_and_mark([], [], 60) == []
     assert store.put_if_absent([]) == []
-    assert store.put_parts_if_absent([], lambda i: []) == []
     assert store.get([]) == []
-    assert store.get_into([], _alloc) == []
     assert store.delete([]) == 0
-    assert store.load_native([], []) == []
-    assert store.put_native([], [], []) == []
+    assert store.load_values([], []) == []
+    assert store.put_values([], [], []) == []
     assert store.round_trips == 0
     assert command_delta(before, command_calls(redis_client)) == {}
     assert redis_client.exists(STATS_KEY) == 0
@@ -195,7 +212,7 @@ def test_refused_counter_increments_are_dropped_and_not_counted_again(local_redi
     store = RedisBlockStore(cfg, stats_key=STATS_KEY, refusal_log_interval_s=0)  # log each
     calls = [
         lambda: store.exists([_key(0, 1), _key(0, 2)]) == [True, False],
-        lambda: [bytes(v) for v in store.get_into([_key(0, 1)], _alloc)] == [b"v"],  # type: ignore[arg-type]
+        lambda: _load_raw(store, [_key(0, 1)]) == [b"v"],
         lambda: store.flush_counters() is None,
     ]
     for idx, call in enumerate(calls):
@@ -220,17 +237,15 @@ def test_a_user_refused_select_gets_refusals_not_an_outage(local_redis, caplog):
     assert store.exists([key]) == [False]
     assert store.exists_and_mark([[key]], [_marker(1)], 60) == [Sighting.FIRST]
     assert store.put_if_absent([(key, b"v")]) == [PutResult.FAILED]
-    assert store.put_parts_if_absent([key], lambda i: [memoryview(b"v")]) == [PutResult.FAILED]
     assert store.get([key]) == [None]
-    assert store.get_into([key], _alloc) == [None]
     assert store.delete([key]) == 0
     assert store.write_info(KS.info_key(), {"model": "m"})  # Redis answered
-    assert store.load_native([key], []) is None
+    assert store.load_values([key], []) is None
     head, body, _ = _native_value(key, b"v")
-    assert store.put_native([key], [head], [body]) == [PutResult.FAILED]
+    assert store.put_values([key], [head], [body]) == [PutResult.FAILED]
     store.flush_counters()  # the refusals' own counters: refused too, and dropped
     assert store.counters.take() == {"refused_noperm": 1}  # (the flush's own refusal)
-    assert store.counters.snapshot()["refused_noperm"] == 11
+    assert store.counters.snapshot()["refused_noperm"] == 9
     assert store.breaker.state is BreakerState.CLOSED
     assert (store.breaker.failures, store.breaker.openings) == (0, 0)
     assert "(NOPERM;" in caplog.text and "failed (" not in caplog.text
@@ -242,7 +257,7 @@ def test_refusals_are_reported_at_most_once_a_minute_by_default(reader_server, c
     server, _ = reader_server
     caplog.set_level(logging.WARNING)
     store = _store(_reader_url(server.port))
-    assert store.get_into(["other:outside-the-acl"], _alloc) == [None]
+    assert _load_raw(store, ["other:outside-the-acl"]) == [None]
     for _ in range(3):
         assert store.get(["other:outside-the-acl"]) == [None]
     assert _refused(caplog) == ["GET"]  # one GET report for every read path
@@ -323,25 +338,24 @@ def test_a_refused_admission_batch_is_first_sightings_and_the_other_batches_answ
 # -------------------------------------------------------------------------------- put paths
 
 
-PUT_PATHS = ["put_if_absent", "put_parts_if_absent", "put_native"]
+PUT_PATHS = ["put_if_absent", "put_values", "put_values-twin"]
 
 
 def _put(store: RedisBlockStore, path: str, values: dict[str, bytes], **kw: object) -> list:
-    """Put ``values`` through one of the store's three put paths; the bytes each key must hold."""
+    """Put ``values`` through one of the store's put paths (a value job: the C job or its
+    twin); the bytes each key must hold."""
     keys = list(values)
     if path == "put_if_absent":
         return store.put_if_absent(list(values.items()), **kw)  # type: ignore[arg-type]
-    if path == "put_parts_if_absent":
-        pieces = [[memoryview(v)[:1], memoryview(v)[1:]] for v in values.values()]
-        return store.put_parts_if_absent(keys, lambda i: pieces[i], **kw)  # type: ignore[arg-type]
     native = [_native_value(k, v) for k, v in values.items()]
     heads = [head for head, _, _ in native]
     bodies = [body for _, body, _ in native]
-    return store.put_native(keys, heads, bodies, **kw)  # type: ignore[arg-type]
+    twin = path == "put_values-twin"
+    return store.put_values(keys, heads, bodies, native=not twin, **kw)  # type: ignore[arg-type]
 
 
 def _held(path: str, key: str, value: bytes) -> bytes:
-    return _native_value(key, value)[2] if path == "put_native" else value
+    return value if path == "put_if_absent" else _native_value(key, value)[2]
 
 
 @pytest.mark.parametrize("path", PUT_PATHS)
@@ -382,7 +396,7 @@ def test_a_refused_put_is_failed_counted_and_the_next_one_stores(reader_server, 
 
 
 def test_a_native_load_lands_values_misses_and_counts_refusals(reader_server, caplog):
-    """One native job: a value put by put_native lands in its pages with a good checksum, a
+    """One native job: a value put by put_values lands in its pages with a good checksum, a
     missing key is MISSING, a key outside the ACL is an ERROR counted as a refusal (GET), and
     the tier stays on."""
     server, admin = reader_server
@@ -390,7 +404,7 @@ def test_a_native_load_lands_values_misses_and_counts_refusals(reader_server, ca
     body = os.urandom(5000)
     key = _key(0, 1)
     head, pieces, whole = _native_value(key, body)
-    assert store.put_native([key], [head], [pieces]) == [PutResult.STORED]
+    assert store.put_values([key], [head], [pieces]) == [PutResult.STORED]
     admin.set("other:secret", whole)
     expected = BlockHeader(key=key, group=0, first_block=0, num_blocks=1, page_bytes=(5000,))
     pages = [bytearray(5000) for _ in range(3)]
@@ -400,7 +414,7 @@ def test_a_native_load_lands_values_misses_and_counts_refusals(reader_server, ca
         )
         for page in pages
     ]
-    got = store.load_native([key, _key(0, 2), "other:secret"], targets)
+    got = store.load_values([key, _key(0, 2), "other:secret"], targets)
     assert got is not None
     assert [r.status for r in got] == [
         fastpath.LoadStatus.OK,
@@ -435,10 +449,9 @@ def test_an_outage_degrades_every_call_and_keeps_counters_for_later(local_redis,
         lambda: store.exists_and_mark([[key]], [_marker(1)], 60) == [Sighting.FIRST],
         lambda: store.put_if_absent([(key, b"v")]) == [PutResult.FAILED],
         lambda: store.get([key]) == [None],
-        lambda: store.get_into([key], _alloc) == [None],
         lambda: store.delete([key]) == 0,
         lambda: store.write_info(KS.info_key(), {"model": "m"}) is False,
-        lambda: store.load_native([key], []) is None,
+        lambda: store.load_values([key], []) is None,
     ]
     for idx, call in enumerate(calls):
         time.sleep(0.06)  # past the retry interval: this call is the breaker's probe
@@ -468,21 +481,22 @@ def test_counters_ride_along_on_every_kind_of_call(redis_client, redis_url):
     store = _store(redis_url)
     key = _key(0, 1)
     head, body, _ = _native_value(_key(0, 3), b"native")
+    head4, body4, _ = _native_value(_key(0, 4), b"twin")
     target = fastpath.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
     calls = [
         lambda: store.put_if_absent([(key, b"value")]) == [PutResult.STORED],
         lambda: store.exists([key, _key(0, 2)]) == [True, False],
         lambda: store.exists_and_mark([[key]], [_marker(1)], 60) == [Sighting.PRESENT],
         lambda: store.get([key, _key(0, 2)]) == [b"value", None],
-        lambda: [bytes(v) for v in store.get_into([key], _alloc)] == [b"value"],  # type: ignore[arg-type]
-        lambda: store.put_native([_key(0, 3)], [head], [body]) == [PutResult.STORED],
+        lambda: _load_raw(store, [key], native=False) == [b"value"],
+        lambda: store.put_values([_key(0, 3)], [head], [body]) == [PutResult.STORED],
         lambda: (
-            [r.status for r in store.load_native([_key(0, 2)], [target]) or []]
+            [r.status for r in store.load_values([_key(0, 2)], [target]) or []]
             == [fastpath.LoadStatus.MISSING]
         ),
+        lambda: _load_raw(store, [key]) == [b"value"],
         lambda: (
-            store.put_parts_if_absent([_key(0, 4)], lambda i: [memoryview(b"p")])
-            == [PutResult.STORED]
+            store.put_values([_key(0, 4)], [head4], [body4], native=False) == [PutResult.STORED]
         ),
     ]
     for idx, call in enumerate(calls, start=1):
@@ -500,12 +514,12 @@ def test_a_store_without_a_stats_key_sends_no_counters(redis_client, redis_url):
     key = _key(0, 1)
     head, body, _ = _native_value(key, b"native")
     target = fastpath.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
-    assert store.put_native([key], [head], [body]) == [PutResult.STORED]
-    assert [r.status for r in store.load_native([_key(0, 2)], [target]) or []] == [
+    assert store.put_values([key], [head], [body]) == [PutResult.STORED]
+    assert [r.status for r in store.load_values([_key(0, 2)], [target]) or []] == [
         fastpath.LoadStatus.MISSING
     ]
     assert store.exists([key]) == [True]
-    assert store.get_into([_key(0, 2)], _alloc) == [None]
+    assert _load_raw(store, [_key(0, 2)], native=False) == [None]
     store.flush_counters()
     assert "hincrby" not in command_calls(redis_client)
     assert store.counters.snapshot() == {"lookups": 1}  # still counted in this process
@@ -516,12 +530,12 @@ def test_counters_sent_ahead_of_a_native_job_that_times_out_are_kept(local_redis
     the breaker opens, and the counters are kept for a later round trip (at least once)."""
     store = _store(local_redis.url, read_timeout_s=0.3, retry_interval_s=30)
     head, body, _ = _native_value(_key(0, 1), b"native")
-    assert store.put_native([_key(0, 1)], [head], [body]) == [PutResult.STORED]  # connected
+    assert store.put_values([_key(0, 1)], [head], [body]) == [PutResult.STORED]  # connected
     store.counters.add(loaded_chunks=2)
     target = fastpath.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
     local_redis.pause()
     try:
-        assert store.load_native([_key(0, 1)], [target]) is None
+        assert store.load_values([_key(0, 1)], [target]) is None
     finally:
         local_redis.resume()
     assert store.breaker.state is BreakerState.OPEN
@@ -539,7 +553,7 @@ def test_a_load_broken_after_its_counters_arrived_does_not_deliver_them_twice(lo
         store.ping()
         proxy.limit, proxy.mode = 1_500_000, "close"  # the bulk connection breaks in value 2
         store.counters.add(loaded_chunks=3)
-        assert store.get_into(list(values), _alloc) == [None, None, None]
+        assert _load_raw(store, list(values)) is None
         assert store.breaker.state is BreakerState.OPEN
         proxy.limit = None
         time.sleep(0.25)  # past the retry interval: the next call is the breaker's probe
@@ -549,24 +563,6 @@ def test_a_load_broken_after_its_counters_arrived_does_not_deliver_them_twice(lo
             assert client.hgetall(STATS_KEY) == {b"loaded_chunks": b"3"}
     finally:
         proxy.close()
-
-
-# ---------------------------------------------------------------------------------- get_into
-
-
-def test_get_into_reports_each_value_as_it_arrives_and_bounds_exactly(redis_client, redis_url):
-    store = _store(redis_url)
-    values = {_key(0, i): os.urandom(n) for i, n in enumerate([100, 101, 0, 99])}
-    redis_client.mset(values)
-    keys = [*values, _key(0, 9)]
-    seen: list[tuple[int, bytes]] = []
-    got = store.get_into(
-        keys, _alloc, on_value=lambda i, v: seen.append((i, bytes(v))), max_bytes=[100] * 5
-    )
-    assert got[1] == OversizedValue(101)
-    assert got[4] is None
-    assert [bytes(got[i]) for i in (0, 2, 3)] == [values[keys[i]] for i in (0, 2, 3)]  # type: ignore[arg-type]
-    assert seen == [(i, values[keys[i]]) for i in (0, 2, 3)]
 
 
 # ------------------------------------------------------------------------------ metadata
@@ -607,26 +603,18 @@ def test_the_native_path_is_offered_unless_tls_or_disabled(monkeypatch):
 
 
 def test_concurrent_loads_each_get_a_connection_beyond_the_lookup_pool(redis_client, redis_url):
-    """Two loads in flight at once on a store whose lookup pool holds one connection: each
-    holds a bulk connection of its own (neither waits for the other), and both arrive."""
-    import threading
-
+    """A load while another holds a bulk connection, on a store whose lookup pool holds one
+    connection: it gets a connection of its own (it does not wait for the other), and its
+    value arrives."""
     store = _store(redis_url, pool_size=1, io_threads=2, connections_per_job=1)
     redis_client.mset({_key(0, 1): b"one", _key(0, 2): b"two"})
-    both_in_flight = threading.Barrier(2, timeout=5)
-    got: dict[int, list] = {}
-
-    def load(idx: int) -> None:
-        got[idx] = store.get_into(
-            [_key(0, idx)], _alloc, on_value=lambda i, v: both_in_flight.wait()
-        )
-
-    threads = [threading.Thread(target=load, args=(i,)) for i in (1, 2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert {i: [bytes(v) for v in got[i]] for i in got} == {1: [b"one"], 2: [b"two"]}
+    pool = store._bulk.connection_pool  # type: ignore[union-attr]
+    held = pool.get_connection()  # the other load's, in flight
+    try:
+        assert _load_raw(store, [_key(0, 1)]) == [b"one"]
+        assert _load_raw(store, [_key(0, 2)], native=False) == [b"two"]
+    finally:
+        pool.release(held)
     assert store.breaker.state is BreakerState.CLOSED
 
 
@@ -639,7 +627,7 @@ def test_a_store_given_a_client_uses_it_for_everything(redis_client, redis_url):
     try:
         assert store.put_if_absent([(_key(0, 1), b"v")]) == [PutResult.STORED]
         assert store.exists([_key(0, 1)]) == [True]
-        assert [bytes(v) for v in store.get_into([_key(0, 1)], _alloc)] == [b"v"]  # type: ignore[arg-type]
+        assert _load_raw(store, [_key(0, 1)]) == [b"v"]
         assert redis_client.exists(_key(0, 1)) == 0
         assert client.get(_key(0, 1)) == b"v"
     finally:
@@ -725,43 +713,32 @@ def test_cluster_refusals_are_misses_and_first_sightings(
     assert sightings == [Sighting.PRESENT, Sighting.FIRST, Sighting.FIRST, Sighting.FIRST]
     assert store.exists_and_mark([[_key(0, 4)]], [_marker(4)], 60) == [Sighting.AGAIN]
     keys = [_key(0, 1), "other:there", _key(0, 2), _key(0, 9)]
-    assert store.get_into(keys, _alloc, max_bytes=[1] * 4)[1:] == [None, memoryview(b""), None]
+    assert _load_raw(store, keys, max_len=1) == [b"v", None, b"", None]
+    assert _load_raw(store, keys, max_len=1, native=False) == [b"v", None, b"", None]
     assert store.get(keys) == [b"v", None, b"", None]
-    # EXISTS; EXISTS and SET of the admission; EXISTS and GETRANGE of the bounded read; GET.
+    # EXISTS; EXISTS and SET of the admission; the GET of each load job; GET.
     assert store.counters.snapshot()["refused_noperm"] == 1 + 2 + 2 + 1
-    assert _refused(caplog) == ["EXISTS", "SET", "GETRANGE", "GET"]
+    assert _refused(caplog) == ["EXISTS", "SET", "GET"]
     assert store.breaker.state is BreakerState.CLOSED
     store.close()
 
 
-def test_cluster_values_are_bounded_exactly_and_reported_as_they_arrive(
-    clean: LocalCluster,
-) -> None:
+def test_cluster_values_are_bounded_exactly_on_both_paths(clean: LocalCluster) -> None:
+    """On a cluster the C job and its twin (``native=False``, as TLS or ``HMA_REDIS_NATIVE=0``
+    run it) route every key to its node and agree on every value: whole, bounded exactly (a
+    value one byte over its bound is dropped unread), missing."""
     store = _store(clean.url, read_timeout_s=1.0, ttl_s=1000)
-    values = {_key(0, i): os.urandom(n) for i, n in enumerate([100, 101, 0])}
-    # Each value in two pieces, joined whole for the cluster pipeline.
-    pieces = [[memoryview(v)[:1], memoryview(v)[1:]] for v in values.values()]
-    assert (
-        store.put_parts_if_absent(list(values), lambda i: pieces[i], ttl_s=50)
-        == [PutResult.STORED] * 3
-    )
-    seen: list[tuple[int, bytes]] = []
-
-    def on_value(idx: int, value: memoryview) -> None:
-        seen.append((idx, bytes(value)))
-
-    got = store.get_into([*values, _key(0, 9)], _alloc, on_value=on_value, max_bytes=[100] * 4)
-    assert got[1] == OversizedValue(101)
-    assert [bytes(got[i]) for i in (0, 2)] == [values[_key(0, i)] for i in (0, 2)]  # type: ignore[arg-type]
-    assert got[3] is None
-    assert seen == [(i, values[_key(0, i)]) for i in (0, 2)]
-    # Unbounded: every value whole, each in memory alloc gave, reported as it arrives.
-    seen.clear()
-    whole = store.get_into([*values, _key(0, 9)], _alloc, on_value=on_value)
-    assert [None if v is None else bytes(v) for v in whole] == [*values.values(), None]  # type: ignore[arg-type]
-    assert seen == [(i, values[_key(0, i)]) for i in range(3)]
+    values = {_key(0, i): os.urandom(n) for i, n in enumerate([100, 101, 0, 30, 47])}
+    put = _put(store, "put_values-twin", values, ttl_s=50)
+    assert put == [PutResult.STORED] * len(values)
+    held = {k: _native_value(k, v)[2] for k, v in values.items()}
+    keys = [*values, _key(0, 9)]
+    bound = len(held[_key(0, 0)])  # the 101-byte body's value is one byte longer
+    want = [held[_key(0, 0)], bound + 1, *(held[k] for k in keys[2:5]), None]
+    assert _load_raw(store, keys, max_len=bound) == want
+    assert _load_raw(store, keys, max_len=bound, native=False) == want
     with _cluster_client(clean) as client:
-        assert [client.get(k) for k in values] == list(values.values())
+        assert [client.get(k) for k in values] == list(held.values())
         assert all(40 < client.ttl(k) <= 50 for k in values)
     store.close()
 
@@ -790,7 +767,7 @@ def test_cluster_native_jobs_answer_in_key_order_across_nodes(clean: LocalCluste
     store.put_if_absent([(keys[5], b"there before")])
     native = [_native_value(k, bodies[k]) for k in keys]
     store.counters.add(stored_chunks=11)
-    got = store.put_native(keys, [n[0] for n in native], [n[1] for n in native])
+    got = store.put_values(keys, [n[0] for n in native], [n[1] for n in native])
     assert got == [PutResult.EXISTED if i == 5 else PutResult.STORED for i in range(12)]
     with _cluster_client(clean) as client:
         assert client.hgetall(STATS_KEY) == {b"stored_chunks": b"11"}
@@ -812,7 +789,7 @@ def test_cluster_native_jobs_answer_in_key_order_across_nodes(clean: LocalCluste
         )
         for k, page in zip(wanted, pages, strict=True)
     ]
-    loaded = store.load_native(wanted, targets)
+    loaded = store.load_values(wanted, targets)
     assert loaded is not None
     statuses = [r.status for r in loaded]
     assert statuses == [fastpath.LoadStatus.OK] * 11 + [fastpath.LoadStatus.MISSING]
@@ -831,19 +808,19 @@ def test_a_native_put_to_a_moved_slot_fails_then_stores_on_the_new_owner(
     store.counters.add(stored_chunks=1)
     key = _key(0, 1)
     head, body, _ = _native_value(key, b"first")
-    assert store.put_native([key], [head], [body]) == [PutResult.STORED]
+    assert store.put_values([key], [head], [body]) == [PutResult.STORED]
     slot = key_slot(key.encode())
     target = next(p for p in clean.ports if p != clean.slot_owners()[slot])
     clean.move_slot(slot, target)
     moved = next(k for k in (_key(1, i) for i in range(1_000_000)) if key_slot(k.encode()) == slot)
 
     head, body, whole = _native_value(moved, b"second")
-    assert store.put_native([moved], [head], [body]) == [PutResult.FAILED]
+    assert store.put_values([moved], [head], [body]) == [PutResult.FAILED]
     assert store.breaker.state is BreakerState.CLOSED
     assert store.counters.snapshot()["refused_other"] == 1
     assert _refused(caplog) == ["SET"]
     head, body, whole = _native_value(moved, b"second")
-    assert store.put_native([moved], [head], [body]) == [PutResult.STORED]
+    assert store.put_values([moved], [head], [body]) == [PutResult.STORED]
     with redis.Redis(port=target, username=clean.username, password=clean.password) as client:
         assert client.get(moved) == whole
 
@@ -852,11 +829,11 @@ def test_a_native_put_to_a_moved_slot_fails_then_stores_on_the_new_owner(
     page = bytearray(5)
     header = BlockHeader(key=key, group=0, first_block=0, num_blocks=1, page_bytes=(5,))
     job = [fastpath.LoadTarget(bytearray(256), header.to_msgpack(), [page], None, 1 << 20)]
-    failed = store.load_native([key], job)
+    failed = store.load_values([key], job)
     assert failed is not None and [r.status for r in failed] == [fastpath.LoadStatus.ERROR]
     assert store.counters.snapshot()["refused_other"] == 2
     assert _refused(caplog) == ["SET", "GET"]
-    landed = store.load_native([key], job)
+    landed = store.load_values([key], job)
     assert landed is not None and [r.status for r in landed] == [fastpath.LoadStatus.OK]
     assert page == bytearray(b"first")
     assert store.breaker.state is BreakerState.CLOSED
@@ -872,7 +849,7 @@ def test_a_user_who_may_not_name_connections_still_gets_a_working_tier(reader_se
     try:
         key = _key(0, 2)
         head, body, _ = _native_value(key, b"v")
-        assert store.put_native([key], [head], [body]) == [PutResult.STORED]
+        assert store.put_values([key], [head], [body]) == [PutResult.STORED]
         assert store.exists([key]) == [True]
         assert store.breaker.state is BreakerState.CLOSED
         assert store_connections(admin, store.client_name) == 0
@@ -903,7 +880,7 @@ def test_close_disconnects_every_connection_it_opened(redis_client, redis_url):
     store = _store(redis_url)
     key = _key(0, 1)
     head, body, _ = _native_value(key, b"v")
-    assert store.put_native([key], [head], [body]) == [PutResult.STORED]
+    assert store.put_values([key], [head], [body]) == [PutResult.STORED]
     assert store.exists([key]) == [True]
     assert store_connections(redis_client, store.client_name) == 2
     store.close()

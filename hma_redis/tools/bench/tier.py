@@ -21,10 +21,10 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
   line says which; ``--connections N`` sets ``connections_per_job``): one ``submit_store`` job
   (EXISTS check -> CRC32C over the pages at scattered block ids, in place -> SET NX sent from
   the KV cache by ``sendmsg``) and one ``submit_load`` job (GETs whose values are received
-  straight into the pages at other block ids, CRC32C as they arrive; Python path: into pooled
-  buffers -> ``codec.decode`` -> copy), timed from submit until ``get_finished`` reports the
-  job; the loaded blocks are compared with the stored ones byte for byte. ``--python-path``
-  measures the Python path too (column ``hma-python``);
+  straight into the pages at other block ids, CRC32C as they arrive; the same on the C job's
+  pure-Python twin), timed from submit until ``get_finished`` reports the job; the loaded
+  blocks are compared with the stored ones byte for byte. ``--python-path`` measures the twin
+  too (column ``hma-python``);
 - the second mode (column ``hma-tier``, :mod:`hma_redis.tools.bench.tiering`): hma_redis as
   the Redis secondary tier of vLLM's ``TieringOffloadingSpec``, one cascade job (primary rows ->
   Redis) and one promotion job (Redis -> other primary rows) of the same bytes, chunks as large
@@ -727,8 +727,8 @@ def format_report(report: Report) -> str:
     lines += [
         "",
         "load = GETs -> values received into the KV cache at the job's block ids, CRC32C as they "
-        "arrive, checked (Python path:",
-        "into buffers -> codec.decode -> copy); store = EXISTS check -> CRC32C over the pages in "
+        "arrive, checked (C job or its",
+        "pure-Python twin); store = EXISTS check -> CRC32C over the pages in "
         "place -> SET NX sent from the KV cache;",
         "timed from submit_* until get_finished reports the job. hma-tier: promotion (load) and "
         "cascade (store) of vLLM's primary-tier rows",

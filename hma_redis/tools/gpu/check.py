@@ -5,11 +5,10 @@ against a local ``redis-server`` and a local 3-shard Redis Cluster; one table ou
     python -m hma_redis.tools.gpu.check --device cpu --output t.txt   # the CI variant, seconds
 
 For each Redis (single, cluster), chunk size (1 and 16 blocks) and connection count per job
-(1, 2, 4, 8 where the engine has ``connections_per_job`` and the deployment's jobs take the
-native path, else 1): stores from random block ids and loads into other ids, every load
-compared byte for byte on the device; per chunk size, a full-cache correctness check and a
-corrupted value that must be refused with nothing written;
-a load's time against the sum of its phases; and a matmul loop's rate on the compute stream
+(1, 2, 4, 8 where the engine has ``connections_per_job``, else 1): stores from random block
+ids and loads into other ids, every load compared byte for byte on the device; per chunk
+size, a full-cache correctness check and a corrupted value that must be refused with nothing
+written; a load's time against the sum of its phases; and a matmul loop's rate on the compute stream
 with and without loads running. Exit status: 0 every byte right, 1 a wrong byte (or a corrupted
 value let through, or a load that failed), 2 the check could not run. Speed targets are shown
 (``below`` / ``BLOCKED``) but do not change the exit status.
@@ -193,16 +192,15 @@ class Results:
 def run_cells(
     plan: Plan, cache: KVCache, targets: Sequence[Target], budget: Budget, flip: bool
 ) -> Results:
-    """Every cell of the table, rows in the order of its sections. A deployment whose jobs
-    take the Python path (one connection whatever ``connections_per_job`` says; a Cluster)
-    is measured with 1 connection only."""
+    """Every cell of the table, rows in the order of its sections, for every connection count
+    of the plan (the C job and its twin both split a job over ``connections_per_job``)."""
     rng = random.Random(20261130)
     sections: dict[str, list[Row]] = {}
     paths: dict[str, str] = {}
     for target in targets:
         probe = Rig(target, cache, plan.chunk_blocks[0], 1)
         paths[target.name] = probe.engine.data_path
-        connections = plan.connections if probe.engine.native else (1,)
+        connections = plan.connections
         probe.close()
         for chunk in plan.chunk_blocks:
             for conns in connections:
