@@ -28,9 +28,9 @@ import tempfile
 import time
 from typing import Any
 
-from hma_redis.tools.demo import engine
-from hma_redis.tools.demo.local_redis import LocalRedis
-from hma_redis.tools.demo.tiny_models import build_llama
+from hma_redis.tools.devkit import engine
+from hma_redis.tools.devkit.local_redis import LocalRedis
+from hma_redis.tools.devkit.tiny_models import build_llama
 
 DECODE_PROMPT_TOKENS = 64
 DECODE_TOKENS = 96
@@ -53,7 +53,7 @@ def build_model(path: str) -> str:
 
 
 def run_engine(run: dict[str, Any]) -> dict[str, Any]:
-    """One engine process (:mod:`hma_redis.tools.demo.engine`): the decode prompts, then the
+    """One engine process (:mod:`hma_redis.tools.devkit.engine`): the decode prompts, then the
     prompt ``repeats`` times (the engine's prefix cache is emptied before each)."""
     decode, repeats = run["decode_prompts"], run["repeats"]
     job = {

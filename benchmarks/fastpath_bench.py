@@ -40,7 +40,7 @@ from hma_redis.core.store import RedisBlockStore
 try:
     from hma_redis.local_redis import LocalRedis
 except ImportError:  # moved with the tools
-    from hma_redis.tools.demo.local_redis import LocalRedis  # type: ignore[no-redef]
+    from hma_redis.tools.devkit.local_redis import LocalRedis  # type: ignore[no-redef]
 
 MiB = 1 << 20
 LAYERS = 8

@@ -36,7 +36,7 @@ import redis
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import PutResult, RedisBlockStore
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.cluster_servers import LocalCluster
 
 NAMESPACE = "fleet-sim"

@@ -33,7 +33,7 @@ from hma_redis.core.transfer import (
     TransferEngine,
     ValueFormat,
 )
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 LAYERS = 8
 PAGE = 64 * 1024

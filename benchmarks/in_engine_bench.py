@@ -7,7 +7,7 @@
 The model is e2e_bench's (random-weight Llama shape: hidden 1024, 8 layers, 16 query / 8 KV
 heads of 64, fp32: 32 KiB of KV per token); a private ``redis-server`` is started. Each round
 runs three fresh engines, each in its own process with the CPU defaults of
-:mod:`hma_redis.tools.demo.engine`, one after the other, Redis emptied first:
+:mod:`hma_redis.tools.devkit.engine`, one after the other, Redis emptied first:
 
 - ``off`` (no tier): the prompt P (cold prefill, the engine's first request), the repeat
   prompts R1..Rn, then the decode prompts (new, short: decode tokens/s);
@@ -59,8 +59,8 @@ from hma_redis.core.transfer import (
     TransferEngine,
     ValueFormat,
 )
-from hma_redis.tools.demo import engine
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit import engine
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 VOCAB = 32000
 GB = 1e9

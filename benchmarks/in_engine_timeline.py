@@ -31,8 +31,8 @@ from typing import Any
 from e2e_bench import build_model  # type: ignore[import-not-found]
 from in_engine_bench import parse_options  # type: ignore[import-not-found]
 
-from hma_redis.tools.demo import engine
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit import engine
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 VOCAB = 32000
 EVENTS: list[tuple[float, str]] = []

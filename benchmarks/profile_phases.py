@@ -31,7 +31,7 @@ from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import TransferEngine
 from hma_redis.tools.bench import tier as bench_tier
 from hma_redis.tools.bench.common import MIB, Samples
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 SPENT: Counter[str] = Counter()
 

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import redis
 
-from hma_redis.tools.demo.local_redis import free_port
 from hma_redis.tools.demo.openai_example import random_prompt, scrape_metrics
-from hma_redis.tools.demo.tiny_models import build_gemma3
+from hma_redis.tools.devkit.local_redis import free_port
+from hma_redis.tools.devkit.tiny_models import build_gemma3
 
 COMPOSE_FILE = Path(__file__).resolve().parent / "compose.cpu.yaml"
 PROJECT = "hma-redis-cpu-smoke"

@@ -44,7 +44,7 @@ from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.kv_pages import as_before_or_cleared
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

@@ -32,7 +32,7 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.notifications import RemovalWatcher
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 NAMESPACE = "edges"

@@ -30,7 +30,7 @@ from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.latency import LatencySamples, Operation
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 R = RedisMetricName
 

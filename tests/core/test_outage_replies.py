@@ -15,7 +15,7 @@ from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.tools.demo.local_redis import LocalRedis, free_port
+from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
 from tests.support.error_server import ErrorServer
 from tests.support.kv_pages import DST, KEYSPACE, SRC, Pages, chunks, make_pages
 

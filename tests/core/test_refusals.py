@@ -34,7 +34,7 @@ from hma_redis.core.breaker import (
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.store import PutResult, RedisBlockStore
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
 
 VALUES = {f"hma:ns:g0:{i:02x}": os.urandom(1000) for i in range(3)}

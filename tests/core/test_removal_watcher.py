@@ -14,7 +14,7 @@ from hma_redis.core.client import make_client
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.notifications import NotificationState, RemovalWatcher, missing_flags
-from hma_redis.tools.demo.local_redis import LocalRedis, free_port
+from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
 from tests.support.cluster_servers import LocalCluster
 
 USER, PASSWORD = "tier", "watch-s3cret"

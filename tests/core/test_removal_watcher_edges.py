@@ -11,7 +11,7 @@ import redis
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.notifications import NotificationState, RemovalWatcher, ensure_flags
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 KEYSPACE = KeySpace("hma", "watcher-edges")
 WAIT_S = 30.0

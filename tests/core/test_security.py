@@ -39,7 +39,7 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
 from hma_redis.core.transfer import ChunkTransfer, LayerSource, TransferEngine, ValueFormat
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.kv_pages import as_before_or_cleared
 from tests.support.tls_certs import TlsFiles, TlsLocalRedis, make_tls_files
 

@@ -152,7 +152,7 @@ def test_wrong_password_is_one_redacted_line(sentinel: LocalSentinel) -> None:
 
 
 def test_unreachable_sentinels_degrade_and_never_raise() -> None:
-    from hma_redis.tools.demo.local_redis import free_port
+    from hma_redis.tools.devkit.local_redis import free_port
 
     store = _store(f"redis+sentinel://127.0.0.1:{free_port()}/nobody/0", retry_interval_s=0.05)
     assert store.exists(["hma:x:g0:00"]) == [False]

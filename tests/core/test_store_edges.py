@@ -25,7 +25,7 @@ from hma_redis.core.store import (
     Sighting,
     bulk_connections,
 )
-from hma_redis.tools.demo.local_redis import LocalRedis, free_port
+from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.redis_server import (
     command_calls,

@@ -30,7 +30,7 @@ from hma_redis.core.transfer import (
     _split,
     group_chunks,
 )
-from hma_redis.tools.demo.local_redis import free_port
+from hma_redis.tools.devkit.local_redis import free_port
 from tests.support.kv_pages import (
     DST,
     LAYERS,

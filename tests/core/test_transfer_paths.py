@@ -194,7 +194,7 @@ def test_a_native_job_that_times_out_fails_and_the_tier_heals_with_the_right_byt
 
 
 def test_the_native_path_runs_over_a_unix_socket(tmp_path) -> None:
-    from hma_redis.tools.demo.local_redis import LocalRedis
+    from hma_redis.tools.devkit.local_redis import LocalRedis
 
     path = tmp_path / "redis.sock"
     server = LocalRedis(extra_args=["--unixsocket", str(path), "--unixsocketperm", "700"])

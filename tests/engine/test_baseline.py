@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import EngineRun, make_prompts, run_engines
 
 pytestmark = pytest.mark.engine

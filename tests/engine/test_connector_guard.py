@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from hma_redis.adapter.spec import CONNECTOR_CONFIG
-from hma_redis.tools.demo.engine import kv_transfer_config
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_llama
+from hma_redis.tools.devkit.engine import kv_transfer_config
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
 from tests.support.engine_runner import EngineFailed, make_prompts, run_engine
 
 pytestmark = pytest.mark.engine

@@ -22,8 +22,8 @@ import pytest
 import redis
 
 from hma_redis.core.fastpath import NATIVE_ENV
-from hma_redis.tools.demo.local_redis import LocalRedis
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from hma_redis.tools.devkit.local_redis import LocalRedis
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import (
     EngineRun,
     make_prompts,

@@ -19,7 +19,7 @@ import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from hma_redis.core.keys import parse_block_key
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.redis_server import LocalRedis
 from tests.support.tier import tier_config

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_llama
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
 from tests.support.cluster_servers import (
     LocalCluster,
     LocalSentinel,

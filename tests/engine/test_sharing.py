@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from hma_redis.core.keys import parse_block_key
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine
 from tests.support.tier import chunk_aligned_prefix, tier_config
 

@@ -18,8 +18,8 @@ import redis
 
 from hma_redis.core import codec
 from hma_redis.core.keys import parse_block_key
-from hma_redis.tools.demo.engine import RESULT_PREFIX
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_llama
+from hma_redis.tools.devkit.engine import RESULT_PREFIX
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
 from tests.support.engine_runner import REPO_ROOT, child_env, make_prompts
 from tests.support.salt_child import SALT_ENV
 from tests.support.tier import chunk_aligned_prefix, tier_config

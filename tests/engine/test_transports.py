@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from hma_redis.tools.demo.local_redis import LocalRedis
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_llama
+from hma_redis.tools.devkit.local_redis import LocalRedis
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine
 from tests.support.tier import assert_loaded_from_the_tier, tier_config
 from tests.support.tls_certs import TlsLocalRedis, make_tls_files

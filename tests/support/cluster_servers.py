@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from hma_redis.tools.demo.local_redis import LocalRedis, free_port, terminate
+from hma_redis.tools.devkit.local_redis import LocalRedis, free_port, terminate
 
 INSTALL_HINT = "Debian: apt-get install -y redis-server redis-tools (redis-server, redis-cli)"
 SERVICE_NAME = "hma-test"

@@ -2,10 +2,10 @@
 
 It imports torch and vLLM once (most of an engine's start-up time on a small CPU), then for each
 job line on stdin forks a fresh child that runs the job with
-:func:`hma_redis.tools.demo.engine.run_job` (the one engine process of the demo, benchmarks
+:func:`hma_redis.tools.devkit.engine.run_job` (the one engine process of the demo, benchmarks
 and tests), its stdout/stderr sent to the files the request names. The server never builds an
 engine itself, so each forked child is a new vLLM instance; it only skips the interpreter start
-and the imports. A run without the fork server is ``python -m hma_redis.tools.demo.engine``.
+and the imports. A run without the fork server is ``python -m hma_redis.tools.devkit.engine``.
 
 Not a test module (pytest does not collect it).
 """
@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any
 
-from hma_redis.tools.demo.engine import emit_result, run_job
+from hma_redis.tools.devkit.engine import emit_result, run_job
 
 READY_LINE = "@@HMA_FORKSERVER_READY@@"
 

@@ -1,6 +1,6 @@
 """Run a vLLM engine in a fresh subprocess (one call = one separate vLLM instance).
 
-``run_engine`` runs a JSON job in the engine process of :mod:`hma_redis.tools.demo.engine` and
+``run_engine`` runs a JSON job in the engine process of :mod:`hma_redis.tools.devkit.engine` and
 parses the one result line it prints. Every call is a new process with a new engine, so the
 engine's own prefix cache starts empty and a shared external KV tier is the only thing two runs
 have in common.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hma_redis.tools.demo.engine import (
+from hma_redis.tools.devkit.engine import (
     CPU_ENGINE_ENV,
     IN_PROCESS_ENGINE_ENV,
     EngineProcessError,

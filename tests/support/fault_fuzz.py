@@ -38,9 +38,9 @@ from typing import IO, Any
 import redis
 
 from hma_redis.core.fastpath import NATIVE_ENV
-from hma_redis.tools.demo.engine import kv_transfer_config
-from hma_redis.tools.demo.local_redis import LocalRedis
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from hma_redis.tools.devkit.engine import kv_transfer_config
+from hma_redis.tools.devkit.local_redis import LocalRedis
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import child_env, make_prompts, shared_prefix_prompts
 from tests.support.fuzz_child import READY_LINE
 from tests.support.loopback import LoopbackServer

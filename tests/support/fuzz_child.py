@@ -1,7 +1,7 @@
 """A long-lived engine for the fault fuzz (:mod:`tests.support.fault_fuzz`).
 
 ``python -m tests.support.fuzz_child '<job json>'`` builds one engine (job fields as
-:func:`hma_redis.tools.demo.engine.run_job`: ``model``, ``dtype``, ``kv_transfer_config``,
+:func:`hma_redis.tools.devkit.engine.run_job`: ``model``, ``dtype``, ``kv_transfer_config``,
 ``llm_kwargs``), prints
 ``READY_LINE``, then serves one JSON request per stdin line, ``{"prompts": [[ids]], "max_tokens":
 n}``, with one JSON reply line: per prompt its greedy token ids, the logprob of each, and the
@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from hma_redis.tools.demo.engine import LLM_DEFAULTS
+from hma_redis.tools.devkit.engine import LLM_DEFAULTS
 
 READY_LINE = "@@HMA_FUZZ_ENGINE_READY@@"
 

@@ -21,7 +21,7 @@ import time
 
 import redis
 
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.containers import (
     EXPECT_ENV,
     NoContainerEngine,

@@ -1,7 +1,7 @@
 """Engine runs whose prompts carry a ``cache_salt`` (for tests/engine/test_tenants.py):
 ``python -m tests.support.salt_child``.
 
-:func:`hma_redis.tools.demo.engine.run_job` builds each prompt as
+:func:`hma_redis.tools.devkit.engine.run_job` builds each prompt as
 ``vllm.inputs.TokensPrompt(prompt_token_ids=...)`` and has no way to pass a salt. This wraps
 it: it replaces ``vllm.inputs.TokensPrompt`` by a function that adds ``cache_salt`` from the
 environment variable ``HMA_TEST_CACHE_SALT`` (read when the prompt is built, so each run has its

@@ -36,9 +36,9 @@ from typing import Any
 import psutil
 import redis
 
-from hma_redis.tools.demo.engine import kv_transfer_config
-from hma_redis.tools.demo.local_redis import LocalRedis
-from hma_redis.tools.demo.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from hma_redis.tools.devkit.engine import kv_transfer_config
+from hma_redis.tools.devkit.local_redis import LocalRedis
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import make_prompts
 from tests.support.fault_fuzz import (
     LOGPROB_TOLERANCE,

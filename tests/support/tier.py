@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hma_redis.tools.demo.engine import kv_transfer_config
+from hma_redis.tools.devkit.engine import kv_transfer_config
 from tests.support.engine_runner import EngineRun
 
 

@@ -2,7 +2,7 @@
 
 ``make_tls_files`` writes a throwaway CA, a server certificate for ``127.0.0.1``/``localhost``
 and a client certificate, all signed by that CA, with the ``cryptography`` package.
-``TlsLocalRedis`` is :class:`hma_redis.tools.demo.local_redis.LocalRedis` listening on a TLS port
+``TlsLocalRedis`` is :class:`hma_redis.tools.devkit.local_redis.LocalRedis` listening on a TLS port
 only (``--port 0``); its readiness check speaks TLS with the client certificate.
 """
 
@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 
 @dataclass(frozen=True)

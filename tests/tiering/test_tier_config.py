@@ -11,7 +11,7 @@ import redis
 from vllm.v1.kv_offload.base import LookupResult, Medium, get_offload_block_hash
 
 from hma_redis.adapter.tiering.tier import TIERING_NAMESPACE_SUFFIX
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.scheduler_harness import (
     make_vllm_config,
     three_group_kv_cache_config,

@@ -11,7 +11,7 @@ import redis
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, get_offload_block_hash
 from vllm.v1.kv_offload.tiering.base import JobResult
 
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.tiering import TieringInstance, chunk_keys, payloads
 
 

@@ -23,7 +23,7 @@ from hma_redis.tools.bench.common import (
     redis_benchmark_args,
 )
 from hma_redis.tools.cli.main import main
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 
 SECRET = "bench-Pw#/?s3cret"
 

@@ -28,7 +28,7 @@ from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.cli.main import main
 from hma_redis.tools.cli.schemas import SCHEMAS
 from hma_redis.tools.cli.schemas import markdown as schema_markdown
-from hma_redis.tools.demo.local_redis import free_port
+from hma_redis.tools.devkit.local_redis import free_port
 from tests.support.cli_run import (
     FINGERPRINT,
     Run,

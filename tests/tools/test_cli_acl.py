@@ -16,7 +16,7 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.cli.main import main
-from hma_redis.tools.demo.local_redis import LocalRedis
+from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.cli_run import FINGERPRINT, Run, assert_one_line_error, write_blocks
 
 SECURITY_MD = Path(__file__).resolve().parents[2] / "docs" / "security.md"

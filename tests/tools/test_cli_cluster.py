@@ -316,7 +316,7 @@ def test_a_dead_master_fails_doctor_and_stops_purge_before_it_starts(cli):
 
 
 def test_no_cluster_node_answering_is_one_line_and_a_doctor_fail(cli):
-    from hma_redis.tools.demo.local_redis import free_port
+    from hma_redis.tools.devkit.local_redis import free_port
 
     url = f"redis+cluster://{USER}:{PASSWORD}@127.0.0.1:{free_port()},127.0.0.1:{free_port()}/"
     for command in (["info"], ["ls"], ["purge", "--all", "--yes"], ["inspect", "hma:x:g0:00"]):
@@ -439,7 +439,7 @@ def test_purge_refuses_when_the_sentinels_name_different_masters(on_sentinel, se
 
 
 def test_doctor_fails_when_no_sentinel_answers(cli):
-    from hma_redis.tools.demo.local_redis import free_port
+    from hma_redis.tools.devkit.local_redis import free_port
 
     url = f"redis+sentinel://{USER}:{PASSWORD}@127.0.0.1:{free_port()}/hma-test"
     run = cli(url, "doctor", "--connect-timeout", "0.5")

@@ -21,7 +21,7 @@ import pytest
 import redis
 from docker.models.containers import Container
 
-from hma_redis.tools.demo.local_redis import free_port
+from hma_redis.tools.devkit.local_redis import free_port
 from tests.support.cli_run import run_script
 from tests.support.containers import IMAGE_ENV, engine_problem
 

@@ -22,7 +22,7 @@ from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics, Worker
 from hma_redis.adapter.types import ManagerStats
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.tools.demo.tiny_models import build_llama
+from hma_redis.tools.devkit.tiny_models import build_llama
 from tests.support.dashboard import DASHBOARD, Query, dashboard_queries
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"

@@ -18,9 +18,9 @@ from hma_redis.core.breaker import MISSING_PASSWORD
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.tools.demo import openai_example
 from hma_redis.tools.demo.demo import DEFAULT_PROMPT_TOKENS, PromptRun, report
-from hma_redis.tools.demo.local_redis import LocalRedis, free_port
 from hma_redis.tools.demo.openai_example import VllmServer
-from hma_redis.tools.demo.tiny_models import DEMO_SHAPE, HEAD_DIM
+from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
+from hma_redis.tools.devkit.tiny_models import DEMO_SHAPE, HEAD_DIM
 
 # What the engines here may hold: VLLM_CPU_KVCACHE_SPACE=1 (GiB) in the CPU engine defaults.
 CPU_KV_CACHE_BYTES = 2**30

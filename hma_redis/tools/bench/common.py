@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hma_redis.core.config import EndpointKind, RedisTierConfig
-from hma_redis.tools.demo.local_redis import redis_or_local
+from hma_redis.tools.devkit.local_redis import redis_or_local
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -1,3 +1,2 @@
-"""Running vLLM with the tier on a CPU: the demo (two engines share a Redis), the OpenAI-server
-example, tiny random-weight models, a throwaway local redis-server, and the engine process they
-and the tests run (``engine``)."""
+"""Running vLLM with the tier on a CPU: the demo (two engines share a Redis) and the
+OpenAI-server example, on the development kit (:mod:`hma_redis.tools.devkit`)."""

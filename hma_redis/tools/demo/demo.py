@@ -36,15 +36,15 @@ from redis.exceptions import RedisError
 
 from hma_redis.core.config import RedisTierConfig, redact_url
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.tools.demo.engine import (
+from hma_redis.tools.devkit.engine import (
     EngineProcessError,
     ProcessOutput,
     engine_env,
     kv_transfer_config,
     parse_result,
 )
-from hma_redis.tools.demo.local_redis import redis_or_local
-from hma_redis.tools.demo.tiny_models import (
+from hma_redis.tools.devkit.local_redis import redis_or_local
+from hma_redis.tools.devkit.tiny_models import (
     DEMO_SHAPE,
     QUICK_SHAPE,
     VOCAB_SIZE,
@@ -227,7 +227,7 @@ def _run_engine(name: str, job: Mapping[str, Any]) -> tuple[PromptRun, PromptRun
     # vLLM logs to stdout by default: keep stdout for the result line, read the log on stderr.
     env = engine_env({"VLLM_LOGGING_STREAM": "ext://sys.stderr"})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hma_redis.tools.demo.engine"],
+        [sys.executable, "-m", "hma_redis.tools.devkit.engine"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from hma_redis.tools.demo.engine import CPU_ENGINE_ENV, kv_transfer_config
-from hma_redis.tools.demo.local_redis import free_port, redis_or_local
+from hma_redis.tools.devkit.engine import CPU_ENGINE_ENV, kv_transfer_config
+from hma_redis.tools.devkit.local_redis import free_port, redis_or_local
 
 
 def vllm_serve_argv(model: str) -> list[str]:
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, extra = args.model, list(args.serve_arg)
         if model is None:
-            from hma_redis.tools.demo.tiny_models import MAX_POSITIONS, build_llama
+            from hma_redis.tools.devkit.tiny_models import MAX_POSITIONS, build_llama
 
             print("building a tiny random-weight Llama (no tokenizer: prompts are token ids)")
             model = build_llama(os.path.join(workdir, "tiny-llama"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import redis
 
-from hma_redis.tools.demo.local_redis import LocalRedis, free_port
+from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
 
 CLUSTER_SLOTS = 16384
 _READY_TIMEOUT_S = 30.0

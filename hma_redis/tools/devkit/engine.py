@@ -2,7 +2,7 @@
 kv-transfer-config that puts vLLM in front of the tier (the README's, in code), one set of CPU
 engine defaults, and one engine process (a JSON job in, one result line out).
 
-    python -m hma_redis.tools.demo.engine < job.json      # prints RESULT_PREFIX + JSON
+    python -m hma_redis.tools.devkit.engine < job.json      # prints RESULT_PREFIX + JSON
 
 A job (:func:`run_job`) names a model, prompts of token ids and how many tokens to generate for
 each; the process builds one ``vllm.LLM``, runs the prompts one at a time (greedy), empties the
@@ -215,7 +215,7 @@ def run_engine_process(
     timeout_s: float | None = None,
     cwd: str | None = None,
 ) -> ProcessOutput:
-    """Run ``job`` in a new interpreter (``python -m hma_redis.tools.demo.engine``)."""
+    """Run ``job`` in a new interpreter (``python -m hma_redis.tools.devkit.engine``)."""
     try:
         proc = subprocess.run(
             [sys.executable, "-m", __name__],
