@@ -52,6 +52,7 @@ from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
 from hma_redis.core.breaker import BreakerState
 from hma_redis.core.codec import FORMAT_VERSION
 from hma_redis.core.keys import KeySpace, parse_block_key
+from hma_redis.core.memory import MEMORY_POLL_INTERVAL_S, MemoryPoller
 from hma_redis.core.notifications import RemovalWatcher
 from hma_redis.core.store import RedisBlockStore, Sighting
 
@@ -138,12 +139,15 @@ class RedisOffloadingManager(OffloadingManager):
         group_chunk_tokens: tuple[int, ...] = (),
         admission: str = "always",
         admission_window_s: int = 3600,
+        memory_poll_interval_s: float = MEMORY_POLL_INTERVAL_S,
     ) -> None:
         """``removals``: a started watcher of this namespace's block keys (its removals become
         events when ``emit_events``, and always forget cached answers); the manager closes it.
         ``group_chunk_tokens``: tokens per chunk of each KV group, in group order (removals
         fan out to every group; the intersection is counted per group). ``admission`` and
-        ``admission_window_s``: see :class:`~hma_redis.core.config.RedisTierConfig`."""
+        ``admission_window_s``: see :class:`~hma_redis.core.config.RedisTierConfig`.
+        ``memory_poll_interval_s``: Redis' memory figures (gauges) are asked at most this
+        often, on a thread of their own, only when vLLM collects stats."""
         self._store = store
         self._keyspace = keyspace
         self._answer_ttl_s = answer_ttl_s
@@ -180,6 +184,7 @@ class RedisOffloadingManager(OffloadingManager):
         self.stats = ManagerStats()
         self.detail_stats = ManagerDetailStats()
         self._metrics = ManagerMetrics()
+        self._memory = MemoryPoller(self._store.memory, memory_poll_interval_s)
 
     # ------------------------------------------------------------------ lookups
 
@@ -552,6 +557,7 @@ class RedisOffloadingManager(OffloadingManager):
             refusals=self._store.counters.snapshot(),
             detail=self.detail_stats,
             latency=self._store.latency,
+            memory=self._memory.take(),
         )
 
     def shutdown(self) -> None:
@@ -560,6 +566,7 @@ class RedisOffloadingManager(OffloadingManager):
         its last request never waits for) are counted here, so their per-group hit counters
         reach the stats hash too."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._memory.close()
         if self._removals is not None:
             self._removals.close()
         for hits in self._request_hits.values():

@@ -17,6 +17,11 @@ scheduler side (the manager's :class:`~hma_redis.adapter.types.ManagerStats`, vi
     ``vllm:kv_offload_redis_load_failures``    requests whose load failed and were recomputed
     ``vllm:kv_offload_redis_errors``           failed Redis calls of the scheduler (timeouts, ...)
     ``vllm:kv_offload_redis_available``        gauge: 1 while the scheduler reaches Redis, else 0
+    ``vllm:kv_offload_redis_used_memory_bytes``  gauge: Redis' used_memory, summed over a
+                                               Cluster's masters (hma_redis.core.memory; asked
+                                               at most every 10 s, off the scheduler's thread;
+                                               absent where the ACL refuses INFO)
+    ``vllm:kv_offload_redis_max_memory_bytes``   gauge: their maxmemory summed; 0: no limit
     ``vllm:kv_offload_redis_removed_chunks``   chunks Redis evicted, expired or deleted (from its
                                                keyspace notifications; one per KV group)
     ``vllm:kv_offload_redis_admission_deferred``  chunks not stored: seen once (second_sighting)
@@ -73,6 +78,7 @@ from hma_redis.adapter.types import ManagerStats
 from hma_redis.core.breaker import Refusal
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.latency import LatencySamples
+from hma_redis.core.memory import TierMemory
 
 PREFIX = "vllm:kv_offload_redis_"
 
@@ -88,6 +94,8 @@ class RedisMetricName:
     LOAD_FAILURES = PREFIX + "load_failures"
     ERRORS = PREFIX + "errors"
     AVAILABLE = PREFIX + "available"
+    USED_MEMORY_BYTES = PREFIX + "used_memory_bytes"
+    MAX_MEMORY_BYTES = PREFIX + "max_memory_bytes"
     STORED_CHUNKS = PREFIX + "stored_chunks"
     STORE_EXISTED_CHUNKS = PREFIX + "store_existed_chunks"
     STORE_FAILED_CHUNKS = PREFIX + "store_failed_chunks"
@@ -225,6 +233,18 @@ ROUND_TRIP_BUCKETS = (
 
 _ERRORS_HELP = "Redis calls of the scheduler that failed (connection errors, timeouts)."
 _AVAILABLE_HELP = "1 while the scheduler reaches Redis, 0 while it serves without the tier."
+# One series per engine, summed over a Cluster's masters rather than one per node: vLLM's hooks
+# can set a labelled gauge but never remove one, so a node gone (a failover promotes a replica
+# at another address) would leave its last figure in every scrape, and sums over nodes would
+# count it. ``hma-redis info`` and ``doctor`` show each node.
+_USED_MEMORY_HELP = (
+    "Bytes Redis uses (INFO memory used_memory), summed over a Cluster's masters; asked at "
+    "most every 10 s; absent where the tier's ACL refuses INFO."
+)
+_MAX_MEMORY_HELP = (
+    "Redis' maxmemory in bytes, summed over a Cluster's masters; 0: no limit (on any master). "
+    "Absent where the tier's ACL refuses INFO."
+)
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -245,6 +265,12 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         definitions[name] = OffloadingCounterMetadata(documentation=doc, labelnames=("group",))
     definitions[RedisMetricName.ERRORS] = OffloadingCounterMetadata(documentation=_ERRORS_HELP)
     definitions[RedisMetricName.AVAILABLE] = OffloadingGaugeMetadata(documentation=_AVAILABLE_HELP)
+    definitions[RedisMetricName.USED_MEMORY_BYTES] = OffloadingGaugeMetadata(
+        documentation=_USED_MEMORY_HELP
+    )
+    definitions[RedisMetricName.MAX_MEMORY_BYTES] = OffloadingGaugeMetadata(
+        documentation=_MAX_MEMORY_HELP
+    )
     return definitions
 
 
@@ -298,6 +324,7 @@ class ManagerMetrics:
         refusals: Mapping[str, int] | None = None,
         detail: ManagerDetailStats | None = None,
         latency: LatencySamples | None = None,
+        memory: TierMemory | None = None,
     ) -> OffloadingConnectorStats | None:
         """What changed since the last call, or None if nothing did.
 
@@ -307,7 +334,8 @@ class ManagerMetrics:
         ``errors`` is the scheduler store's cumulative count of failed Redis calls, ``available``
         whether it reaches Redis now, ``refusals`` its counters' totals
         (:meth:`~hma_redis.core.counters.PendingCounters.snapshot`; the ``refused_*`` ones count),
-        ``latency`` its call times (drained here).
+        ``latency`` its call times (drained here), ``memory`` Redis' figures when a new
+        reading came in (the used/max memory gauges are set from it; never set otherwise).
         """
         totals = {name: getattr(stats, field) for field, (name, _) in MANAGER_COUNTERS.items()}
         totals[RedisMetricName.ERRORS] = errors
@@ -324,6 +352,9 @@ class ManagerMetrics:
         if available != self._available:
             self._available = available
             out.set_gauge(RedisMetricName.AVAILABLE, 1 if available else 0)
+        if memory is not None:
+            out.set_gauge(RedisMetricName.USED_MEMORY_BYTES, memory.used_bytes)
+            out.set_gauge(RedisMetricName.MAX_MEMORY_BYTES, memory.max_bytes)
         return None if out.is_empty() else out
 
     def _collect_groups(self, detail: ManagerDetailStats, out: OffloadingConnectorStats) -> None:

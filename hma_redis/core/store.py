@@ -45,6 +45,13 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.latency import LatencySamples, Operation
+from hma_redis.core.memory import (
+    MemoryReading,
+    MemoryRefused,
+    NodeMemory,
+    TierMemory,
+    node_memory,
+)
 
 __all__ = [
     "PutResult",
@@ -543,6 +550,36 @@ class RedisBlockStore:
         # Redis answered unless the breaker is open now: a refusal leaves it closed, also one
         # of the whole call (e.g. an ACL without SELECT), which the guard turns into None.
         return self.breaker.state is BreakerState.CLOSED
+
+    def memory(self) -> MemoryReading:
+        """``used_memory`` and ``maxmemory`` of every data node (each Cluster master, in turn;
+        one ``INFO memory`` each), under the guard like every call: None while Redis is not
+        reached (an outage opens the breaker; an open breaker sends nothing).
+
+        A refusal (NOPERM: the tier's recommended ACL has no ``+info``) is
+        :class:`MemoryRefused`, neither logged nor counted as ``refused_*`` here: the figures
+        are optional, and the caller says once that they are missing."""
+
+        def info() -> TierMemory | MemoryRefused:
+            try:
+                return TierMemory(tuple(self._node_memory()))
+            except ResponseError as exc:
+                if classify(exc) is ErrorKind.OUTAGE:
+                    raise
+                return MemoryRefused(str(exc))
+
+        return self._guard("INFO", info, None)
+
+    def _node_memory(self) -> list[NodeMemory]:
+        if not isinstance(self.client, RedisCluster):
+            self._count_round_trip()
+            return [node_memory(self.cfg.redacted_url, self.client.info("memory"))]
+        out = []
+        for node in sorted(self.client.get_primaries(), key=lambda n: (n.host, int(n.port))):
+            self._count_round_trip()
+            reply = self.client.get_redis_connection(node).info("memory")
+            out.append(node_memory(f"{node.host}:{node.port}", reply))
+        return out
 
     def read_hash(self, key: str) -> dict[str, str]:
         raw = self.client.hgetall(key)

@@ -382,6 +382,27 @@ def test_doctor_prints_one_verdict_per_check_and_warns_on_unbounded_memory(
     assert {"auth", "tls", "maxmemory-policy", "evictions", "persistence"} <= set(verdicts)
 
 
+def test_info_and_doctor_show_redis_used_and_max_memory(cli, server_config):
+    """What INFO memory says, in ``info`` (text and JSON, as the Prometheus gauges count it)
+    and in doctor's maxmemory check, in the same words."""
+    server_config.config_set("maxmemory", 512 * 1024 * 1024)
+    data = cli("--json", "info").json()
+    used = server_config.info("memory")["used_memory"]
+    memory = data["memory"]
+    assert memory["max_bytes"] == 512 * 1024 * 1024 and memory["not_shown"] is None
+    assert abs(memory["used_bytes"] - used) < 64 * 1024
+    assert memory["by_node"] == {
+        data["nodes"][0]: {"used_bytes": memory["used_bytes"], "max_bytes": 512 * 1024 * 1024}
+    }
+    header = cli("info").out.splitlines()[1]
+    assert re.fullmatch(r"Redis memory: used \d+\.\d MiB of max 512\.0 MiB \(\d+%\)", header)
+    doctor = {c["check"]: c["detail"] for c in cli("--json", "doctor").json()["checks"]}
+    assert re.fullmatch(r"used \d+\.\d MiB of max 512\.0 MiB \(\d+%\)", doctor["maxmemory"])
+    server_config.config_set("maxmemory", 0)
+    assert cli("--json", "info").json()["memory"]["max_bytes"] == 0
+    assert "max 0 (no limit)" in cli("info").out.splitlines()[1]
+
+
 def test_doctor_accepts_a_bounded_lru_cache(cli, server_config, monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "3141592653")
     server_config.config_set("maxmemory", 512 * 1024 * 1024)

@@ -96,6 +96,24 @@ def test_info_and_ls_under_the_tiers_acl_name_the_refused_command(cli_as):
         assert "docs/security.md" in run.err
 
 
+def test_info_without_info_rights_says_why_memory_is_not_shown(acl_redis, cli_as):
+    """A reader whose ACL lacks ``+info``: ``info`` works and says why Redis' memory is
+    missing, in text and JSON."""
+    server, _ = acl_redis
+    rules = [r for r in documented_acl_users()["hma-reader"] if r != "+info"]
+    rules = [f">{_password('no-info')}" if r.startswith(">") else r for r in rules]
+    with redis.Redis(port=server.port) as admin:
+        admin.execute_command("ACL", "SETUSER", "no-info", *rules)
+    run = cli_as("no-info", "--json", "info")
+    assert run.code == 0, run.err
+    memory = run.json()["memory"]
+    assert (memory["used_bytes"], memory["max_bytes"], memory["by_node"]) == (None, None, {})
+    assert "'info'" in memory["not_shown"]
+    text = cli_as("no-info", "info")
+    assert text.code == 0, text.err
+    assert text.out.splitlines()[1].startswith("Redis memory: not shown (")
+
+
 def test_the_operator_acl_runs_every_command(acl_redis, cli_as):
     _, blocks = acl_redis
     doctor = cli_as("hma-admin", "--json", "doctor")

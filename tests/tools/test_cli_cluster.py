@@ -256,6 +256,39 @@ def test_purge_finishes_while_a_slot_of_the_namespace_is_being_migrated(on_clust
         cluster.settle_slot(slot)
 
 
+def test_info_and_doctor_show_each_masters_memory_and_their_sums(on_cluster, cluster, cli):
+    nodes = [f"127.0.0.1:{p}" for p in sorted(cluster.ports)]
+    limits = dict(zip(nodes, [64 << 20, 128 << 20, 192 << 20], strict=True))
+    clients = cluster.clients()
+    try:
+        for client, limit in zip(clients, limits.values(), strict=True):
+            client.config_set("maxmemory", limit)
+        memory = cli(on_cluster.url, "--json", "info").json()["memory"]
+        assert {n: m["max_bytes"] for n, m in memory["by_node"].items()} == limits
+        assert memory["max_bytes"] == sum(limits.values())
+        assert memory["used_bytes"] == sum(m["used_bytes"] for m in memory["by_node"].values())
+        for client, node in zip(clients, nodes, strict=True):
+            used = client.info("memory")["used_memory"]
+            assert abs(memory["by_node"][node]["used_bytes"] - used) < 64 * 1024
+
+        lines = cli(on_cluster.url, "info").out.splitlines()
+        assert lines[1].startswith("Redis memory: used ") and "of max 384.0 MiB" in lines[1]
+        assert lines[2].split() == ["node", "used", "bytes", "used", "max", "bytes", "max"]
+        rows = {line.split()[0]: line.split() for line in lines[3:6]}
+        assert {n: int(row[4]) for n, row in rows.items()} == limits
+        doctor = cli(on_cluster.url, "--json", "doctor").json()["checks"]
+        details = {c["node"]: c["detail"] for c in doctor if c["check"] == "maxmemory"}
+        assert {n: d.split(" of max ")[1].split(" (")[0] for n, d in details.items()} == {
+            nodes[0]: "64.0 MiB",
+            nodes[1]: "128.0 MiB",
+            nodes[2]: "192.0 MiB",
+        }
+    finally:
+        for client in clients:
+            client.config_set("maxmemory", 0)
+            client.close()
+
+
 def test_doctor_checks_every_master_and_the_cluster_state(on_cluster, cluster, cli):
     run = cli(on_cluster.url, "--json", "doctor")
     data = run.json()

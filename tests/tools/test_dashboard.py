@@ -21,6 +21,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics, WorkerMetrics
 from hma_redis.adapter.types import ManagerStats
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.memory import TierMemory
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.devkit.tiny_models import build_llama
 from tests.support.dashboard import DASHBOARD, Query, dashboard_queries
@@ -61,12 +62,15 @@ def _tier_stats(redis_url: str, admin: redis.Redis) -> list[dict]:
         detail = ManagerDetailStats(removed_chunks=1, admission_deferred=1)
         detail.group_hit_chunks[0] += 2
         detail.group_usable_chunks[0] += 1
+        memory = ok.memory()  # INFO memory, as the scheduler's poller asks it
+        assert isinstance(memory, TierMemory)
         scheduler = ManagerMetrics().collect(
             stats,
             errors=1,
             refusals=refused.counters.snapshot(),
             detail=detail,
             latency=ok.latency,
+            memory=memory,
         )
         worker = WorkerMetrics(ok.counters, ok.latency).collect()
         ok.close()
@@ -126,6 +130,8 @@ def test_the_dashboard_has_panels_for_latency_refusals_and_hits() -> None:
     assert "vllm:kv_offload_redis_round_trip_seconds_bucket" in read
     assert "vllm:kv_offload_redis_refused_total" in read
     assert "vllm:kv_offload_redis_chunk_hits_total" in read
+    assert "vllm:kv_offload_redis_used_memory_bytes" in read
+    assert "vllm:kv_offload_redis_max_memory_bytes" in read
 
 
 @pytest.mark.parametrize("query", dashboard_queries(), ids=lambda q: q.panel)
@@ -136,6 +142,20 @@ def test_every_dashboard_query_reads_metrics_a_real_scrape_has(scrape: str, quer
         assert name in series, f"{query.panel}: {name} is not in the scrape"
     for label in query.grouped_by:
         assert any(label in series[name] for name in query.metrics), (query.panel, label)
+
+
+def test_the_scrape_has_redis_memory_as_info_gives_it(scrape: str, redis_url: str) -> None:
+    """The memory panel's gauges: maxmemory as configured, used_memory a real figure."""
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(scrape)
+        for sample in family.samples
+        if sample.name.endswith("_memory_bytes")
+    }
+    with redis.Redis.from_url(redis_url) as admin:
+        info = admin.info("memory")
+    assert values["vllm:kv_offload_redis_max_memory_bytes"] == info["maxmemory"]
+    assert 0 < values["vllm:kv_offload_redis_used_memory_bytes"] <= 2 * info["used_memory"]
 
 
 def test_the_scrape_has_a_round_trip_histogram_per_operation(scrape: str) -> None:

@@ -29,12 +29,19 @@ from typing import Any, NamedTuple
 import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, RedisError, ResponseError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    NoPermissionError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.sentinel import SentinelConnectionPool
 
 from hma_redis.core.client import make_client
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import parse_block_key
+from hma_redis.core.memory import MemoryRefused, NodeMemory, TierMemory, node_memory
 
 # Keys per pipelined batch (SCAN COUNT hint, per-key commands, UNLINK arguments): large enough
 # to amortise round trips, small enough that no single command blocks Redis noticeably.
@@ -198,6 +205,10 @@ class NodeAdmin:
     def info(self, section: str) -> dict[str, Any]:
         """``INFO <section>`` as redis-py parses it."""
         return dict(self.client.info(section))
+
+    def memory(self) -> NodeMemory:
+        """This server's ``used_memory`` and ``maxmemory`` (``INFO memory``)."""
+        return node_memory(self.name, self.info("memory"))
 
     def cluster_info(self) -> dict[str, str]:
         """``CLUSTER INFO`` of this node as text fields (``cluster_state``, ...)."""
@@ -461,6 +472,18 @@ class RedisAdmin:
         if self.kind is EndpointKind.SENTINEL:
             return f"Sentinel service {self.cfg.endpoint.service!r}, master {nodes[0].name}{db}"
         return f"one server{db}"
+
+    def memory(self) -> TierMemory | MemoryRefused:
+        """Every data node's used and max memory; :class:`MemoryRefused` when the ACL user may
+        not run ``INFO`` (other errors raise, naming the node)."""
+        nodes = []
+        for node in self.nodes():
+            with self.on(node):
+                try:
+                    nodes.append(node.memory())
+                except NoPermissionError as exc:
+                    return MemoryRefused(str(exc))
+        return TierMemory(tuple(nodes))
 
     def sentinel_answers(self) -> list[SentinelAnswer]:
         """Each sentinel of the URL asked for the master of the service (Sentinel only)."""

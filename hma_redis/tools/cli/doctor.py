@@ -20,9 +20,10 @@ from redis.exceptions import NoPermissionError, RedisError, ResponseError
 from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import parse_block_key
+from hma_redis.core.memory import NodeMemory
 from hma_redis.core.notifications import NEEDED_FLAGS, missing_flags
 from hma_redis.tools.cli.admin import CLUSTER_SLOTS, GroupOrphans, NodeAdmin, RedisAdmin
-from hma_redis.tools.cli.text import ACL_HINT, redis_error_message, scrub, size
+from hma_redis.tools.cli.text import ACL_HINT, memory_text, redis_error_message, scrub
 
 MIN_REDIS_VERSION = (7, 0)
 # A median PING above this makes the once-per-step lookup round trip show in scheduling time.
@@ -108,7 +109,7 @@ def _server_checks(admin: RedisAdmin, node: NodeAdmin) -> list[tuple[str, Callab
         steps.append(("role", lambda: _check_role(admin, node.info("replication"))))
     return [
         *steps,
-        ("maxmemory", lambda: _check_maxmemory(node.info("memory"))),
+        ("maxmemory", lambda: _check_maxmemory(node.memory())),
         (
             "maxmemory-policy",
             lambda: _check_policy(
@@ -281,17 +282,17 @@ def _check_role(admin: RedisAdmin, replication: Mapping[str, Any]) -> Check:
     return Check("role", Verdict.OK, f"master of {service!r}, {replicas} connected replica(s)")
 
 
-def _check_maxmemory(memory: Mapping[str, Any]) -> Check:
-    limit = int(memory.get("maxmemory", 0))
-    used = int(memory.get("used_memory", 0))
-    if limit == 0:
+def _check_maxmemory(memory: NodeMemory) -> Check:
+    """A limit is set (the figures as ``info`` and the memory gauges give them)."""
+    shown = memory_text(memory.used_bytes, memory.max_bytes)
+    if memory.max_bytes == 0:
         return Check(
             "maxmemory",
             Verdict.WARN,
-            f"0 (unbounded; {size(used)} used): the cache grows until the host runs out "
-            "of memory; set maxmemory to ~1.25 x the KV bytes to keep",
+            f"{shown}: the cache grows until the host runs out of memory; set maxmemory to "
+            "~1.25 x the KV bytes to keep",
         )
-    return Check("maxmemory", Verdict.OK, f"{size(limit)} ({used / limit:.0%} used)")
+    return Check("maxmemory", Verdict.OK, shown)
 
 
 def _check_policy(admin: RedisAdmin, node: NodeAdmin, policy: str) -> Check:

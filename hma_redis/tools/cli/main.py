@@ -45,6 +45,7 @@ from hma_redis.core.codec import (
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.keys import parse_block_key
+from hma_redis.core.memory import MemoryRefused, TierMemory
 from hma_redis.tools.cli.admin import (
     GroupOrphans,
     GroupUsage,
@@ -60,7 +61,14 @@ from hma_redis.tools.cli.doctor import (
     doctor_checks,
     intersection_orphans,
 )
-from hma_redis.tools.cli.text import printable, redis_error_message, scrub, size, table
+from hma_redis.tools.cli.text import (
+    memory_text,
+    printable,
+    redis_error_message,
+    scrub,
+    size,
+    table,
+)
 
 PROG = "hma-redis"
 PASSWORD_ENV = "HMA_REDIS_PASSWORD"
@@ -312,6 +320,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> RedisTierC
 def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
     usage = admin.usage()
     deployment = admin.deployment()
+    memory = admin.memory()
     orphans = {
         name: intersection_orphans(admin, name, ns.info, args.sample)
         for name, ns in usage.namespaces.items()
@@ -323,6 +332,7 @@ def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
                 "deployment": deployment,
                 "nodes": usage.nodes,
                 "prefix": admin.prefix,
+                "memory": _memory_json(memory),
                 "namespaces": [
                     {**_namespace_json(ns), "unusable": _unusable_json(ns, orphans[name])}
                     for name, ns in usage.namespaces.items()
@@ -336,11 +346,46 @@ def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
         f"{admin.cfg.redacted_url} ({deployment}), prefix {admin.prefix!r}: "
         f"{count} namespace{'' if count == 1 else 's'}"
     )
+    _emit(*_memory_lines(memory, admin.kind == "cluster"))
     if usage.unrecognized_keys:
         _emit(f"({usage.unrecognized_keys} other keys under '{admin.prefix}:' are not hma_redis's)")
     for name, ns in usage.namespaces.items():
         _emit("", *namespace_report(ns, usage.nodes if args.by_node else None, orphans[name]))
     return EXIT_OK
+
+
+def _memory_lines(memory: TierMemory | MemoryRefused, per_node: bool) -> list[str]:
+    """``info``'s Redis memory: one line; on a Cluster, the total and a table by master."""
+    if isinstance(memory, MemoryRefused):
+        return [f"Redis memory: not shown ({memory.reason})"]
+    lines = [f"Redis memory: {memory_text(memory.used_bytes, memory.max_bytes)}"]
+    if per_node:
+        rows = [
+            [n.node, n.used_bytes, size(n.used_bytes), n.max_bytes, _max_text(n.max_bytes)]
+            for n in memory.nodes
+        ]
+        header = ["node", "used bytes", "used", "max bytes", "max"]
+        lines += table(header, rows, right={1, 2, 3, 4}, indent="  ")
+    return lines
+
+
+def _max_text(max_bytes: int) -> str:
+    return size(max_bytes) if max_bytes else "no limit"
+
+
+def _memory_json(memory: TierMemory | MemoryRefused) -> dict[str, Any]:
+    """``info --json``'s ``memory``: the sums (as the Prometheus gauges), each node's, or why
+    not shown."""
+    if isinstance(memory, MemoryRefused):
+        return {"used_bytes": None, "max_bytes": None, "by_node": {}, "not_shown": memory.reason}
+    return {
+        "used_bytes": memory.used_bytes,
+        "max_bytes": memory.max_bytes,
+        "by_node": {
+            n.node: {"used_bytes": n.used_bytes, "max_bytes": n.max_bytes} for n in memory.nodes
+        },
+        "not_shown": None,
+    }
 
 
 # Fingerprint fields in report order: (label, info-hash field, shown when absent). The model's

@@ -32,6 +32,7 @@ def _map(values: dict[str, Any]) -> dict[str, Any]:
 
 
 _USAGE = _object({"keys": _INT, "value_bytes": _INT, "memory_bytes": _INT})
+_NODE_MEMORY = _object({"used_bytes": _INT, "max_bytes": _INT})
 _UNUSABLE_GROUP = _object(
     {"unusable_bytes": _INT, "sampled_keys": _INT, "keys": _INT, "sampled_unusable_keys": _INT}
 )
@@ -42,6 +43,17 @@ INFO = _object(
         "deployment": _STR,
         "nodes": {"type": "array", "items": _STR},
         "prefix": _STR,
+        # Redis' used_memory and maxmemory (0: no limit), summed over a Cluster's masters as
+        # the Prometheus gauges are, and per node; null and ``not_shown`` (why) when the ACL
+        # refuses INFO.
+        "memory": _object(
+            {
+                "used_bytes": _INT_OR_NULL,
+                "max_bytes": _INT_OR_NULL,
+                "by_node": _map(_NODE_MEMORY),
+                "not_shown": _STR_OR_NULL,
+            }
+        ),
         "namespaces": {
             "type": "array",
             "items": _object(

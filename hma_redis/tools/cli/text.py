@@ -73,6 +73,14 @@ def size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def memory_text(used_bytes: int, max_bytes: int) -> str:
+    """Redis' used and max memory (INFO memory's used_memory, maxmemory) for people, in the
+    words of the gauges: ``used 2.1 MiB of max 256.0 MiB (1%)``; a max of 0 is no limit."""
+    if max_bytes == 0:
+        return f"used {size(used_bytes)}, max 0 (no limit)"
+    return f"used {size(used_bytes)} of max {size(max_bytes)} ({used_bytes / max_bytes:.0%})"
+
+
 def table(
     header: Sequence[str], rows: Iterable[Sequence[object]], right: set[int], indent: str = ""
 ) -> list[str]:
