@@ -15,6 +15,10 @@ caller's buffers:
 One INFO line says which path runs and why: the transfer engine's at start-up (:func:`announce`),
 or this module's at first use.
 
+The types a load job shares with the transfer engine (:class:`LoadTarget`, :class:`LoadResult`,
+:class:`LoadStatus`, :class:`Landed`) are :mod:`hma_redis.core.medium`'s; the rules below are
+how the wire job meets their contract.
+
 A load job (:func:`load_values`) sends one command per target (a ``GET``; at most ``window``
 unanswered at once) and reads one reply per target: RESP2 ``$len``/``$-1``, RESP3 ``_``, or an
 error. Each value of ``len`` bytes lands by these rules, in this order:
