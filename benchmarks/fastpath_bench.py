@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from hma_redis.core import codec, fastpath
+from hma_redis.core import codec, fastpath, medium
 from hma_redis.core.codec import FORMAT_VERSION, BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.store import RedisBlockStore
@@ -111,13 +111,13 @@ def load_fast(setup: Setup, sock: socket.socket, native: bool, window: int) -> N
     load = fastpath.native_load_values if native else fastpath.python_load_values
     heads = [bytearray(codec.PREFIX_BYTES + 256) for _ in setup.chunks]
     targets = [
-        fastpath.LoadTarget(head, header.to_msgpack(), setup.dests(ids), None, 64 * MiB)
+        medium.LoadTarget(head, header.to_msgpack(), setup.dests(ids), None, 64 * MiB)
         for head, header, (_, ids) in zip(heads, setup.headers, setup.chunks, strict=True)
     ]
     commands = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k.encode()) for k, _ in setup.chunks]
     results = load(sock, commands, targets, 10.0, window)
     for result, head in zip(results, heads, strict=True):
-        ok = result.status is fastpath.LoadStatus.OK and result.landed is fastpath.Landed.PAGES
+        ok = result.status is medium.LoadStatus.OK and result.landed is medium.Landed.PAGES
         if not ok or not result.crc_ok or head[:4] != codec.MAGIC:
             raise RuntimeError(f"bad load: {result}")
 

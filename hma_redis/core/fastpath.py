@@ -15,6 +15,10 @@ caller's buffers:
 One INFO line says which path runs and why: the transfer engine's at start-up (:func:`announce`),
 or this module's at first use.
 
+The types a load job shares with the transfer engine (:class:`LoadTarget`, :class:`LoadResult`,
+:class:`LoadStatus`, :class:`Landed`) are :mod:`hma_redis.core.medium`'s; the rules below are
+how the wire job meets their contract.
+
 A load job (:func:`load_values`) sends one command per target (a ``GET``; at most ``window``
 unanswered at once) and reads one reply per target: RESP2 ``$len``/``$-1``, RESP3 ``_``, or an
 error. Each value of ``len`` bytes lands by these rules, in this order:
@@ -72,7 +76,9 @@ from typing import Any, NamedTuple
 
 import crc32c as _crc32c
 
+from hma_redis.core.codec import PREFIX_BYTES
 from hma_redis.core.deadline import Deadline
+from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +90,6 @@ MAX_REPLY_LINE = 64 * 1024
 # Buffers per sendmsg call (Linux' IOV_MAX is 1024).
 _IOV_MAX = 1024
 
-PREFIX_BYTES = 48  # the codec's prefix (hma_redis.core.codec.PREFIX_BYTES)
 _HLEN_OFFSET = 8  # header length field (big-endian u32) inside the prefix
 _CRC_OFFSET = 12  # CRC32C field (big-endian u32) inside the prefix
 _LINE_READ = MAX_REPLY_LINE  # bytes received at a time while looking for a reply line
@@ -124,40 +129,6 @@ def _protocol_error_class() -> type[ConnectionError]:
 
 
 ProtocolError = _protocol_error_class()
-
-
-class LoadStatus(Enum):
-    OK = "ok"  # the value landed (see LoadResult.landed)
-    MISSING = "missing"  # no such key
-    OVERSIZED = "oversized"  # longer than max_len: drained, never held whole
-    ERROR = "error"  # an error reply (LoadResult.error)
-    LAYOUT_MISMATCH = "layout-mismatch"  # did not fit the targets and no staging: drained
-
-
-class Landed(Enum):
-    PAGES = "pages"  # head + dests
-    STAGING = "staging"  # the whole value in staging[0:value_len]
-
-
-class LoadTarget(NamedTuple):
-    """Where one value goes (see the module docstring for the rules)."""
-
-    head: Any  # writable, >= 48 + the largest header expected
-    expected_header: bytes | memoryview  # the exact msgpack header bytes a matching value has
-    dests: Sequence[Any]  # writable buffers (or ints: bytes to skip) for the body, in order
-    staging: Any | None  # writable buffer for values that do not match, or None
-    max_len: int  # longer values are drained and reported oversized
-    # The first bytes (at most 48) a matching value's prefix must have, or None for any.
-    expected_prefix: bytes | memoryview | None = None
-
-
-class LoadResult(NamedTuple):
-    status: LoadStatus
-    value_len: int  # bytes of the value (oversized: its length); 0 when missing or an error
-    header_len: int  # the prefix's header length field; -1 when no prefix was received
-    crc_ok: bool  # CRC32C of header ‖ body equals the prefix's field (landed values only)
-    landed: Landed | None
-    error: str | None  # the error reply's text (status ERROR)
 
 
 class StoreValue(NamedTuple):

@@ -45,6 +45,14 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.latency import LatencySamples, Operation
+from hma_redis.core.medium import (
+    BlockStore,
+    JobParts,
+    LoadResult,
+    LoadStatus,
+    LoadTarget,
+    PutResult,
+)
 from hma_redis.core.memory import (
     MemoryReading,
     MemoryRefused,
@@ -54,7 +62,6 @@ from hma_redis.core.memory import (
 )
 
 __all__ = [
-    "PutResult",
     "RedisBlockStore",
     "RedisUnavailableError",
     "Sighting",
@@ -101,16 +108,10 @@ _R = TypeVar("_R", bound="_JobResult")
 
 
 class _JobResult(Protocol):
-    """A value job's result for one key (:class:`fastpath.LoadResult`, ``StoreResult``)."""
+    """A value job's result for one key (:class:`LoadResult`, ``fastpath.StoreResult``)."""
 
     @property
     def error(self) -> str | None: ...
-
-
-class PutResult(Enum):
-    STORED = "stored"  # newly written by this call
-    EXISTED = "existed"  # already there (content-addressed: same bytes)
-    FAILED = "failed"  # not written (Redis down, OOM, timeout, ...)
 
 
 class Sighting(Enum):
@@ -394,6 +395,28 @@ class RedisBlockStore:
             return "TLS connections stay in Python's ssl"
         return None
 
+    def describe(self, native: bool) -> str:
+        """The data path of :meth:`load_values` / :meth:`put_values` with ``native``: the C
+        job and its CRC32C (instructions or a table), or the pure-Python twin."""
+        if not native:
+            return "pure Python"
+        crc = "SSE4.2" if fastpath.hardware_crc() else "a portable table"
+        return f"native, GIL released (CRC32C by {crc})"
+
+    def announce(self, line: str) -> None:
+        """Log a transfer engine's ``line`` about the data path (:func:`fastpath.announce`)."""
+        fastpath.announce(line)
+
+    @property
+    def read_timeout_s(self) -> float:
+        """``read_timeout_s`` of the config: the longest wait on a socket."""
+        return self.cfg.read_timeout_s
+
+    @property
+    def connections_per_job(self) -> int:
+        """``connections_per_job`` of the config."""
+        return self.cfg.connections_per_job
+
     def warm_bulk(self, connections: int) -> int:
         """Open up to ``connections`` connections of the bulk pool (of each Cluster primary's
         pool) ahead of the first job, so that a fresh engine's first load does not wait for
@@ -409,11 +432,11 @@ class RedisBlockStore:
     def load_values(
         self,
         keys: Sequence[str],
-        targets: Sequence[fastpath.LoadTarget],
+        targets: Sequence[LoadTarget],
         deadline: Deadline | None = None,
-        outcome: JobOutcome | None = None,
+        outcome: JobParts | None = None,
         native: bool = True,
-    ) -> list[fastpath.LoadResult] | None:
+    ) -> list[LoadResult] | None:
         """``GET`` every key into its target, the whole job in one call of
         :func:`fastpath.load_values` per connection (values land where the targets say,
         CRC32C computed as they arrive; nothing is validated beyond that): the C job with the
@@ -433,7 +456,7 @@ class RedisBlockStore:
         commands = [_get_command(key) for key in keys]
         within = self._deadline(sum(target.max_len for target in targets), deadline)
 
-        def body(sock: Any, idx: Sequence[int]) -> list[fastpath.LoadResult]:
+        def body(sock: Any, idx: Sequence[int]) -> list[LoadResult]:
             return fastpath.load_values(
                 sock,
                 [commands[i] for i in idx],
@@ -443,14 +466,14 @@ class RedisBlockStore:
                 native=native,
             )
 
-        def load() -> list[fastpath.LoadResult]:
+        def load() -> list[LoadResult]:
             results = self._on_job_connections(keys, body)
             for result in results:
-                if result.status is fastpath.LoadStatus.ERROR:
+                if result.status is LoadStatus.ERROR:
                     self._job_error("GET", result.error)
             return results
 
-        return self._guard("GET", load, None, within, outcome, Operation.LOAD)
+        return self._guard("GET", load, None, within, _own(outcome), Operation.LOAD)
 
     def put_values(
         self,
@@ -459,7 +482,7 @@ class RedisBlockStore:
         bodies: Sequence[Sequence[Any]],
         ttl_s: int | None = None,
         deadline: Deadline | None = None,
-        outcome: JobOutcome | None = None,
+        outcome: JobParts | None = None,
         native: bool = True,
     ) -> list[PutResult]:
         """``SET key value NX [EX ttl]`` for every key, in one call of
@@ -507,7 +530,7 @@ class RedisBlockStore:
             return [self._store_result(r) for r in self._on_job_connections(keys, send)]
 
         default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", store, default, within, outcome, Operation.STORE)
+        return self._guard("SET", store, default, within, _own(outcome), Operation.STORE)
 
     def job_outcome(self) -> JobOutcome:
         """One breaker outcome for the parts of a job that run on several connections at once
@@ -890,6 +913,18 @@ class RedisBlockStore:
         out = collect(replies[:split], keys)
         self._check_counter_replies(replies[split:])
         return out
+
+
+# mypy checks here that the store is the medium the transfer engine takes.
+_MEDIUM: type[BlockStore] = RedisBlockStore
+
+
+def _own(outcome: JobParts | None) -> JobOutcome | None:
+    """``outcome`` as the breaker's: one that :meth:`RedisBlockStore.job_outcome` handed out
+    (another medium's is a caller's bug)."""
+    if outcome is None or isinstance(outcome, JobOutcome):
+        return outcome
+    raise TypeError(f"not a job outcome of a RedisBlockStore: {outcome!r}")
 
 
 def _warm(client: RedisClient, connections: int) -> int:

@@ -12,9 +12,11 @@ into the given block ids. Bytes held in buffers are bounded (:class:`_ByteBudget
 every transfer is ordered after the work the caller queued before submitting it.
 
 One flow moves the bytes: a job's chunks are split over ``connections_per_job`` connections,
-each part on a thread of its own and in one call of :mod:`hma_redis.core.fastpath` (through
-:meth:`RedisBlockStore.load_values` / :meth:`~RedisBlockStore.put_values`; on a Cluster each
-part sends every node its own keys on a connection to that node). That call runs the C job
+each part on a thread of its own and in one call of the medium
+(:meth:`BlockStore.load_values <hma_redis.core.medium.BlockStore.load_values>` /
+``put_values``: the engine sees the medium only through :mod:`hma_redis.core.medium`). For
+Redis (:class:`hma_redis.core.store.RedisBlockStore`, on a Cluster each part sends every node
+its own keys on a connection to that node) that call runs the C job
 (sockets, RESP parsing and CRC32C with the GIL released) where the extension is built and the
 connection is plain TCP or a unix socket, and its byte-identical pure-Python twin otherwise
 (TLS, ``HMA_REDIS_NATIVE=0``, no extension); one INFO line at start-up says which. The C job
@@ -57,12 +59,19 @@ from typing import TypeVar
 
 import torch
 
-from hma_redis.core import codec, fastpath
-from hma_redis.core.breaker import JobOutcome
+from hma_redis.core import codec
 from hma_redis.core.codec import FORMAT_VERSION, BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.latency import Operation
-from hma_redis.core.store import PutResult, RedisBlockStore
+from hma_redis.core.medium import (
+    BlockStore,
+    JobParts,
+    Landed,
+    LoadResult,
+    LoadStatus,
+    LoadTarget,
+    PutResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -378,7 +387,9 @@ class _TransferStreams:
 
 
 class TransferEngine:
-    """Asynchronous store and load of chunks between a set of page tensors and Redis.
+    """Asynchronous store and load of chunks between a set of page tensors and a medium
+    (``store``: Redis' :class:`~hma_redis.core.store.RedisBlockStore`, or any
+    :class:`~hma_redis.core.medium.BlockStore`).
 
     ``groups[pos]`` are the layers of the KV group at position ``pos`` (a chunk's
     ``group_pos``), each a ``(num_blocks, padded_page)`` int8 view (:meth:`LayerSource.of`), all
@@ -390,9 +401,9 @@ class TransferEngine:
     chunks and reports the others in :attr:`JobResult.failed_chunks` (each chunk is used on its
     own, as by a secondary tier); without it such a load lands nothing.
 
-    ``connections_per_job`` (default: the store's config) splits each job's chunks over that
-    many connections. ``native``: None runs the C job wherever the store allows it
-    (:meth:`RedisBlockStore.native_unavailable_reason`) and its pure-Python twin elsewhere,
+    ``connections_per_job`` (default: the store's) splits each job's chunks over that many
+    connections. ``native``: None runs the C job wherever the store allows it
+    (:meth:`BlockStore.native_unavailable_reason`) and its pure-Python twin elsewhere,
     False the twin everywhere; True requires the C job (``ValueError`` where it cannot run).
 
     Thread safety: ``submit_*``, :meth:`finished`, :meth:`wait` and :meth:`shutdown` are
@@ -401,7 +412,7 @@ class TransferEngine:
 
     def __init__(
         self,
-        store: RedisBlockStore,
+        store: BlockStore,
         groups: Sequence[Sequence[LayerSource]],
         value_format: ValueFormat,
         *,
@@ -453,7 +464,7 @@ class TransferEngine:
         # fallback no page ever holds a byte of a load that fails (the cost, one copy, is small
         # beside the twin's own per-byte work).
         self._land_in_place = self._native and self._in_place and self._mac_key is None
-        self._connections = connections_per_job or store.cfg.connections_per_job
+        self._connections = connections_per_job or store.connections_per_job
         # Threads that run the other connections' parts of a job (its own thread runs one).
         self._parts: ThreadPoolExecutor | None = None
         if self._connections > 1:
@@ -462,7 +473,7 @@ class TransferEngine:
                 thread_name_prefix="hma-conn",
             )
         self.data_path = self._describe_path(reason)
-        fastpath.announce(f"hma_redis: transfer data path: {self.data_path}")
+        store.announce(f"hma_redis: transfer data path: {self.data_path}")
         self._jobs: dict[int, _Job] = {}
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         # Set when a job finishes, cleared by finished(): what wait_for_finish waits on.
@@ -574,11 +585,9 @@ class TransferEngine:
         self._store.flush_counters()
 
     def _describe_path(self, reason: str | None) -> str:
+        which = self._store.describe(self._native)
         if reason is not None:
-            which = f"pure Python ({reason})"
-        else:
-            crc = "SSE4.2" if fastpath.hardware_crc() else "a portable table"
-            which = f"native, GIL released (CRC32C by {crc})"
+            which += f" ({reason})"
         where = (
             "loads land in the KV cache's pages"
             if self._land_in_place
@@ -587,7 +596,7 @@ class TransferEngine:
         return f"{which}; {where}; {self._connections} connection(s) per job"
 
     def _in_parts(
-        self, sizes: Sequence[int], run: Callable[[slice, JobOutcome], list[_T] | None]
+        self, sizes: Sequence[int], run: Callable[[slice, JobParts], list[_T] | None]
     ) -> list[_T] | None:
         """``run`` over the job's items cut into at most ``connections_per_job`` consecutive
         slices of about equal ``sizes``, each on its own connection and thread (this thread
@@ -655,7 +664,7 @@ class TransferEngine:
     def _start_clock(self, job: _Job, nbytes: int, paused_s: float = 0.0) -> None:
         """Set the job's deadline: two round trips moving ``nbytes``, from its submission
         (plus ``paused_s``: the test hook's pause before a load, which is not the job's)."""
-        seconds = budget_s(self._store.cfg.read_timeout_s, nbytes, round_trips=2)
+        seconds = budget_s(self._store.read_timeout_s, nbytes, round_trips=2)
         job.deadline = Deadline(job.submitted + paused_s + seconds)
 
     def _store_batch(self, job: _Job, chunks: list[ChunkTransfer]) -> int:
@@ -700,7 +709,7 @@ class TransferEngine:
         heads: Sequence[memoryview | bytearray],
         bodies: Sequence[Sequence[memoryview]],
     ) -> list[PutResult]:
-        def put(part: slice, outcome: JobOutcome) -> list[PutResult]:
+        def put(part: slice, outcome: JobParts) -> list[PutResult]:
             return self._store.put_values(
                 keys[part],
                 heads[part],
@@ -932,7 +941,7 @@ class TransferEngine:
         targets, bodies = self._targets(plan, layouts, bounds, take)
         keys = [chunk.redis_key for chunk in plan]
 
-        def load(part: slice, outcome: JobOutcome) -> list[fastpath.LoadResult] | None:
+        def load(part: slice, outcome: JobParts) -> list[LoadResult] | None:
             return self._store.load_values(
                 keys[part], targets[part], deadline, outcome, native=self._native
             )
@@ -945,19 +954,19 @@ class TransferEngine:
         for idx, result in enumerate(results):
             key = keys[idx]
             status = result.status
-            if status is fastpath.LoadStatus.OVERSIZED:
+            if status is LoadStatus.OVERSIZED:
                 got.invalid[key] = CorruptBlockError(
                     f"{key} holds {result.value_len} bytes, its chunk at most {bounds[idx]}"
                 )
-            elif status is fastpath.LoadStatus.LAYOUT_MISMATCH:
+            elif status is LoadStatus.LAYOUT_MISMATCH:
                 # The expected prefix and header, but not the length they announce (a value
                 # that fits no target lands in staging, whose bound is the oversized one).
                 got.invalid[key] = CorruptBlockError(
                     f"{key}: {result.value_len} bytes, not the length its header announces"
                 )
-            elif status is not fastpath.LoadStatus.OK:
+            elif status is not LoadStatus.OK:
                 got.missing.append(key)  # missing, or refused (counted by the store)
-            elif result.landed is fastpath.Landed.STAGING:
+            elif result.landed is Landed.STAGING:
                 self._judge_staged(got, idx, plan[idx], targets[idx], result.value_len)
             elif not result.crc_ok:
                 got.invalid[key] = CorruptBlockError(f"{key}: checksum mismatch")
@@ -977,7 +986,7 @@ class TransferEngine:
         got: _Received,
         idx: int,
         chunk: ChunkTransfer,
-        target: fastpath.LoadTarget,
+        target: LoadTarget,
         value_len: int,
     ) -> None:
         """A value that landed whole in ``target``'s staging buffer: a block to copy once
@@ -996,13 +1005,13 @@ class TransferEngine:
         layouts: Sequence[_Expected],
         bounds: Sequence[int],
         take: Callable[[int], memoryview],
-    ) -> tuple[list[fastpath.LoadTarget], list[memoryview | None]]:
+    ) -> tuple[list[LoadTarget], list[memoryview | None]]:
         """Where each chunk's value lands. Each chunk takes one pooled buffer of its bound: a
         value that is exactly the expected one has its head at the buffer's start and its body
         in the chunk's pages (in place) or right after the head; any other value lands whole
         in that buffer (staging, from its start: the head it overlaps is no longer needed).
         The bodies in buffers (None for in place)."""
-        targets: list[fastpath.LoadTarget] = []
+        targets: list[LoadTarget] = []
         bodies: list[memoryview | None] = []
         for chunk, layout, bound in zip(plan, layouts, bounds, strict=True):
             buffer = take(bound)
@@ -1015,9 +1024,7 @@ class TransferEngine:
                 body = buffer[layout.head_bytes : layout.value_bytes]
                 dests = [body]
                 bodies.append(body)
-            targets.append(
-                fastpath.LoadTarget(head, layout.packed, dests, buffer, bound, layout.signed)
-            )
+            targets.append(LoadTarget(head, layout.packed, dests, buffer, bound, layout.signed))
         return targets, bodies
 
     def _mac_ok(self, head: memoryview | bytearray, body: memoryview | None) -> bool:

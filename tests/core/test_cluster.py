@@ -19,7 +19,8 @@ from redis.crc import key_slot
 from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.core.medium import PutResult
+from hma_redis.core.store import RedisBlockStore, RedisUnavailableError
 from hma_redis.tools.devkit.local_redis import free_port
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages

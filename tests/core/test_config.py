@@ -15,7 +15,8 @@ from hma_redis.core.config import (
     RedisTierConfig,
     redact_url,
 )
-from hma_redis.core.store import PutResult, RedisBlockStore
+from hma_redis.core.medium import PutResult
+from hma_redis.core.store import RedisBlockStore
 
 
 def test_url_from_extra_config_wins_over_environment():

@@ -18,7 +18,8 @@ from hma_redis.core import codec, fastpath
 from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.deadline import budget_s
-from hma_redis.core.fastpath import NATIVE_ENV, LoadTarget, StoreValue
+from hma_redis.core.fastpath import NATIVE_ENV, StoreValue
+from hma_redis.core.medium import LoadTarget
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import JobResult
 from tests.support.kv_pages import DST, KEYSPACE, SRC, Pages, chunks, make_pages

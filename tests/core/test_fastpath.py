@@ -20,15 +20,8 @@ import redis
 from hma_redis.core import _fastpath as native_module
 from hma_redis.core import codec, fastpath
 from hma_redis.core.codec import BlockHeader
-from hma_redis.core.fastpath import (
-    Landed,
-    LoadResult,
-    LoadStatus,
-    LoadTarget,
-    StoreResult,
-    StoreStatus,
-    StoreValue,
-)
+from hma_redis.core.fastpath import StoreResult, StoreStatus, StoreValue
+from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
 
 LoadFn = Callable[..., list[LoadResult]]
 StoreFn = Callable[..., list[StoreResult]]
@@ -267,8 +260,8 @@ def test_a_job_of_values_over_3_mib_runs_one_get_at_a_time() -> None:
     such a job keeps one GET in flight, others two; the bound of a value (``max_len``)
     decides, so one large value among small ones is enough."""
 
-    def targets(*max_lens: int) -> list[fastpath.LoadTarget]:
-        return [fastpath.LoadTarget(bytearray(64), b"", [], None, n) for n in max_lens]
+    def targets(*max_lens: int) -> list[LoadTarget]:
+        return [LoadTarget(bytearray(64), b"", [], None, n) for n in max_lens]
 
     assert fastpath.window_for(targets()) == fastpath.DEFAULT_WINDOW == 2
     assert fastpath.window_for(targets(512 << 10, 2 << 20)) == 2

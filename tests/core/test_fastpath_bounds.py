@@ -15,15 +15,8 @@ import pytest
 
 from hma_redis.core import codec, fastpath
 from hma_redis.core.codec import BlockHeader
-from hma_redis.core.fastpath import (
-    Landed,
-    LoadResult,
-    LoadStatus,
-    LoadTarget,
-    StoreResult,
-    StoreStatus,
-    StoreValue,
-)
+from hma_redis.core.fastpath import StoreResult, StoreStatus, StoreValue
+from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
 from tests.support.canned_redis import bulk, exact_buffer, load_both, store_both
 
 PREFIX = codec.PREFIX_BYTES

@@ -1,7 +1,8 @@
 """The package's layers, read from its source: core imports nothing above it (nor vLLM, at any
 depth of its code), the adapter nothing of the tools, the runtime (core, adapter, the entry
-points) never the tools, and no module imports itself back through others (no import circles).
-Relative imports are resolved, not skipped; a self-test plants violations in a temporary package
+points) never the tools, no module imports itself back through others (no import circles), and
+the transfer engine sees a medium only through core.medium (the medium seam). Relative imports
+are resolved, not skipped; a self-test plants violations in a temporary package
 and checks that every check finds them."""
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ ALLOWED = {
     "connector": {"adapter"},
     "tiering": {"adapter"},  # hma_redis.tiering: the secondary tier's entry point
     "tools": {"package", "core", "adapter", "tools"},
+}
+
+# The medium seam (docs/architecture.md): what each of these core modules may import of the
+# package. The transfer engine reaches a medium only through core.medium (never core.store or
+# its wire code, core.fastpath), and the protocol stands on engine-agnostic modules alone.
+SEAM = {
+    "core.transfer": {"core", "core.codec", "core.deadline", "core.latency", "core.medium"},
+    "core.medium": {"core", "core.counters", "core.deadline", "core.latency"},
 }
 
 
@@ -84,6 +93,18 @@ def _vllm_in_core(package: Path = PACKAGE) -> list[str]:
     ]
 
 
+def _seam_violations(package: Path = PACKAGE) -> list[str]:
+    top = package.name
+    return [
+        f"{module} -> {target}"
+        for module, targets in _imports(package).items()
+        if module.removeprefix(f"{top}.") in SEAM
+        for target in sorted(targets)
+        if target != top
+        and target.removeprefix(f"{top}.") not in SEAM[module.removeprefix(f"{top}.")]
+    ]
+
+
 def _circles(package: Path = PACKAGE) -> list[str]:
     graph = _imports(package)
 
@@ -113,6 +134,10 @@ def test_no_import_circles() -> None:
     assert not _circles()
 
 
+def test_the_transfer_engine_reaches_a_medium_only_through_core_medium() -> None:
+    assert not _seam_violations()
+
+
 def test_the_checks_find_violations_planted_in_a_package(tmp_path: Path) -> None:
     """A relative import upwards, ``import vllm`` inside a core function, and a circle through
     relative imports are each found."""
@@ -133,3 +158,25 @@ def test_the_checks_find_violations_planted_in_a_package(tmp_path: Path) -> None
     assert _vllm_in_core(package) == ["planted.core.lazy -> vllm.config"]
     assert sorted(_circles(package)) == ["planted.adapter.high", "planted.adapter.other"]
     assert not _layer_violations() and not _vllm_in_core() and not _circles()
+
+
+def test_the_seam_check_finds_an_engine_that_reaches_past_the_medium(tmp_path: Path) -> None:
+    """A transfer module that imports the store (relatively) or the wire code (inside a
+    function), and a medium module that imports the store, are each found."""
+    package = tmp_path / "planted"
+    (package / "core").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    for name in ("__init__", "codec", "store", "fastpath"):
+        (package / "core" / f"{name}.py").write_text("")
+    (package / "core" / "medium.py").write_text("from planted.core.store import PutResult\n")
+    (package / "core" / "transfer.py").write_text(
+        "from . import codec, medium\n"
+        "from .store import RedisBlockStore\n"
+        "def f():\n    from planted.core import fastpath\n"
+    )
+
+    assert sorted(_seam_violations(package)) == [
+        "planted.core.medium -> planted.core.store",
+        "planted.core.transfer -> planted.core.fastpath",
+        "planted.core.transfer -> planted.core.store",
+    ]

@@ -22,7 +22,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from hma_redis.core import codec, fastpath
+from hma_redis.core import codec, medium
 from hma_redis.core.breaker import (
     BreakerState,
     ErrorKind,
@@ -33,7 +33,8 @@ from hma_redis.core.breaker import (
 )
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.store import PutResult, RedisBlockStore
+from hma_redis.core.medium import PutResult
+from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
 
@@ -57,11 +58,11 @@ def _job_value(key: str, body: memoryview) -> tuple[bytearray, list[memoryview]]
 
 def _loaded(store: RedisBlockStore, keys: list[str], native: bool) -> list[bytes | None]:
     """``load_values`` of ``keys``, each whole in a staging buffer (no header expected)."""
-    targets = [fastpath.LoadTarget(bytearray(48), b"", [], bytearray(2000), 2000) for _ in keys]
+    targets = [medium.LoadTarget(bytearray(48), b"", [], bytearray(2000), 2000) for _ in keys]
     results = store.load_values(keys, targets, native=native)
     assert results is not None
     return [
-        bytes(t.staging[: r.value_len]) if r.status is fastpath.LoadStatus.OK else None  # type: ignore[index]
+        bytes(t.staging[: r.value_len]) if r.status is medium.LoadStatus.OK else None  # type: ignore[index]
         for t, r in zip(targets, results, strict=True)
     ]
 

@@ -13,7 +13,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from hma_redis.core import fastpath
-from hma_redis.core.fastpath import MAX_REPLY_LINE, LoadTarget, ProtocolError
+from hma_redis.core.fastpath import MAX_REPLY_LINE, ProtocolError
+from hma_redis.core.medium import LoadResult, LoadStatus, LoadTarget
 
 # A script whose error reply line is "-ERR " and ARGV[1] x's: 5 + n bytes before the CRLF.
 _LONG_ERROR = "return redis.error_reply(string.rep('x', tonumber(ARGV[1])))"
@@ -37,7 +38,7 @@ def _command(line_bytes: int) -> bytes:
 
 
 def _fastpath_reader(
-    load: Callable[..., list[fastpath.LoadResult]],
+    load: Callable[..., list[LoadResult]],
 ) -> Callable[[str, int], Outcome]:
     def read(url: str, line_bytes: int) -> Outcome:
         parts = urlsplit(url)
@@ -47,7 +48,7 @@ def _fastpath_reader(
                 (result,) = load(sock, [_command(line_bytes)], [target], 5.0)
             except ProtocolError:
                 return "refused", 0
-        assert result.status is fastpath.LoadStatus.ERROR and result.error is not None
+        assert result.status is LoadStatus.ERROR and result.error is not None
         return "error", len(result.error)
 
     return read

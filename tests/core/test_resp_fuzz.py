@@ -17,7 +17,7 @@ import pytest
 
 from hma_redis.core import codec
 from hma_redis.core.codec import BlockHeader
-from hma_redis.core.fastpath import LoadTarget
+from hma_redis.core.medium import LoadTarget
 from tests.support.canned_redis import bulk, exact_buffer, load_both
 
 CASES = int(os.environ.get("HMA_FUZZ_CASES", "150"))

@@ -37,7 +37,8 @@ from hma_redis.core import codec
 from hma_redis.core.breaker import MISSING_PASSWORD
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.core.medium import PutResult
+from hma_redis.core.store import RedisBlockStore, RedisUnavailableError
 from hma_redis.core.transfer import ChunkTransfer, LayerSource, TransferEngine, ValueFormat
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.kv_pages import as_before_or_cleared

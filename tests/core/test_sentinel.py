@@ -16,7 +16,8 @@ import redis
 from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.core.medium import PutResult
+from hma_redis.core.store import RedisBlockStore, RedisUnavailableError
 from tests.support.cluster_servers import LocalSentinel, started_sentinel
 from tests.support.redis_server import store_connections
 

@@ -9,7 +9,8 @@ from hma_redis.core.breaker import BreakerState
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import PutResult, RedisBlockStore, RedisUnavailableError
+from hma_redis.core.medium import PutResult
+from hma_redis.core.store import RedisBlockStore, RedisUnavailableError
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.redis_server import command_calls, command_delta
 

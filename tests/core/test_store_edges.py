@@ -14,7 +14,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from hma_redis.core import codec, fastpath
+from hma_redis.core import codec, fastpath, medium
 from hma_redis.core.breaker import BreakerState
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
@@ -85,18 +85,16 @@ def _load_raw(
     """``load_values`` of ``keys``, each value whole in a staging buffer (the head expects no
     header, so short or random values never match it): its bytes, its length when longer
     than ``max_len`` (dropped unread), None when missing or refused; None when Redis failed."""
-    targets = [
-        fastpath.LoadTarget(bytearray(48), b"", [], bytearray(max_len), max_len) for _ in keys
-    ]
+    targets = [medium.LoadTarget(bytearray(48), b"", [], bytearray(max_len), max_len) for _ in keys]
     results = store.load_values(keys, targets, native=native)
     if results is None:
         return None
     out: list[bytes | int | None] = []
     for target, result in zip(targets, results, strict=True):
-        if result.status is fastpath.LoadStatus.OVERSIZED:
+        if result.status is medium.LoadStatus.OVERSIZED:
             out.append(result.value_len)
-        elif result.status is fastpath.LoadStatus.OK:
-            assert result.landed is fastpath.Landed.STAGING and target.staging is not None
+        elif result.status is medium.LoadStatus.OK:
+            assert result.landed is medium.Landed.STAGING and target.staging is not None
             out.append(bytes(target.staging[: result.value_len]))
         else:
             out.append(None)
@@ -409,7 +407,7 @@ def test_a_native_load_lands_values_misses_and_counts_refusals(reader_server, ca
     expected = BlockHeader(key=key, group=0, first_block=0, num_blocks=1, page_bytes=(5000,))
     pages = [bytearray(5000) for _ in range(3)]
     targets = [
-        fastpath.LoadTarget(
+        medium.LoadTarget(
             bytearray(codec.PREFIX_BYTES + 200), expected.to_msgpack(), [page], None, 1 << 20
         )
         for page in pages
@@ -417,9 +415,9 @@ def test_a_native_load_lands_values_misses_and_counts_refusals(reader_server, ca
     got = store.load_values([key, _key(0, 2), "other:secret"], targets)
     assert got is not None
     assert [r.status for r in got] == [
-        fastpath.LoadStatus.OK,
-        fastpath.LoadStatus.MISSING,
-        fastpath.LoadStatus.ERROR,
+        medium.LoadStatus.OK,
+        medium.LoadStatus.MISSING,
+        medium.LoadStatus.ERROR,
     ]
     assert got[0].crc_ok and bytes(pages[0]) == body
     assert pages[1] == pages[2] == bytearray(5000)
@@ -482,7 +480,7 @@ def test_counters_ride_along_on_every_kind_of_call(redis_client, redis_url):
     key = _key(0, 1)
     head, body, _ = _native_value(_key(0, 3), b"native")
     head4, body4, _ = _native_value(_key(0, 4), b"twin")
-    target = fastpath.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
+    target = medium.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
     calls = [
         lambda: store.put_if_absent([(key, b"value")]) == [PutResult.STORED],
         lambda: store.exists([key, _key(0, 2)]) == [True, False],
@@ -492,7 +490,7 @@ def test_counters_ride_along_on_every_kind_of_call(redis_client, redis_url):
         lambda: store.put_values([_key(0, 3)], [head], [body]) == [PutResult.STORED],
         lambda: (
             [r.status for r in store.load_values([_key(0, 2)], [target]) or []]
-            == [fastpath.LoadStatus.MISSING]
+            == [medium.LoadStatus.MISSING]
         ),
         lambda: _load_raw(store, [key]) == [b"value"],
         lambda: (
@@ -513,10 +511,10 @@ def test_a_store_without_a_stats_key_sends_no_counters(redis_client, redis_url):
     store.counters.add(lookups=1)
     key = _key(0, 1)
     head, body, _ = _native_value(key, b"native")
-    target = fastpath.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
+    target = medium.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
     assert store.put_values([key], [head], [body]) == [PutResult.STORED]
     assert [r.status for r in store.load_values([_key(0, 2)], [target]) or []] == [
-        fastpath.LoadStatus.MISSING
+        medium.LoadStatus.MISSING
     ]
     assert store.exists([key]) == [True]
     assert _load_raw(store, [_key(0, 2)], native=False) == [None]
@@ -532,7 +530,7 @@ def test_counters_sent_ahead_of_a_native_job_that_times_out_are_kept(local_redis
     head, body, _ = _native_value(_key(0, 1), b"native")
     assert store.put_values([_key(0, 1)], [head], [body]) == [PutResult.STORED]  # connected
     store.counters.add(loaded_chunks=2)
-    target = fastpath.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
+    target = medium.LoadTarget(bytearray(200), b"", [], None, 1 << 20)
     local_redis.pause()
     try:
         assert store.load_values([_key(0, 1)], [target]) is None
@@ -778,7 +776,7 @@ def test_cluster_native_jobs_answer_in_key_order_across_nodes(clean: LocalCluste
     wanted = [k for i, k in enumerate(keys) if i != 5] + [_key(0, 99)]
     pages = [bytearray(len(bodies.get(k, b""))) for k in wanted]
     targets = [
-        fastpath.LoadTarget(
+        medium.LoadTarget(
             bytearray(codec.PREFIX_BYTES + 200),
             BlockHeader(
                 key=k, group=0, first_block=0, num_blocks=1, page_bytes=(len(page),)
@@ -792,7 +790,7 @@ def test_cluster_native_jobs_answer_in_key_order_across_nodes(clean: LocalCluste
     loaded = store.load_values(wanted, targets)
     assert loaded is not None
     statuses = [r.status for r in loaded]
-    assert statuses == [fastpath.LoadStatus.OK] * 11 + [fastpath.LoadStatus.MISSING]
+    assert statuses == [medium.LoadStatus.OK] * 11 + [medium.LoadStatus.MISSING]
     assert [bytes(p) for p in pages[:11]] == [bodies[k] for k in wanted[:11]]
     store.close()
 
@@ -828,13 +826,13 @@ def test_a_native_put_to_a_moved_slot_fails_then_stores_on_the_new_owner(
     clean.move_slot(slot, next(p for p in clean.ports if p != target))
     page = bytearray(5)
     header = BlockHeader(key=key, group=0, first_block=0, num_blocks=1, page_bytes=(5,))
-    job = [fastpath.LoadTarget(bytearray(256), header.to_msgpack(), [page], None, 1 << 20)]
+    job = [medium.LoadTarget(bytearray(256), header.to_msgpack(), [page], None, 1 << 20)]
     failed = store.load_values([key], job)
-    assert failed is not None and [r.status for r in failed] == [fastpath.LoadStatus.ERROR]
+    assert failed is not None and [r.status for r in failed] == [medium.LoadStatus.ERROR]
     assert store.counters.snapshot()["refused_other"] == 2
     assert _refused(caplog) == ["SET", "GET"]
     landed = store.load_values([key], job)
-    assert landed is not None and [r.status for r in landed] == [fastpath.LoadStatus.OK]
+    assert landed is not None and [r.status for r in landed] == [medium.LoadStatus.OK]
     assert page == bytearray(b"first")
     assert store.breaker.state is BreakerState.CLOSED
     store.close()

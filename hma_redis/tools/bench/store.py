@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace, RedisKey
-from hma_redis.core.store import PutResult, RedisBlockStore
+from hma_redis.core.medium import PutResult
+from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.bench.common import (
     GB,
     MIB,

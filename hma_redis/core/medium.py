@@ -1,0 +1,191 @@
+"""The medium seam: what the transfer engine needs from the place values live, and the value
+types both sides share.
+
+:class:`BlockStore` is the whole surface :class:`hma_redis.core.transfer.TransferEngine` uses:
+check which keys exist, land values where the engine says (:meth:`BlockStore.load_values`),
+put values written by the engine (:meth:`BlockStore.put_values`), delete the bad ones, and
+count. :class:`hma_redis.core.store.RedisBlockStore` implements it for Redis; the engine
+imports this module, never the store nor its wire code.
+
+Every call of the protocol degrades instead of raising when the medium fails (an outage, a
+refusal, a deadline passed): the result says so, and the engine turns it into a miss, a
+failed store or a failed load. The bytes a value holds are the codec's envelope
+(:mod:`hma_redis.core.codec`); a medium moves them and checksums them on the way, it does not
+judge them beyond what :class:`LoadTarget` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any, NamedTuple, Protocol
+
+from hma_redis.core.counters import PendingCounters
+from hma_redis.core.deadline import Deadline
+from hma_redis.core.latency import Operation
+
+__all__ = [
+    "BlockStore",
+    "JobParts",
+    "Landed",
+    "LoadResult",
+    "LoadStatus",
+    "LoadTarget",
+    "PutResult",
+]
+
+
+class LoadStatus(Enum):
+    OK = "ok"  # the value landed (see LoadResult.landed)
+    MISSING = "missing"  # no such key
+    OVERSIZED = "oversized"  # longer than max_len: drained, never held whole
+    ERROR = "error"  # an error reply (LoadResult.error)
+    LAYOUT_MISMATCH = "layout-mismatch"  # did not fit the targets and no staging: drained
+
+
+class Landed(Enum):
+    PAGES = "pages"  # head + dests
+    STAGING = "staging"  # the whole value in staging[0:value_len]
+
+
+class LoadTarget(NamedTuple):
+    """Where one value goes. A value whose prefix starts with ``expected_prefix`` (when
+    given) and whose header is ``expected_header`` lands with its prefix and header in
+    ``head`` and its body in ``dests`` when its length is exactly theirs (``PAGES``); a value
+    longer than ``max_len`` is dropped (``OVERSIZED``); any other value lands whole in
+    ``staging`` (``STAGING``), or is dropped without one (``LAYOUT_MISMATCH``). The byte-level
+    rules are :mod:`hma_redis.core.fastpath`'s module docstring."""
+
+    head: Any  # writable, >= 48 + the largest header expected
+    expected_header: bytes | memoryview  # the exact msgpack header bytes a matching value has
+    dests: Sequence[Any]  # writable buffers (or ints: bytes to skip) for the body, in order
+    staging: Any | None  # writable buffer for values that do not match, or None
+    max_len: int  # longer values are drained and reported oversized
+    # The first bytes (at most 48) a matching value's prefix must have, or None for any.
+    expected_prefix: bytes | memoryview | None = None
+
+
+class LoadResult(NamedTuple):
+    status: LoadStatus
+    value_len: int  # bytes of the value (oversized: its length); 0 when missing or an error
+    header_len: int  # the prefix's header length field; -1 when no prefix was received
+    crc_ok: bool  # CRC32C of header ‖ body equals the prefix's field (landed values only)
+    landed: Landed | None
+    error: str | None  # the error reply's text (status ERROR)
+
+
+class PutResult(Enum):
+    STORED = "stored"  # newly written by this call
+    EXISTED = "existed"  # already there (content-addressed: same bytes)
+    FAILED = "failed"  # not written (medium down, full, refused, deadline passed, ...)
+
+
+class JobParts(Protocol):
+    """The parts of one job, run at once on several connections and threads, reported to the
+    medium's health (its circuit breaker) as one outcome (:meth:`BlockStore.job_outcome`)."""
+
+    def settle(self) -> None:
+        """Report the job's outcome; called once, after every part has returned."""
+        ...
+
+
+class BlockStore(Protocol):
+    """What the transfer engine needs from a medium. Thread safe: the engine calls it from
+    its load, store and connection threads at once."""
+
+    @property
+    def counters(self) -> PendingCounters:
+        """The namespace's counters; the engine adds its chunk and byte counts here."""
+        ...
+
+    @property
+    def read_timeout_s(self) -> float:
+        """Seconds one wait on the medium may take: a job's deadline is
+        :func:`hma_redis.core.deadline.budget_s` of this and the job's bytes."""
+        ...
+
+    @property
+    def connections_per_job(self) -> int:
+        """How many connections a job's chunks are split over when the engine is not told."""
+        ...
+
+    def exists(
+        self,
+        keys: Sequence[str],
+        deadline: Deadline | None = None,
+        operation: Operation = Operation.LOOKUP,
+    ) -> list[bool]:
+        """Which of ``keys`` exist, in key order; all ``False`` when the medium fails or
+        ``deadline`` passes. ``operation``: what the call's time is a sample of."""
+        ...
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove ``keys`` (values that failed validation: puts never replace a value); how
+        many were removed, 0 when the medium fails."""
+        ...
+
+    def load_values(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[LoadTarget],
+        deadline: Deadline | None = None,
+        outcome: JobParts | None = None,
+        native: bool = True,
+    ) -> list[LoadResult] | None:
+        """Fetch every key's value into ``targets[i]``, one :class:`LoadResult` per key in key
+        order. Writes only into the memory the targets name (head, dests, staging), and only
+        as :class:`LoadTarget` says; checks nothing but the CRC32C (``crc_ok``) and, with
+        ``expected_prefix``, the prefix: the MAC and a staged value are the caller's to judge.
+        None when the medium failed or is off (every value is then a miss); the targets'
+        memory may have been written all the same, the call returns only once nothing writes
+        to it any more. Ends by ``deadline``. ``outcome``: this call is one part of a job
+        (:meth:`job_outcome`). ``native``: False runs the portable path."""
+        ...
+
+    def put_values(
+        self,
+        keys: Sequence[str],
+        heads: Sequence[Any],
+        bodies: Sequence[Sequence[Any]],
+        *,
+        deadline: Deadline | None = None,
+        outcome: JobParts | None = None,
+        native: bool = True,
+    ) -> list[PutResult]:
+        """Store ``heads[i]`` followed by ``bodies[i]``'s pieces under ``keys[i]`` unless the key
+        exists, whole or not at all; one :class:`PutResult` per key in key order, FAILED
+        when the medium fails or ``deadline`` passes (never raises for that). Each head is the
+        codec's prefix and header with every field filled but the CRC32C, which this call
+        computes over header and body and writes into the head. Reads the bodies in place
+        until it returns. ``outcome`` and ``native`` as :meth:`load_values`."""
+        ...
+
+    def job_outcome(self) -> JobParts:
+        """One outcome for a job whose parts call :meth:`load_values` / :meth:`put_values` at
+        once: the job is let through or not as a whole (a medium that is off fails every
+        part), and :meth:`JobParts.settle` reports it once."""
+        ...
+
+    def native_unavailable_reason(self) -> str | None:
+        """Why value calls cannot take the native path (the C job: GIL released, values may
+        land in the KV cache's pages in place), or None when they can."""
+        ...
+
+    def describe(self, native: bool) -> str:
+        """The data path value calls take with ``native``, for the engine's start-up line:
+        e.g. ``native, GIL released (CRC32C by SSE4.2)`` or ``pure Python``."""
+        ...
+
+    def announce(self, line: str) -> None:
+        """Log the engine's start-up ``line`` about the data path at INFO (the medium's own
+        line at first use is then left out)."""
+        ...
+
+    def warm_bulk(self, connections: int) -> int:
+        """Open up to ``connections`` connections for value calls ahead of the first job; best
+        effort (never raises for the medium's failures). How many are open."""
+        ...
+
+    def flush_counters(self) -> None:
+        """Deliver the counters now (at shutdown); kept for later when the medium fails."""
+        ...
