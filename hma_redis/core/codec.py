@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
@@ -35,6 +35,8 @@ from typing import TypeVar
 import blake3
 import crc32c
 import msgpack
+
+_Bytes = bytes | bytearray | memoryview
 
 # Version of the value envelope (docs/payload-format.md); part of every namespace.
 FORMAT_VERSION = 2
@@ -46,6 +48,11 @@ MAC_BYTES = 32
 _SIGNED = struct.Struct(">4sHHI")
 _PREFIX = struct.Struct(f">4sHHII{MAC_BYTES}s")
 PREFIX_BYTES = _PREFIX.size
+# Offsets in the prefix (every field big-endian): the header's length is the last signed field,
+# the CRC32C follows the signed fields, then the MAC.
+HEADER_LEN_AT = _SIGNED.size - 4
+CRC_AT = _SIGNED.size
+MAC_AT = CRC_AT + 4
 FLAG_MAC = 0x0001
 MAX_HEADER_BYTES = 64 * 1024
 _NO_MAC = bytes(MAC_BYTES)
@@ -143,7 +150,7 @@ class EncodedBlock:
     def seal(self) -> memoryview:
         """Compute checksum (and MAC) over header and body; return the complete value (no
         copy)."""
-        signed = _signed_prefix(self.header_len, self.mac_key)
+        signed = signed_prefix(self.header_len, self.mac_key)
         crc = crc32c.crc32c(self.buffer[PREFIX_BYTES:])
         mac = _NO_MAC
         if self.mac_key is not None:
@@ -195,7 +202,7 @@ def encode_parts(
     if size != header.body_bytes:
         raise ValueError(f"body pieces hold {size} bytes, the header says {header.body_bytes}")
     packed = header.to_msgpack()
-    signed = _signed_prefix(len(packed), mac_key)
+    signed = signed_prefix(len(packed), mac_key)
     crc = crc32c.crc32c(packed)
     hasher = mac_key.hasher() if mac_key is not None else None
     for piece in body:
@@ -321,10 +328,39 @@ def _header_bytes(view: memoryview, header_len: int) -> memoryview:
     return view[PREFIX_BYTES : PREFIX_BYTES + header_len]
 
 
-def _signed_prefix(header_len: int, mac_key: MacKey | None) -> bytes:
-    """The prefix fields the MAC covers (all but CRC and MAC)."""
+def signed_prefix(header_len: int, mac_key: MacKey | None) -> bytes:
+    """The prefix fields the MAC covers (all but CRC and MAC): magic, version, flags (the MAC
+    flag with a key) and the header's length."""
     flags = FLAG_MAC if mac_key is not None else 0
     return _SIGNED.pack(MAGIC, FORMAT_VERSION, flags, header_len)
+
+
+def value_mac(mac_key: MacKey, body: Iterable[_Bytes], packed: _Bytes, signed: _Bytes) -> bytes:
+    """The keyed BLAKE3 MAC of a value: over its body (pieces in order), its msgpack header
+    and its signed prefix fields, in that order."""
+    hasher = mac_key.hasher()
+    for piece in body:
+        hasher.update(piece)
+    hasher.update(packed)
+    hasher.update(signed)
+    return hasher.digest()
+
+
+def head_without_crc(signed: bytes, packed: bytes, mac: bytes | None) -> bytearray:
+    """A value's prefix and header with a zero CRC32C (a store job that checksums as it sends
+    writes it in place at :data:`CRC_AT`) and ``mac`` (zeros without one)."""
+    head = bytearray(PREFIX_BYTES + len(packed))
+    _PREFIX.pack_into(head, 0, *_SIGNED.unpack(signed), 0, mac or _NO_MAC)
+    head[PREFIX_BYTES:] = packed
+    return head
+
+
+def head_mac_matches(head: memoryview | bytearray, body: memoryview, mac_key: MacKey) -> bool:
+    """Whether the MAC in ``head`` (a value's prefix and header, its body elsewhere) is this
+    key's MAC of ``body`` (constant time)."""
+    view = memoryview(head).cast("B")
+    want = value_mac(mac_key, (body,), view[PREFIX_BYTES:], view[: _SIGNED.size])
+    return hmac.compare_digest(want, bytes(view[MAC_AT:PREFIX_BYTES]))
 
 
 def _check_mac(view: memoryview, flags: int, mac: bytes, mac_key: MacKey | None) -> None:
@@ -342,11 +378,11 @@ def _check_mac(view: memoryview, flags: int, mac: bytes, mac_key: MacKey | None)
 
 def _mac_matches(view: memoryview, header_len: int, mac: bytes, mac_key: MacKey) -> bool:
     """Whether ``mac`` is the keyed BLAKE3 of body, header and signed prefix (constant time)."""
-    hasher = mac_key.hasher()
-    hasher.update(view[PREFIX_BYTES + header_len :])
-    hasher.update(view[PREFIX_BYTES : PREFIX_BYTES + header_len])
-    hasher.update(view[: _SIGNED.size])
-    return hmac.compare_digest(hasher.digest(), mac)
+    body = view[PREFIX_BYTES + header_len :]
+    want = value_mac(
+        mac_key, (body,), view[PREFIX_BYTES : PREFIX_BYTES + header_len], view[: _SIGNED.size]
+    )
+    return hmac.compare_digest(want, mac)
 
 
 def _parse_header(raw: memoryview) -> BlockHeader:

@@ -76,7 +76,7 @@ from typing import Any, NamedTuple
 
 import crc32c as _crc32c
 
-from hma_redis.core.codec import PREFIX_BYTES
+from hma_redis.core.codec import CRC_AT, HEADER_LEN_AT, PREFIX_BYTES
 from hma_redis.core.deadline import Deadline
 from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
 
@@ -90,8 +90,6 @@ MAX_REPLY_LINE = 64 * 1024
 # Buffers per sendmsg call (Linux' IOV_MAX is 1024).
 _IOV_MAX = 1024
 
-_HLEN_OFFSET = 8  # header length field (big-endian u32) inside the prefix
-_CRC_OFFSET = 12  # CRC32C field (big-endian u32) inside the prefix
 _LINE_READ = MAX_REPLY_LINE  # bytes received at a time while looking for a reply line
 _SCRATCH_BYTES = 256 * 1024  # bytes received at a time when dropped or only checksummed
 _MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk length is bogus
@@ -461,7 +459,7 @@ def _receive_value(stream: _Stream, target: LoadTarget, length: int) -> LoadResu
     crc: int | None = None
     matched = False
     if length >= PREFIX_BYTES:
-        header_len = _be32(head, _HLEN_OFFSET)
+        header_len = _be32(head, HEADER_LEN_AT)
         end = PREFIX_BYTES + header_len
         if end <= length and end <= head.nbytes:
             crc = stream.into(head[PREFIX_BYTES:end], 0)
@@ -489,7 +487,7 @@ def _receive_value(stream: _Stream, target: LoadTarget, length: int) -> LoadResu
     else:
         stream.skip(length - got)
         return LoadResult(LoadStatus.LAYOUT_MISMATCH, length, header_len, False, None, None)
-    crc_ok = length >= PREFIX_BYTES and crc == _be32(head, _CRC_OFFSET)
+    crc_ok = length >= PREFIX_BYTES and crc == _be32(head, CRC_AT)
     return LoadResult(LoadStatus.OK, length, header_len, crc_ok, landed, None)
 
 
@@ -624,7 +622,7 @@ def python_store_values(
             crc = _crc32c.crc32c(head[PREFIX_BYTES:])
             for page in value.pages:
                 crc = _crc32c.crc32c(page, crc)
-            head[_CRC_OFFSET : _CRC_OFFSET + 4] = crc.to_bytes(4, "big")
+            head[CRC_AT : CRC_AT + 4] = crc.to_bytes(4, "big")
             _send(sock, [value.framing, head, *value.pages, value.tail], waits)
         stream = _Stream(sock, waits)
         for _ in values:

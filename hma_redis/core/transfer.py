@@ -42,11 +42,9 @@ failure is reported: no page the engine may read ever holds bytes that failed va
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 import warnings
@@ -60,7 +58,7 @@ from typing import TypeVar
 import torch
 
 from hma_redis.core import codec
-from hma_redis.core.codec import FORMAT_VERSION, BlockHeader, CorruptBlockError, DecodedBlock
+from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.latency import Operation
 from hma_redis.core.medium import (
@@ -91,8 +89,6 @@ _HEADER_SLACK = 64
 # The codec's prefix (hma_redis.core.codec): magic, version, flags, header length (the fields
 # its MAC covers), then CRC32C at 12 and the MAC at 16. Stores fill every field but the
 # CRC, which the store job computes as it sends; loads compare the first 12 bytes.
-_SIGNED = struct.Struct(">4sHHI")
-_MAC_AT = 16
 
 _T = TypeVar("_T")
 
@@ -726,10 +722,7 @@ class TransferEngine:
     def _expected(self, chunk: ChunkTransfer) -> _Expected:
         header = self._header(chunk)
         packed = header.to_msgpack()
-        flags = codec.FLAG_MAC if self._mac_key is not None else 0
-        return _Expected(
-            header, packed, _SIGNED.pack(codec.MAGIC, FORMAT_VERSION, flags, len(packed))
-        )
+        return _Expected(header, packed, codec.signed_prefix(len(packed), self._mac_key))
 
     def _value_head(self, layout: _Expected, body: Sequence[memoryview]) -> bytearray:
         """A value's prefix and header, every field but the CRC32C (zero: the store job
@@ -742,17 +735,10 @@ class TransferEngine:
             raise ValueError(
                 f"body pieces hold {size} bytes, the header says {layout.header.body_bytes}"
             )
-        head = bytearray(layout.head_bytes)
-        head[: _SIGNED.size] = layout.signed
-        head[codec.PREFIX_BYTES :] = layout.packed
+        mac = None
         if self._mac_key is not None:
-            hasher = self._mac_key.hasher()
-            for piece in body:
-                hasher.update(piece)
-            hasher.update(layout.packed)
-            hasher.update(layout.signed)
-            head[_MAC_AT : codec.PREFIX_BYTES] = hasher.digest()
-        return head
+            mac = codec.value_mac(self._mac_key, body, layout.packed, layout.signed)
+        return codec.head_without_crc(layout.signed, layout.packed, mac)
 
     def _count_stored(self, job: _Job, sizes: Sequence[int], results: list[PutResult]) -> int:
         """Count a batch's outcome; return the bytes stored."""
@@ -1033,11 +1019,7 @@ class TransferEngine:
         if self._mac_key is None:
             return True
         assert body is not None  # keyed values always land in buffers
-        hasher = self._mac_key.hasher()
-        hasher.update(body)
-        hasher.update(head[codec.PREFIX_BYTES :])
-        hasher.update(head[: _SIGNED.size])
-        return hmac.compare_digest(hasher.digest(), bytes(head[_MAC_AT : codec.PREFIX_BYTES]))
+        return codec.head_mac_matches(head, body, self._mac_key)
 
     def _value_bound(self, chunk: ChunkTransfer) -> int:
         """The most bytes a valid value under ``chunk``'s key can hold: every block of the

@@ -1,5 +1,6 @@
 import os
 
+import crc32c
 import pytest
 
 from hma_redis.core import codec
@@ -218,3 +219,26 @@ def test_header_carries_kv_cache_layout():
     value = codec.encode(header, os.urandom(header.body_bytes))
     assert codec.decode(value, expected_key=KEY).header.kv_cache_layout == "HND"
     assert codec.decode_header(bytes(value))[0] == header
+
+
+def test_prefix_offsets_and_head_helpers_match_what_encode_writes():
+    """The offsets and helpers the transfer engine and the twin use (codec.HEADER_LEN_AT,
+    CRC_AT, MAC_AT, signed_prefix, value_mac, head_without_crc, head_mac_matches) describe the
+    value encode() writes, byte for byte: the envelope is laid out in one place."""
+    key = MacKey.derive(b"k" * 32)
+    header = _header()
+    body = os.urandom(header.body_bytes)
+    value = bytes(codec.encode(header, body, mac_key=key))
+    packed = header.to_msgpack()
+    signed = codec.signed_prefix(len(packed), key)
+    assert value[: len(signed)] == signed
+    assert int.from_bytes(value[codec.HEADER_LEN_AT : codec.CRC_AT], "big") == len(packed)
+    crc = int.from_bytes(value[codec.CRC_AT : codec.MAC_AT], "big")
+    assert crc == crc32c.crc32c(value[codec.PREFIX_BYTES :])
+    mac = codec.value_mac(key, [body[:10], body[10:]], packed, signed)
+    assert value[codec.MAC_AT : codec.PREFIX_BYTES] == mac
+    head = codec.head_without_crc(signed, packed, mac)
+    assert bytes(head) == value[: codec.CRC_AT] + bytes(4) + value[codec.MAC_AT : len(head)]
+    assert codec.head_mac_matches(head, memoryview(body), key)
+    assert not codec.head_mac_matches(head, memoryview(body[:-1] + b"\0"), key)
+    assert not codec.head_mac_matches(head, memoryview(body), MacKey.derive(b"o" * 32))
