@@ -26,7 +26,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis._parsers.encoders import Encoder
@@ -358,6 +358,16 @@ class _Call:
     def end(self) -> None:
         with self._lock:
             self._done = True
+
+
+def raw_socket(conn: Any) -> socket.socket:
+    """The socket of a connected redis-py connection (plain or TLS), for the data path's jobs,
+    which read and write it directly between two replies. redis-py keeps it in a private
+    attribute: this is the one place that knows."""
+    sock = conn._sock
+    if sock is None:
+        raise redis.ConnectionError("hma_redis: the connection has no socket (not connected)")
+    return cast(socket.socket, sock)
 
 
 def _shut_down(conn: Any) -> None:

@@ -40,7 +40,7 @@ from hma_redis.core.breaker import (
     describe,
     refusal_of,
 )
-from hma_redis.core.client import RedisClient, bounded, make_client, new_client_name
+from hma_redis.core.client import RedisClient, bounded, make_client, new_client_name, raw_socket
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.deadline import Deadline, budget_s
@@ -835,7 +835,7 @@ class RedisBlockStore:
             if asking:
                 conn.send_command("ASKING")
                 conn.read_response()
-            return body(conn._sock)
+            return body(raw_socket(conn))
         except BaseException:
             conn.disconnect()
             raise
