@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.tools.devkit.local_redis import redis_or_local
@@ -258,3 +258,85 @@ def shown_command(args: Sequence[str]) -> str:
 def report_lines(rb_args: dict[int, list[str]], notes: Sequence[str]) -> list[str]:
     """The report's lines naming each redis-benchmark command run, then the notes."""
     return [f"  {shown_command(args)}" for args in rb_args.values()] + [f"  {n}" for n in notes]
+
+
+# The benchmarks' KV cache: LAYERS pages of PAGE_BYTES per block, int8 (the bytes are what
+# matters, not the dtype), one KV group.
+LAYERS = 8
+PAGE_BYTES = 16 * 1024
+KV_DTYPE = "bench-int8"
+
+
+class OffloadKeys:
+    """Distinct offload keys of group 0, in the order they are asked for."""
+
+    def __init__(self) -> None:
+        self._serial = 0
+
+    def take(self, count: int) -> list[bytes]:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        keys: list[bytes] = []
+        for _ in range(count):
+            self._serial += 1
+            keys.append(make_offload_key(self._serial.to_bytes(32, "big"), 0))
+        return keys
+
+
+@dataclass
+class BenchKVCache:
+    """A KV cache of random bytes (``tensors``, and ``arrays``: numpy views of them) and one
+    worker per value size over it, on ``store``."""
+
+    tensors: list[Any]
+    arrays: list[Any]
+    workers: dict[int, Any]
+
+
+def bench_kv_cache(
+    cfg: RedisTierConfig,
+    store: Any,
+    keyspace: Any,
+    num_blocks: int,
+    sizes: Sequence[int],
+    **worker_options: Any,
+) -> BenchKVCache:
+    """Random KV pages (seeded) and a :class:`RedisOffloadingWorker` per value size, whose
+    chunks are ``size`` bytes of KV (``worker_options``: e.g. ``native``)."""
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    from hma_redis.adapter.worker import RedisOffloadingWorker
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(-128, 128, (num_blocks, PAGE_BYTES), dtype=torch.int8, generator=gen)
+        for _ in range(LAYERS)
+    ]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, PAGE_BYTES) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(LAYERS)]],
+    )
+    workers = {
+        size: RedisOffloadingWorker(
+            store=store,
+            keyspace=keyspace,
+            rank=0,
+            kv_caches=caches,
+            group_ids=[0],
+            blocks_per_chunk=size // (LAYERS * PAGE_BYTES),
+            kv_dtype=KV_DTYPE,
+            io_threads=cfg.io_threads,
+            max_inflight_bytes=cfg.max_inflight_bytes,
+            shutdown_timeout_s=1.0,
+            auth_key=cfg.auth_key,
+            idle_wait_s=cfg.idle_wait_ms / 1e3,
+            **worker_options,
+        )
+        for size in sizes
+    }
+    return BenchKVCache(tensors, [t.numpy() for t in tensors], workers)

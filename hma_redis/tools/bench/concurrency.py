@@ -45,18 +45,20 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.tools.bench.common import (
     GB,
     KIB,
+    KV_DTYPE,
+    LAYERS,
     LMCACHE_PEER,
     MIB,
+    PAGE_BYTES,
     BenchError,
+    OffloadKeys,
+    bench_kv_cache,
     check,
     require_lmcache_python,
     require_single_server,
 )
 
 Op = Literal["load", "store"]
-LAYERS = 8
-PAGE_BYTES = 16 * KIB
-KV_DTYPE = "bench-int8"
 SOURCE_JOBS = 16  # jobs' worth of distinct source pages (stores) and stored values (loads)
 CLIENTS = ("hma_redis", "lmcache-resp")
 
@@ -233,13 +235,7 @@ class HmaConcurrency:
     name = "hma_redis"
 
     def __init__(self, cfg: RedisTierConfig, plan: ConcurrencyPlan, namespace: str) -> None:
-        from vllm.v1.kv_offload.base import (
-            CanonicalKVCacheRef,
-            CanonicalKVCaches,
-            CanonicalKVCacheTensor,
-        )
 
-        from hma_redis.adapter.worker import RedisOffloadingWorker
         from hma_redis.core.store import RedisBlockStore
 
         self.plan = plan
@@ -249,36 +245,11 @@ class HmaConcurrency:
         self.job_blocks = plan.job_bytes // (LAYERS * PAGE_BYTES)
         self.source_blocks = SOURCE_JOBS * self.job_blocks
         num_blocks = self.source_blocks + max(plan.levels) * self.job_blocks
-        gen = torch.Generator().manual_seed(0)
-        self.tensors = [
-            torch.randint(-128, 128, (num_blocks, PAGE_BYTES), dtype=torch.int8, generator=gen)
-            for _ in range(LAYERS)
-        ]
-        self.arrays = [t.numpy() for t in self.tensors]
-        caches = CanonicalKVCaches(
-            tensors=[CanonicalKVCacheTensor(t, PAGE_BYTES) for t in self.tensors],
-            group_data_refs=[[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(LAYERS)]],
-        )
-        self.workers = {
-            size: RedisOffloadingWorker(
-                store=self.store,
-                keyspace=self.keyspace,
-                rank=0,
-                kv_caches=caches,
-                group_ids=[0],
-                blocks_per_chunk=size // (LAYERS * PAGE_BYTES),
-                kv_dtype=KV_DTYPE,
-                io_threads=self.cfg.io_threads,
-                max_inflight_bytes=self.cfg.max_inflight_bytes,
-                shutdown_timeout_s=1.0,
-                auth_key=self.cfg.auth_key,
-                idle_wait_s=self.cfg.idle_wait_ms / 1e3,
-            )
-            for size in plan.sizes
-        }
+        kv = bench_kv_cache(self.cfg, self.store, self.keyspace, num_blocks, plan.sizes)
+        self.tensors, self.arrays, self.workers = kv.tensors, kv.arrays, kv.workers
         self.data_path = next(iter(self.workers.values())).data_path
         self.rng = random.Random(4)
-        self._serial = 0
+        self._keys = OffloadKeys()
         self._job_id = 0
         self._written: list[bytes] = []  # offload keys this level stored, deleted after it
 
@@ -306,12 +277,7 @@ class HmaConcurrency:
         return LevelRun(self.name, size, level, wall_s, self.plan.job_bytes, spans)
 
     def _new_stored(self, size: int) -> _Stored:
-        from vllm.v1.kv_offload.base import make_offload_key
-
-        keys = []
-        for _ in range(self.plan.values_per_job(size)):
-            self._serial += 1
-            keys.append(make_offload_key(self._serial.to_bytes(32, "big"), 0))
+        keys = self._keys.take(self.plan.values_per_job(size))
         self._written += keys
         return _Stored(keys, self.rng.sample(range(self.source_blocks), self.job_blocks))
 

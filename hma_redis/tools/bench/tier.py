@@ -81,12 +81,17 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.tools.bench.common import (
     GB,
     KIB,
+    KV_DTYPE,
+    LAYERS,
     LMCACHE_PEER,
     MIB,
+    PAGE_BYTES,
     BenchError,
+    OffloadKeys,
     Plan,
     Samples,
     add_plan_options,
+    bench_kv_cache,
     check,
     chosen_plan,
     redis_benchmark_plan,
@@ -107,9 +112,6 @@ from hma_redis.tools.bench.concurrency import (
 from hma_redis.tools.bench.tiering import TieringBench
 
 SIZES = (512 * KIB, 2 * MIB, 8 * MIB)
-LAYERS = 8
-PAGE_BYTES = 16 * KIB
-KV_DTYPE = "bench-int8"
 # Lookups: a 32k-token prompt in chunks of 128 tokens, over 3 KV groups.
 PROMPT_TOKENS = 32768
 CHUNK_TOKENS = 128
@@ -267,13 +269,7 @@ class TierBench:
         name: str = "hma_redis",
         check_values: bool = False,
     ) -> None:
-        from vllm.v1.kv_offload.base import (
-            CanonicalKVCacheRef,
-            CanonicalKVCaches,
-            CanonicalKVCacheTensor,
-        )
 
-        from hma_redis.adapter.worker import RedisOffloadingWorker
         from hma_redis.core.store import RedisBlockStore
 
         self.plan = plan
@@ -285,37 +281,13 @@ class TierBench:
         self.keyspace = KeySpace(self.cfg.key_prefix, namespace)
         self.blocks = plan.job_bytes // (LAYERS * PAGE_BYTES)
         num_blocks = 2 * self.blocks
-        gen = torch.Generator().manual_seed(0)
-        self.tensors = [
-            torch.randint(-128, 128, (num_blocks, PAGE_BYTES), dtype=torch.int8, generator=gen)
-            for _ in range(LAYERS)
-        ]
-        self.arrays = [t.numpy() for t in self.tensors]
-        caches = CanonicalKVCaches(
-            tensors=[CanonicalKVCacheTensor(t, PAGE_BYTES) for t in self.tensors],
-            group_data_refs=[[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(LAYERS)]],
+        kv = bench_kv_cache(
+            self.cfg, self.store, self.keyspace, num_blocks, plan.sizes, native=native
         )
-        self.workers = {
-            size: RedisOffloadingWorker(
-                store=self.store,
-                keyspace=self.keyspace,
-                rank=0,
-                kv_caches=caches,
-                group_ids=[0],
-                blocks_per_chunk=self.blocks_per_chunk(size),
-                kv_dtype=KV_DTYPE,
-                io_threads=self.cfg.io_threads,
-                max_inflight_bytes=self.cfg.max_inflight_bytes,
-                shutdown_timeout_s=1.0,
-                auth_key=self.cfg.auth_key,
-                native=native,
-                idle_wait_s=self.cfg.idle_wait_ms / 1e3,
-            )
-            for size in plan.sizes
-        }
+        self.tensors, self.arrays, self.workers = kv.tensors, kv.arrays, kv.workers
         self.data_path = next(iter(self.workers.values())).data_path
         self.rng = random.Random(2)
-        self._serial = 0
+        self._keys = OffloadKeys()
         self._job_id = 0
 
     @staticmethod
@@ -358,15 +330,6 @@ class TierBench:
                 f"pages ({size} B values)",
             )
 
-    def _offload_keys(self, count: int) -> list[bytes]:
-        from vllm.v1.kv_offload.base import make_offload_key
-
-        keys: list[bytes] = []
-        for _ in range(count):
-            self._serial += 1
-            keys.append(make_offload_key(self._serial.to_bytes(32, "big"), 0))
-        return keys
-
     def _wait(self, worker: Any, job_id: int) -> Any:
         """Poll as an engine's steps do; a load is waited for as an idle step waits for it."""
         while True:
@@ -383,7 +346,7 @@ class TierBench:
 
         worker = self.workers[size]
         chunks = self.blocks // self.blocks_per_chunk(size)
-        keys = self._offload_keys(chunks)
+        keys = self._keys.take(chunks)
         src_ids = self.rng.sample(range(self.blocks), self.blocks)
         dst_ids = self.rng.sample(range(self.blocks, 2 * self.blocks), self.blocks)
         for array in self.arrays:

@@ -24,7 +24,7 @@ import numpy as np
 
 from hma_redis.core.config import PASSWORD_ENV, RedisTierConfig, strip_userinfo
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.tools.bench.common import MIB, Samples, check
+from hma_redis.tools.bench.common import MIB, OffloadKeys, Samples, check
 
 NAME = "hma-tiering"
 
@@ -41,14 +41,14 @@ class TieringBench:
         self.job_bytes = job_bytes
         self.name = NAME
         self._job_id = 0
-        self._serial = 0
+        self._keys = OffloadKeys()
         self._rng = np.random.default_rng(3)
         self.tiers = {size: _Tier(self.cfg, job_bytes, size, layer_bytes) for size in sizes}
 
     def run(self, size: int, samples: Samples) -> None:
         tier = self.tiers[size]
         chunks = self.job_bytes // size
-        keys = self._offload_keys(chunks)
+        keys = self._keys.take(chunks)
         src, dst = list(range(chunks)), list(range(chunks, 2 * chunks))
         tier.rows[src, :size] = self._rng.integers(0, 256, (chunks, size), dtype=np.uint8)
         tier.rows[dst] = 0
@@ -68,15 +68,6 @@ class TieringBench:
     def _next_id(self) -> int:
         self._job_id += 1
         return self._job_id
-
-    def _offload_keys(self, count: int) -> list[bytes]:
-        from vllm.v1.kv_offload.base import make_offload_key
-
-        keys: list[bytes] = []
-        for _ in range(count):
-            self._serial += 1
-            keys.append(make_offload_key(self._serial.to_bytes(32, "big"), 0))
-        return keys
 
     def close(self) -> None:
         for tier in self.tiers.values():
