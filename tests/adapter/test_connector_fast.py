@@ -9,10 +9,11 @@ stored again, and the stores queued in the last step are flushed at shutdown.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 
 import redis
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from hma_redis.core import codec
 from tests.support.connector_harness import BLOCK_SIZE, ConnectorHarness, StepRecord
@@ -156,3 +157,80 @@ def test_failed_load_under_the_fail_policy_fails_only_that_request(
     second.run()
     assert broken.status is RequestStatus.FINISHED_ERROR
     assert fine.status is RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def _prefill(harness: ConnectorHarness, *reqs: Request) -> StepRecord:
+    """Step until one step prefills all of ``reqs`` (after the lookups' round trip): its
+    stores are then queued for the next step."""
+    step = harness.step()
+    while not any(req.request_id in step.scheduled for req in reqs):
+        step = harness.step()
+    assert all(req.request_id in step.scheduled for req in reqs), "not prefilled together"
+    assert all(req.is_finished() for req in reqs)
+    return step
+
+
+def _keys(harness: ConnectorHarness, req: Request) -> list[str]:
+    return [harness.redis_key(req, 0, block) for block in range(NUM_BLOCKS)]
+
+
+def test_shutdown_flushes_each_queued_store_under_its_own_job_id(
+    instance: Callable[..., ConnectorHarness], redis_client: redis.Redis
+) -> None:
+    """Two stores queued in the last step are both submitted at shutdown, each under the job
+    id vLLM gave it: the worker flushes both (it tracks a job by its id) and reports exactly
+    those jobs finished."""
+    harness = instance()
+    reqs = [harness.add_request(_prompt(seed)) for seed in (16, 17)]
+    step = _prefill(harness, *reqs)
+    assert len(step.store_jobs) == 2
+    harness.close()
+    for req in reqs:
+        assert redis_client.exists(*_keys(harness, req)) == NUM_BLOCKS
+    connector_worker = harness.worker.connector_worker
+    assert connector_worker is not None and connector_worker.worker is not None
+    finished = connector_worker.worker.get_finished()
+    assert Counter(result.job_id for result in finished) == Counter(step.store_jobs.keys())
+    assert all(result.success for result in finished)
+
+
+def test_a_second_shutdown_submits_nothing(
+    instance: Callable[..., ConnectorHarness], redis_client: redis.Redis
+) -> None:
+    """The exit hook calls shutdown again after vLLM's own call: the second call is a no-op.
+    Even stores queued on the connector after the first (a last ``wait_for_save`` racing the
+    engine's shutdown) are not sent from a worker that has closed."""
+    harness = instance()
+    req = harness.add_request(_prompt(18))
+    step = _prefill(harness, req)
+    harness.worker.shutdown()
+    keys = _keys(harness, req)
+    assert redis_client.exists(*keys) == NUM_BLOCKS
+    redis_client.delete(*keys)
+
+    harness.worker.bind_connector_metadata(step.output.kv_connector_metadata)
+    harness.worker.wait_for_save()  # the step's stores, queued once more
+    harness.worker.shutdown()
+    assert redis_client.exists(*keys) == 0
+
+
+def test_transfer_results_are_sets_in_every_step(
+    instance: Callable[..., ConnectorHarness], redis_client: redis.Redis
+) -> None:
+    """``get_transfer_results`` returns what ``KVConnectorTransferResults`` promises, three
+    sets, in steps that store, load or do neither: vLLM's model runner passes them on as they
+    are, and its multi-worker aggregator unions them (``|=``), which ``None`` would break."""
+    prompt = _prompt(19)
+    first = instance()
+    first.add_request(prompt)
+    steps = first.run()
+    second = instance()
+    req = second.add_request(prompt)
+    steps += second.run()
+    assert any(step.store_jobs for step in steps)
+    assert len(second.load_jobs_of[req.request_id]) == 1
+    for step in steps:
+        results = step.transfer_results
+        assert isinstance(results.finished_sending, set), results
+        assert isinstance(results.finished_recving, set), results
+        assert isinstance(results.failed_recving, set), results

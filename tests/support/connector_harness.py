@@ -22,7 +22,10 @@ from typing import Literal
 
 import torch
 from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     TransferJob,
@@ -68,6 +71,8 @@ class StepRecord:
     store_jobs: dict[int, TransferJob]
     finished_recving: set[str]
     failed_recving: set[str]
+    # What the worker connector's get_transfer_results returned, as it returned it.
+    transfer_results: KVConnectorTransferResults
     # (req_id, group, block index) of loaded blocks whose bytes are not the computed ones.
     bad_pages: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -180,6 +185,7 @@ class ConnectorHarness:
             store_jobs=store_jobs,
             finished_recving=set(results.finished_recving),
             failed_recving=set(results.failed_recving),
+            transfer_results=results,
         )
         for req_id in record.finished_recving - record.failed_recving:
             record.bad_pages += self._check_loaded(self._loads_in_flight.pop(req_id))
