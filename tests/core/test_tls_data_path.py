@@ -13,24 +13,16 @@ import torch
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import ChunkTransfer, group_chunks
 from tests.support.kv_pages import (
-    BPC,
     DST,
-    FIRST_INDEX,
-    HASHES,
-    KEYSPACE,
     SRC,
-    Pages,
     chunks,
     make_pages,
+    store_load_and_narrow_load,
 )
 from tests.support.tls_certs import TlsLocalRedis, make_tls_files
 
 AUTH_KEY = b"tls-twin-secret-0001"
-# Group 1 from one block further on: the first chunk's value holds a block more than this load
-# needs, so it does not match the expected header and lands in staging.
-NARROW = (DST[0], DST[1][1:])
 
 
 @pytest.fixture(scope="module")
@@ -66,33 +58,6 @@ def _plain_store(url: str, **options: object) -> RedisBlockStore:
     return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url, **options}, env={}))
 
 
-def _values(client: redis.Redis) -> dict[bytes, bytes]:
-    return {key: client.get(key) or b"" for key in client.scan_iter("hma:worker-test:g*")}
-
-
-def _narrow_chunks() -> list[ChunkTransfer]:
-    out = [c for c in chunks(DST) if c.group == 0]
-    keys = [KEYSPACE.block_key(1, h) for h in HASHES[1]]
-    cut = group_chunks(1, 1, NARROW[1], FIRST_INDEX[1] + 1, keys, BPC)
-    assert cut is not None
-    return out + cut
-
-
-def _run_jobs(rig: Pages, client: redis.Redis) -> tuple[dict[bytes, bytes], list[torch.Tensor]]:
-    """Store SRC, load it into DST, then the narrow load (through staging); what Redis holds
-    after the store and the KV cache at the end."""
-    assert rig.store_job(1, chunks(SRC)).ok
-    stored = _values(client)
-    assert len(stored) == 4
-    assert rig.load_job(2, chunks(DST)).ok
-    assert rig.moved(SRC, DST)
-    for tensor in rig.tensors:
-        tensor[DST[0] + DST[1]] = 0  # the narrow load must fill them again
-    assert rig.load_job(3, _narrow_chunks()).ok
-    assert rig.moved((SRC[0], SRC[1][1:]), NARROW)
-    return stored, [t.clone() for t in rig.tensors]
-
-
 @pytest.mark.parametrize("connections", [1, 3])
 @pytest.mark.parametrize("auth_key", [None, AUTH_KEY], ids=["unkeyed", "keyed"])
 @pytest.mark.parametrize("strided", [False, True], ids=["in-place", "buffered"])
@@ -118,12 +83,12 @@ def test_the_twin_over_tls_leaves_the_bytes_the_c_job_leaves_over_tcp(
             if path == "tls":
                 assert rig.engine.data_path.startswith("pure Python (TLS")
                 assert f"{connections} connection(s) per job" in rig.engine.data_path
-            outcome[path] = _run_jobs(rig, client)
+            outcome[path] = store_load_and_narrow_load(rig, client)
         finally:
             rig.close()
             store.close()
     assert outcome["native"][0] == outcome["tls"][0], "Redis holds other bytes after a TLS store"
-    for got, want in zip(outcome["native"][1], outcome["tls"][1], strict=True):
+    for got, want in zip(outcome["native"][2], outcome["tls"][2], strict=True):
         assert torch.equal(got, want), "the KV cache differs after a TLS load"
 
 

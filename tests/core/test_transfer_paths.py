@@ -18,11 +18,8 @@ from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import ChunkTransfer, group_chunks
 from tests.support.kv_pages import (
-    BPC,
     DST,
-    FIRST_INDEX,
     HASHES,
     KEYSPACE,
     PAGES,
@@ -30,15 +27,12 @@ from tests.support.kv_pages import (
     Pages,
     chunks,
     make_pages,
+    store_load_and_narrow_load,
 )
 from tests.support.redis_server import store_connections
 from tests.support.tcp_proxy import BreakingProxy
 
 AUTH_KEY = b"transfer-paths-secret-0001"
-# One group-1 block less than DST from its first index on: the first chunk's value holds one
-# block more than this load needs (a sliding window moved on), so on the native path it does
-# not look like what the engine expects and takes the second, Python pass.
-NARROW = (DST[0], DST[1][1:])
 
 
 def _store(url: str, **options: object) -> RedisBlockStore:
@@ -46,37 +40,6 @@ def _store(url: str, **options: object) -> RedisBlockStore:
         RedisTierConfig.from_extra_config({"redis_url": url, **options}, env={}),
         stats_key=KEYSPACE.stats_key(),
     )
-
-
-def _values(client: redis.Redis) -> dict[bytes, bytes]:
-    """Every chunk value in Redis, by key."""
-    return {key: client.get(key) or b"" for key in client.scan_iter("hma:worker-test:g*")}
-
-
-def _narrow_chunks() -> list[ChunkTransfer]:
-    """The chunks of a load of :data:`NARROW` (group 1 from one block further on)."""
-    out = [c for c in chunks(DST) if c.group == 0]
-    keys = [KEYSPACE.block_key(1, h) for h in HASHES[1]]
-    cut = group_chunks(1, 1, NARROW[1], FIRST_INDEX[1] + 1, keys, BPC)
-    assert cut is not None and cut[0].start == FIRST_INDEX[1] + 1
-    return out + cut
-
-
-def _run_jobs(
-    rig: Pages, client: redis.Redis
-) -> tuple[dict[bytes, bytes], list[torch.Tensor], list[torch.Tensor]]:
-    """Store SRC, load it into DST, then the narrower load; what Redis holds after the store,
-    and the KV cache after each load."""
-    assert rig.store_job(1, chunks(SRC)).ok
-    stored = _values(client)
-    assert len(stored) == 4
-    assert rig.load_job(2, chunks(DST)).ok
-    assert rig.moved(SRC, DST)
-    after_load = [t.clone() for t in rig.tensors]
-    for tensor in rig.tensors:
-        tensor[DST[0] + DST[1]] = 0  # the narrow load must fill them again
-    assert rig.load_job(3, _narrow_chunks()).ok
-    return stored, after_load, [t.clone() for t in rig.tensors]
 
 
 @pytest.mark.parametrize("connections", [1, 3])
@@ -99,8 +62,7 @@ def test_both_paths_leave_the_same_bytes_in_the_kv_cache_and_in_redis(
         rig = make_pages(store, strided=strided, auth_key=auth_key)
         try:
             assert rig.engine.native == (path == "native"), rig.engine.data_path
-            outcome[path] = _run_jobs(rig, redis_client)
-            assert rig.moved((SRC[0], SRC[1][1:]), NARROW), f"{path}: the narrow load did not land"
+            outcome[path] = store_load_and_narrow_load(rig, redis_client)
         finally:
             rig.close()
             store.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -157,3 +158,41 @@ def as_before_or_cleared(
         if not bool((same | cleared).all()):
             return False
     return True
+
+
+# Group 1 from one block further on than DST: the first chunk's value holds one block more than
+# this load needs (a sliding window moved on), so it does not match the expected header and
+# lands in staging on either path, where the codec judges it.
+NARROW = (DST[0], DST[1][1:])
+
+
+def chunk_values(client: Any) -> dict[bytes, bytes]:
+    """Every chunk value in Redis under KEYSPACE, by key."""
+    return {key: client.get(key) or b"" for key in client.scan_iter(f"{KEYSPACE.base}:g*")}
+
+
+def narrow_chunks() -> list[ChunkTransfer]:
+    """The chunks of a load of :data:`NARROW` (group 1 from one block further on)."""
+    out = [c for c in chunks(DST) if c.group == 0]
+    keys = [KEYSPACE.block_key(1, h) for h in HASHES[1]]
+    cut = group_chunks(1, 1, NARROW[1], FIRST_INDEX[1] + 1, keys, BPC)
+    assert cut is not None and cut[0].start == FIRST_INDEX[1] + 1
+    return out + cut
+
+
+def store_load_and_narrow_load(
+    rig: Pages, client: Any
+) -> tuple[dict[bytes, bytes], list[torch.Tensor], list[torch.Tensor]]:
+    """Store SRC, load it into DST, then the narrow load (through staging); what Redis holds
+    after the store, and the KV cache after each load."""
+    assert rig.store_job(1, chunks(SRC)).ok
+    stored = chunk_values(client)
+    assert len(stored) == 4
+    assert rig.load_job(2, chunks(DST)).ok
+    assert rig.moved(SRC, DST)
+    after_load = [t.clone() for t in rig.tensors]
+    for tensor in rig.tensors:
+        tensor[DST[0] + DST[1]] = 0  # the narrow load must fill them again
+    assert rig.load_job(3, narrow_chunks()).ok
+    assert rig.moved((SRC[0], SRC[1][1:]), NARROW), "the narrow load did not land"
+    return stored, after_load, [t.clone() for t in rig.tensors]
