@@ -382,9 +382,12 @@ class RedisOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         """Store the chunks Redis is not known to hold and nobody here is storing already
-        (with ``second_sighting``: only those some lookup saw before)."""
+        (with ``second_sighting``: only those some lookup saw before). Chunks a fresh answer
+        says are missing go in the spec's ``known_absent``: their store skips the EXISTS
+        round trip."""
         self._absorb_finished_batch()
         to_store: list[OffloadKey] = []
+        known_absent: list[OffloadKey] = []
         deferred = 0
         for key in keys:
             answer = self._answers.get(key)
@@ -396,6 +399,8 @@ class RedisOffloadingManager(OffloadingManager):
                 deferred += 1
                 continue
             to_store.append(key)
+            if answer is not None and self._fresh(answer):
+                known_absent.append(key)
         if self._second_sighting:
             self.detail_stats.admission_deferred += deferred
             self._store.counters.add(admission_deferred=deferred, admission_admitted=len(to_store))
@@ -407,7 +412,9 @@ class RedisOffloadingManager(OffloadingManager):
             else:
                 mark.count += 1
         return PrepareStoreOutput(
-            keys_to_store=to_store, store_spec=RedisLoadStoreSpec(to_store), evicted_keys=[]
+            keys_to_store=to_store,
+            store_spec=RedisLoadStoreSpec(to_store, known_absent),
+            evicted_keys=[],
         )
 
     def complete_store(

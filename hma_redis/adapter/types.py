@@ -12,10 +12,14 @@ class RedisLoadStoreSpec(LoadStoreSpec):
     """What each worker transfers: offload keys in vLLM's order (grouped by KV group).
 
     Each worker derives its own Redis key (with its rank) from every offload key.
+    ``known_absent`` (stores only): the keys Redis answered missing to this manager's lookup
+    moments ago; the store job sends them without asking Redis again (``SET NX`` still leaves
+    a value another instance stored in between as it is).
     """
 
-    def __init__(self, keys: Iterable[OffloadKey]):
+    def __init__(self, keys: Iterable[OffloadKey], known_absent: Iterable[OffloadKey] = ()):
         self.keys: list[bytes] = [bytes(k) for k in keys]
+        self.known_absent: frozenset[bytes] = frozenset(bytes(k) for k in known_absent)
 
     def __repr__(self) -> str:
         return f"RedisLoadStoreSpec({len(self.keys)} keys)"

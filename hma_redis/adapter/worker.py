@@ -99,7 +99,8 @@ class RedisOffloadingWorker(OffloadingWorker):
         """Queue a store; returns at once. The job reads the KV cache in a background thread
         (``wait`` blocks until it has), then encodes and puts the chunks."""
         assert isinstance(dst_spec, RedisLoadStoreSpec)
-        self._engine.submit_store(job_id, self._plan(dst_spec.keys, src_spec))
+        absent = {self._redis_key(key) for key in dst_spec.known_absent}
+        self._engine.submit_store(job_id, self._plan(dst_spec.keys, src_spec), absent)
         return True
 
     def submit_load(
@@ -198,6 +199,12 @@ class RedisOffloadingWorker(OffloadingWorker):
                 group, block_hash, self._rank
             ),
         )
+
+    def _redis_key(self, key: bytes) -> str:
+        """This worker's Redis key of an offload key (its rank's)."""
+        offload_key = OffloadKey(key)
+        group = get_offload_group_idx(offload_key)
+        return self._keyspace.block_key(group, get_offload_block_hash(offload_key), self._rank)
 
 
 def layer_groups(kv_caches: CanonicalKVCaches) -> list[list[LayerSource]]:

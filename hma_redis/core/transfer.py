@@ -49,7 +49,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -484,17 +484,21 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ API
 
-    def submit_store(self, job_id: int, chunks: JobChunks) -> None:
+    def submit_store(
+        self, job_id: int, chunks: JobChunks, known_absent: Collection[str] = ()
+    ) -> None:
         """Queue a store; returns at once. The job reads the page tensors in a background
         thread (:meth:`wait` blocks until it has), then encodes and puts the chunks. Chunks
-        Redis holds already are skipped (one EXISTS round trip)."""
+        Redis holds already are skipped (one EXISTS round trip, not taken for the Redis keys
+        in ``known_absent``, which the caller has just seen missing: ``SET NX`` leaves any
+        value stored in between as it is)."""
         job = _Job(job_id, is_store=True, ready=self._streams.mark_submit())
         self._jobs[job_id] = job
         try:
-            job.future = self._stores.submit(self._run_store, job, chunks)
+            job.future = self._stores.submit(self._run_store, job, chunks, known_absent)
         except RuntimeError:
             # Interpreter exit: thread pools take no new work, so store in this thread.
-            self._run_store(job, chunks)
+            self._run_store(job, chunks, known_absent)
 
     def submit_load(self, job_id: int, chunks: JobChunks) -> None:
         """Queue a load; returns at once. The chunks' blocks are written only if every chunk
@@ -624,7 +628,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ stores
 
-    def _run_store(self, job: _Job, chunks: JobChunks) -> None:
+    def _run_store(self, job: _Job, chunks: JobChunks, known_absent: Collection[str] = ()) -> None:
         """Store a job's chunks. Every chunk is counted once: stored, skipped (present) or
         failed; chunks of a job that stops early (bad layout, an error) count as failed."""
         started = time.perf_counter()
@@ -635,13 +639,7 @@ class TransferEngine:
                 logger.error("hma_redis: store job %d has an inconsistent block layout", job.job_id)
                 return
             self._start_clock(job, sum(self._value_bound(chunk) for chunk in chunks))
-            # Another instance may have stored some chunks already: skip them (one round trip).
-            present = self._store.exists(
-                [c.redis_key for c in chunks], job.deadline, Operation.STORE
-            )
-            self._store.counters.add(store_existed_chunks=sum(present))
-            job.chunks_counted += sum(present)
-            plan = [c for c, there in zip(chunks, present, strict=True) if not there]
+            plan = self._not_present(job, chunks, known_absent)
             batch = _PUT_BATCH_IN_PLACE if self._in_place else _PUT_BATCH
             for start in range(0, len(plan), batch):
                 stored_bytes += self._store_batch(job, plan[start : start + batch])
@@ -656,6 +654,20 @@ class TransferEngine:
             elapsed = time.perf_counter() - started
             self._finished.put(JobResult(job.job_id, True, True, stored_bytes, elapsed))
             self._job_done.set()
+
+    def _not_present(
+        self, job: _Job, chunks: Sequence[ChunkTransfer], known_absent: Collection[str]
+    ) -> list[ChunkTransfer]:
+        """The chunks to send: another instance may have stored some already, so the ones
+        not known absent are asked about (one EXISTS round trip, none if all are known)."""
+        ask = [c for c in chunks if c.redis_key not in known_absent]
+        if not ask:
+            return list(chunks)
+        present = self._store.exists([c.redis_key for c in ask], job.deadline, Operation.STORE)
+        self._store.counters.add(store_existed_chunks=sum(present))
+        job.chunks_counted += sum(present)
+        there = {c.redis_key for c, p in zip(ask, present, strict=True) if p}
+        return [c for c in chunks if c.redis_key not in there]
 
     def _start_clock(self, job: _Job, nbytes: int, paused_s: float = 0.0) -> None:
         """Set the job's deadline: two round trips moving ``nbytes``, from its submission

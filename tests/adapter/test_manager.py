@@ -56,6 +56,30 @@ def test_store_skips_chunks_known_to_be_in_redis(redis_url: str, redis_client: r
     assert manager.lookup(absent, ReqContext(req_id="r2")) is LookupResult.RETRY  # ask Redis
 
 
+def test_a_store_spec_names_the_chunks_redis_just_answered_missing(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Only chunks whose MISS is fresh are ``known_absent`` (their store skips EXISTS); a
+    chunk never looked up, or whose answer has aged out, is asked about again."""
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}))
+    manager = RedisOffloadingManager(
+        store, KeySpace("hma", "absent"), lookup_wait_s=1.0, answer_ttl_s=0.2
+    )
+    seen, unseen = make_offload_key(b"\x03" * 32, 0), make_offload_key(b"\x04" * 32, 0)
+    assert _lookup_twice(manager, seen) is LookupResult.MISS
+    out = manager.prepare_store([seen, unseen], ReqContext(req_id="r1"))
+    assert out is not None and out.keys_to_store == [seen, unseen]
+    assert out.store_spec.known_absent == {bytes(seen)}  # type: ignore[attr-defined]
+    manager.complete_store([seen, unseen], ReqContext(req_id="r1"), success=False)
+
+    assert _lookup_twice(manager, seen) is LookupResult.MISS
+    for _ in range(3):  # the answer ages out: more than two steps and answer_ttl_s
+        manager.on_schedule_end(END_OF_STEP)
+    time.sleep(0.3)
+    out = manager.prepare_store([seen], ReqContext(req_id="r2"))
+    assert out is not None and out.store_spec.known_absent == frozenset()  # type: ignore[attr-defined]
+
+
 def test_cached_answers_are_bounded(redis_url: str, redis_client: redis.Redis) -> None:
     store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}))
     manager = RedisOffloadingManager(

@@ -113,6 +113,32 @@ def test_store_then_load_moves_every_page_and_nothing_else(pages: Pages) -> None
     assert _changed_only_in(before, pages, DST)
 
 
+def test_a_store_of_chunks_known_absent_asks_redis_nothing_and_overwrites_nothing(
+    pages: Pages, redis_client
+) -> None:
+    """Chunks the caller has just seen missing are sent without an EXISTS round trip; one
+    another instance stored in between keeps its value (SET NX) and counts as existed."""
+    job = chunks(SRC)
+    assert not isinstance(job, LayoutMismatch)
+    first, rest = job[0], job[1:]
+    redis_client.set(first.redis_key, b"another instance's value")
+    trips = pages.store.round_trips
+    stored = pages.run(
+        1, lambda jid, j: pages.engine.submit_store(jid, j, {c.redis_key for c in job}), job
+    )
+    assert stored.ok and stored.nbytes > 0
+    assert redis_client.get(first.redis_key) == b"another instance's value"
+    assert all(redis_client.exists(c.redis_key) for c in rest)
+    assert pages.store.round_trips - trips == 1  # the SETs only: no EXISTS
+    assert pages.store.counters.totals["store_existed_chunks"] == 1
+
+    # Not known absent: asked first, and the present chunks are not sent again.
+    trips = pages.store.round_trips
+    again = pages.store_job(2, job)
+    assert again.ok and again.nbytes == 0
+    assert pages.store.round_trips - trips == 1  # the EXISTS only
+
+
 def test_wait_returns_once_a_store_no_longer_reads_its_pages(pages: Pages) -> None:
     pages.engine.submit_store(1, chunks(SRC))
     pages.engine.wait({1, 99})  # 99: never submitted, returns at once

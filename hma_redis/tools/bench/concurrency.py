@@ -364,7 +364,9 @@ class HmaConcurrency:
         job.started = time.perf_counter()
         if job.op == "store":
             pages = GPULoadStoreSpec(job.stored.src_ids, [self.job_blocks], [0])
-            worker.submit_store(self._job_id, pages, keys)
+            # Fresh keys, as after a lookup that answered MISS: no EXISTS pre-check.
+            fresh = RedisLoadStoreSpec(job.stored.keys, job.stored.keys)  # type: ignore[arg-type]
+            worker.submit_store(self._job_id, pages, fresh)
         else:
             pages = GPULoadStoreSpec(job.dst_ids, [self.job_blocks], [0])
             worker.submit_load(self._job_id, keys, pages)

@@ -19,8 +19,9 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
   tensors (8 layers of ``(num_blocks, 16 KiB)`` int8, ``blocks_per_chunk`` 4 / 16 / 64 for the
   three sizes), on the data path the transfer engine picks (native where it can: the header
   line says which; ``--connections N`` sets ``connections_per_job``): one ``submit_store`` job
-  (EXISTS check -> CRC32C over the pages at scattered block ids, in place -> SET NX sent from
-  the KV cache by ``sendmsg``) and one ``submit_load`` job (GETs whose values are received
+  of fresh keys, as the manager sends one after its lookup answered MISS (no EXISTS check;
+  CRC32C over the pages at scattered block ids, in place -> SET NX sent from the KV cache by
+  ``sendmsg``) and one ``submit_load`` job (GETs whose values are received
   straight into the pages at other block ids, CRC32C as they arrive; the same on the C job's
   pure-Python twin), timed from submit until ``get_finished`` reports the job; the loaded
   blocks are compared with the stored ones byte for byte. ``--python-path`` measures the twin
@@ -359,7 +360,8 @@ class TierBench:
         worker.submit_store(
             self._job_id,
             GPULoadStoreSpec(src_ids, [self.blocks], [0]),
-            RedisLoadStoreSpec(keys),  # type: ignore[arg-type]
+            # Fresh keys, as after the manager's lookup answered MISS: no EXISTS pre-check.
+            RedisLoadStoreSpec(keys, known_absent=keys),  # type: ignore[arg-type]
         )
         result = self._wait(worker, self._job_id)
         store_s = time.perf_counter() - t0
@@ -691,8 +693,8 @@ def format_report(report: Report) -> str:
         "",
         "load = GETs -> values received into the KV cache at the job's block ids, CRC32C as they "
         "arrive, checked (C job or its",
-        "pure-Python twin); store = EXISTS check -> CRC32C over the pages in "
-        "place -> SET NX sent from the KV cache;",
+        "pure-Python twin); store (fresh keys, as after a lookup MISS: no EXISTS) = CRC32C "
+        "over the pages in place -> SET NX sent from the KV cache;",
         "timed from submit_* until get_finished reports the job. hma-tier: promotion (load) and "
         "cascade (store) of vLLM's primary-tier rows",
         "by the Redis secondary tier of TieringOffloadingSpec, on the same engine.",
