@@ -16,6 +16,11 @@ Three more duties ride on the same calls, never on a round trip of their own:
   them do (vLLM can use only the latter), counted per group when the request finishes;
 * admission (``admission: second_sighting``): the lookup round trip also sets a sighting
   marker per missing chunk, and only a chunk seen before is stored.
+
+Pins (a request's ``kv_transfer_params`` ``{"hma_redis_pin_s": N}``): every chunk of the
+request's prefix, the ones it hit and the ones it stored, is kept from eviction for N seconds
+(:mod:`hma_redis.core.pins`). The manager only queues the chunks; a
+:class:`~hma_redis.core.pins.PinKeeper` pins them, and sweeps ended pins, on its own thread.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
+    OffloadPolicy,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
@@ -51,9 +57,17 @@ from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics
 from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
 from hma_redis.core.breaker import BreakerState
 from hma_redis.core.codec import FORMAT_VERSION
+from hma_redis.core.config import MAX_EXPIRE_S
 from hma_redis.core.keys import KeySpace, parse_block_key
 from hma_redis.core.memory import MEMORY_POLL_INTERVAL_S, MemoryPoller
 from hma_redis.core.notifications import RemovalWatcher
+from hma_redis.core.pins import (
+    PIN_PARAM,
+    PIN_SWEEP_INTERVAL_S,
+    PinKeeper,
+    SweepResult,
+    parse_pin_seconds,
+)
 from hma_redis.core.store import RedisBlockStore, Sighting
 
 if TYPE_CHECKING:
@@ -107,6 +121,14 @@ class _RequestHits:
         )
 
 
+@dataclass(frozen=True)
+class _PinRequest:
+    """A request's pin (kept in its ``ReqContext`` state): its chunks stay until ``deadline``
+    (unix seconds)."""
+
+    deadline: float
+
+
 @dataclass
 class _StoreMark:
     """Stores of one key this instance has in flight, and since when."""
@@ -140,6 +162,7 @@ class RedisOffloadingManager(OffloadingManager):
         admission: str = "always",
         admission_window_s: int = 3600,
         memory_poll_interval_s: float = MEMORY_POLL_INTERVAL_S,
+        pin_sweep_interval_s: float = PIN_SWEEP_INTERVAL_S,
     ) -> None:
         """``removals``: a started watcher of this namespace's block keys (its removals become
         events when ``emit_events``, and always forget cached answers); the manager closes it.
@@ -147,7 +170,9 @@ class RedisOffloadingManager(OffloadingManager):
         fan out to every group; the intersection is counted per group). ``admission`` and
         ``admission_window_s``: see :class:`~hma_redis.core.config.RedisTierConfig`.
         ``memory_poll_interval_s``: Redis' memory figures (gauges) are asked at most this
-        often, on a thread of their own, only when vLLM collects stats."""
+        often, on a thread of their own, only when vLLM collects stats.
+        ``pin_sweep_interval_s``: ended pins get their TTL back at most this often (only with
+        the store's ``ttl_s`` set: pinning needs it)."""
         self._store = store
         self._keyspace = keyspace
         self._answer_ttl_s = answer_ttl_s
@@ -185,6 +210,12 @@ class RedisOffloadingManager(OffloadingManager):
         self.detail_stats = ManagerDetailStats()
         self._metrics = ManagerMetrics()
         self._memory = MemoryPoller(self._store.memory, memory_poll_interval_s)
+        self._ttl_s = store.cfg.ttl_s
+        self._pins = PinKeeper(self._pin, self._sweep, pin_sweep_interval_s)
+        # Chunks a pinned request waits for a store of (its own or another's): pinned once
+        # the store lands, with the latest deadline asked for.
+        self._pin_after_store: dict[OffloadKey, float] = {}
+        self._warned_pin_without_ttl = False
 
     # ------------------------------------------------------------------ lookups
 
@@ -192,6 +223,7 @@ class RedisOffloadingManager(OffloadingManager):
         """Answer from the cache; queue unknown keys and answer RETRY (never blocks)."""
         if self._store_pending(key):
             self._record_answer(key, req_context, hit=True)
+            self._pin_once_stored(key, req_context)
             return LookupResult.HIT_PENDING
         self._absorb_finished_batch()
         answer = self._answers.get(key)
@@ -200,6 +232,8 @@ class RedisOffloadingManager(OffloadingManager):
             if self._is_new_sighting(answer, req_context) and key not in self._inflight_set:
                 # Answer at once from the cache, and mark the sighting in the next batch.
                 self._resight[key] = None
+            if answer.present:
+                self._pin_now((key,), req_context)
             return LookupResult.HIT if answer.present else LookupResult.MISS
         if key not in self._inflight_set:
             self._queued[key] = None
@@ -222,6 +256,7 @@ class RedisOffloadingManager(OffloadingManager):
         dead Redis never holds the scheduler longer than that.
         """
         self._step += 1
+        self._pins.tick()
         self._absorb_removals()
         self._absorb_finished_batch()
         if self._inflight is None and (self._queued or self._resight):
@@ -391,8 +426,13 @@ class RedisOffloadingManager(OffloadingManager):
         deferred = 0
         for key in keys:
             answer = self._answers.get(key)
-            if self._store_pending(key) or (answer is not None and answer.present):
+            if self._store_pending(key):
                 self.stats.store_skipped_present += 1
+                self._pin_once_stored(key, req_context)
+                continue
+            if answer is not None and answer.present:
+                self.stats.store_skipped_present += 1
+                self._pin_now((key,), req_context)
                 continue
             if self._second_sighting and (answer is None or not answer.admitted):
                 # Seen once (or never looked up): its marker lets the next sighting store it.
@@ -406,6 +446,7 @@ class RedisOffloadingManager(OffloadingManager):
             self._store.counters.add(admission_deferred=deferred, admission_admitted=len(to_store))
         now = time.monotonic()
         for key in to_store:
+            self._pin_once_stored(key, req_context)
             mark = self._storing.get(key)
             if mark is None:
                 self._storing[key] = _StoreMark(1, now)
@@ -429,6 +470,9 @@ class RedisOffloadingManager(OffloadingManager):
                 if mark.count <= 0:
                     del self._storing[key]
             self._answers.pop(key, None)
+            deadline = self._pin_after_store.pop(key, None)
+            if success and deadline is not None:
+                self._pins.add(self._redis_keys(key), deadline)
         if success and self._emit_events and keys:
             self._events.append(
                 OffloadingEvent(
@@ -439,7 +483,12 @@ class RedisOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------ lifecycle
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
+        """A request that asks for a pin (and may have one) is stored at request level: vLLM
+        then offers every chunk of its prefix to :meth:`prepare_store`, its hits (local or in
+        Redis) included, so each can be pinned (chunks Redis holds are not written again)."""
+        if self._parse_pin(req_context) is None:
+            return RequestOffloadingContext()
+        return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Forget the request; count how far its hits reached per group and together."""
@@ -454,6 +503,71 @@ class RedisOffloadingManager(OffloadingManager):
         self._absorb_removals()
         events, self._events = self._events, []
         return events
+
+    # ------------------------------------------------------------------ pins
+
+    def _parse_pin(self, req_context: ReqContext) -> _PinRequest | None:
+        """The request's pin from its ``kv_transfer_params`` (kept in its state), or None: not
+        asked for, refused (one WARNING naming the field), or no ``ttl_s`` (WARNING once)."""
+        params = req_context.kv_transfer_params
+        if not params or PIN_PARAM not in params:
+            return None
+        raw = params[PIN_PARAM]
+        seconds = parse_pin_seconds(raw, MAX_EXPIRE_S)
+        if seconds is None:
+            logger.warning(
+                "hma_redis: request %s: kv_transfer_params %s must be a positive integer of "
+                "seconds up to %d, got %.80r; served unpinned",
+                req_context.req_id,
+                PIN_PARAM,
+                MAX_EXPIRE_S,
+                raw,
+            )
+            return None
+        if self._ttl_s is None:
+            if not self._warned_pin_without_ttl:
+                self._warned_pin_without_ttl = True
+                logger.warning(
+                    "hma_redis: request %s asks for a pin (kv_transfer_params %s) but ttl_s is "
+                    "not set: pinning needs ttl_s and maxmemory-policy volatile-lru or "
+                    "volatile-lfu (docs/operations.md); requests are served unpinned (logged "
+                    "once)",
+                    req_context.req_id,
+                    PIN_PARAM,
+                )
+            return None
+        pin = _PinRequest(time.time() + seconds)
+        req_context.set_state(pin)
+        return pin
+
+    def _pin_now(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Queue ``keys`` (in Redis) for the request's pin, if it has one."""
+        pin = req_context.get_state(_PinRequest)
+        if pin is None:
+            return
+        for key in keys:
+            self._pins.add(self._redis_keys(key), pin.deadline)
+
+    def _pin_once_stored(self, key: OffloadKey, req_context: ReqContext) -> None:
+        """Pin ``key`` for the request (if pinned) when the store in flight lands."""
+        pin = req_context.get_state(_PinRequest)
+        if pin is not None:
+            self._pin_after_store[key] = max(pin.deadline, self._pin_after_store.get(key, 0.0))
+
+    def _redis_keys(self, key: OffloadKey) -> list[str]:
+        return list(
+            self._keyspace.block_keys_all_ranks(
+                get_offload_group_idx(key), get_offload_block_hash(key)
+            )
+        )
+
+    def _pin(self, deadlines: Mapping[str, float]) -> bool:
+        return self._store.pin(self._keyspace.pins_key(), deadlines)
+
+    def _sweep(self) -> SweepResult | None:
+        if self._ttl_s is None:
+            return None
+        return self._store.sweep_pins(self._keyspace.pins_key(), self._ttl_s)
 
     # ------------------------------------------------------------------ removals
 
@@ -534,6 +648,7 @@ class RedisOffloadingManager(OffloadingManager):
         left alone."""
         self._answers.clear()
         self._storing.clear()
+        self._pin_after_store.clear()
 
     def on_reset_flushed(self) -> None:
         """vLLM 0.33+: the workers have reported every job in flight at the last
@@ -574,6 +689,9 @@ class RedisOffloadingManager(OffloadingManager):
         reach the stats hash too."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._memory.close()
+        # The pins of the last requests (best effort, bounded like one Redis call).
+        self._pins.flush(2 * self._store.cfg.read_timeout_s)
+        self._pins.close()
         if self._removals is not None:
             self._removals.close()
         for hits in self._request_hits.values():

@@ -241,6 +241,7 @@ def lookup_manager(
         ),
         admission=cfg.admission,
         admission_window_s=cfg.admission_window_s,
+        pin_sweep_interval_s=cfg.pin_sweep_interval_s,
     )
 
 

@@ -253,6 +253,9 @@ class RedisTierConfig:
     # instance of the deployment already looked up within admission_window_s).
     admission: str = "always"
     admission_window_s: int = 3600
+    # Scheduler: how often pins whose deadline passed get their TTL back (requests pin their
+    # prefix with kv_transfer_params {"hma_redis_pin_s": N}; see hma_redis.core.pins).
+    pin_sweep_interval_s: float = 60.0
     # Where to connect: parsed once from ``url`` when the config is built (never passed in).
     endpoint: Endpoint = field(init=False, repr=False, compare=False)
 
@@ -671,6 +674,7 @@ NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "max_inflight_bytes": (1, MAX_INFLIGHT_BYTES, True),
     "ttl_s": (1, MAX_EXPIRE_S, True),
     "admission_window_s": (1, MAX_EXPIRE_S, True),
+    "pin_sweep_interval_s": (0.0, MAX_TIMEOUT_S, False),
 }
 # Options for which 0 also means something ("leave Python's interval alone").
 _ZERO_ALSO = frozenset({"gil_switch_interval_ms"})

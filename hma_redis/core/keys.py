@@ -114,6 +114,11 @@ class KeySpace:
     def stats_key(self) -> RedisKey:
         return RedisKey(f"{self.base}:stats")
 
+    def pins_key(self) -> RedisKey:
+        """The sorted set of this namespace's pinned chunks (member: the chunk's key; score:
+        the pin's deadline, unix seconds). See :mod:`hma_redis.core.pins`."""
+        return RedisKey(f"{self.base}:pins")
+
     def block_key(self, group: int, block_hash: bytes, rank: int = 0) -> RedisKey:
         """Key of one chunk of ``group`` whose last block has ``block_hash``, for ``rank``."""
         key = f"{self.base}:g{group}:{block_hash.hex()}"

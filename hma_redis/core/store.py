@@ -29,7 +29,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from hma_redis.core import fastpath
+from hma_redis.core import fastpath, pins
 from hma_redis.core.breaker import (
     BreakerState,
     CircuitBreaker,
@@ -573,6 +573,42 @@ class RedisBlockStore:
         # Redis answered unless the breaker is open now: a refusal leaves it closed, also one
         # of the whole call (e.g. an ACL without SELECT), which the guard turns into None.
         return self.breaker.state is BreakerState.CLOSED
+
+    def pin(self, pins_key: str, deadlines: Mapping[str, float]) -> bool:
+        """Pin chunks (chunk key -> deadline, unix seconds) in ``pins_key``: see
+        :func:`hma_redis.core.pins.pin`. False when Redis failed or refused (nothing raised)."""
+        if not deadlines:
+            return True
+
+        def call() -> bool:
+            self._count_round_trip()
+            pins.pin(self.client, pins_key, deadlines)
+            return True
+
+        return self._guard("ZADD", call, False)
+
+    def sweep_pins(
+        self, pins_key: str, ttl_s: int, max_rounds: int = 100
+    ) -> pins.SweepResult | None:
+        """End the pins of ``pins_key`` whose deadline has passed (:func:`hma_redis.core.pins.
+        sweep`), one round of at most ``pins.SWEEP_BATCH`` pins per guarded call (each within
+        the guard's deadline); None when Redis failed or refused (the next sweep tries
+        again)."""
+        expired = renewed = 0
+        for _ in range(max_rounds):
+
+            def call() -> pins.SweepResult:
+                self._count_round_trip()
+                return pins.sweep(self.client, pins_key, ttl_s, max_rounds=1)
+
+            result = self._guard("EVAL", call, None)
+            if result is None:
+                return None
+            expired += result.expired
+            renewed += result.renewed
+            if result.expired + result.renewed < pins.SWEEP_BATCH:
+                break
+        return pins.SweepResult(expired, renewed)
 
     def memory(self) -> MemoryReading:
         """``used_memory`` and ``maxmemory`` of every data node (each Cluster master, in turn;

@@ -315,6 +315,7 @@ def run_engine(
     max_model_len: int = 2048,
     llm_kwargs: dict[str, Any] | None = None,
     fresh_interpreter: bool | None = None,
+    kv_transfer_params: list[dict[str, Any] | None] | None = None,
 ) -> EngineRun:
     """Start one vLLM instance in a new process, run ``prompts`` one at a time, greedy.
 
@@ -323,7 +324,8 @@ def run_engine(
     but the first, so any cached tokens must come from the KV connector. ``llm_kwargs`` are
     extra ``vllm.LLM`` arguments (they override the defaults). ``fresh_interpreter`` forces
     (True) or forbids (False) a new interpreter instead of a fork of the fork server; None
-    follows ``HMA_ENGINE_FORKSERVER``. Raises :class:`EngineFailed` (an ``AssertionError``)
+    follows ``HMA_ENGINE_FORKSERVER``. ``kv_transfer_params``: one dict (or None) per prompt,
+    the request's ``kv_transfer_params``. Raises :class:`EngineFailed` (an ``AssertionError``)
     with the child's stderr tail when the child fails, times out or prints no result.
     """
     job = {
@@ -336,6 +338,7 @@ def run_engine(
         "dtype": dtype,
         "max_model_len": max_model_len,
         "llm_kwargs": llm_kwargs or {},
+        "kv_transfer_params": kv_transfer_params,
     }
     env = child_env(extra_env)
     forked = _use_forkserver(fresh_interpreter)

@@ -45,6 +45,7 @@ from hma_redis.adapter.tiering.layout import PrimaryRowLayout, tier_fingerprint
 from hma_redis.core import transfer
 from hma_redis.core.config import VLLM_OWNED_KEYS, RedisTierConfig
 from hma_redis.core.keys import KeySpace
+from hma_redis.core.pins import PIN_PARAM
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import ChunkTransfer, LayerSource, TransferEngine, ValueFormat
 
@@ -118,6 +119,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._engine: TransferEngine | None = self._make_engine(primary_kv_view)
         self._jobs: dict[int, _Job] = {}
         self._done: list[JobResult] = []
+        self._warned_pin = False
 
     def _namespace(self) -> str:
         named = explicit_namespace(self.config)
@@ -269,6 +271,18 @@ class RedisSecondaryTier(SecondaryTierManager):
     # ------------------------------------------------------------------ requests, events
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """A request asking for a pin is served unpinned: vLLM's tiering manager stores chunks
+        into this tier by cascades from its CPU tier, not per request (WARNING once)."""
+        params = req_context.kv_transfer_params
+        if params and PIN_PARAM in params and not self._warned_pin:
+            self._warned_pin = True
+            logger.warning(
+                "hma_redis: request %s asks for a pin (kv_transfer_params %s), which the "
+                "secondary tier of TieringOffloadingSpec does not do; pinning needs the direct "
+                "spec (RedisOffloadingSpec); requests are served unpinned (logged once)",
+                req_context.req_id,
+                PIN_PARAM,
+            )
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:

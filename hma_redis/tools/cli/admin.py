@@ -20,6 +20,7 @@ in batches, and deletes only keys under the configured prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -38,9 +39,10 @@ from redis.exceptions import (
 )
 from redis.sentinel import SentinelConnectionPool
 
+from hma_redis.core import pins as pin_set
 from hma_redis.core.client import make_client
 from hma_redis.core.config import EndpointKind, RedisTierConfig
-from hma_redis.core.keys import parse_block_key
+from hma_redis.core.keys import KeySpace, parse_block_key
 from hma_redis.core.memory import MemoryRefused, NodeMemory, TierMemory, node_memory
 
 # Keys per pipelined batch (SCAN COUNT hint, per-key commands, UNLINK arguments): large enough
@@ -69,6 +71,16 @@ class KeyEntry:
     memory_bytes: int | None  # MEMORY USAGE; None where the server refuses the command
     ttl_s: int | None  # None: no expiry
     node: str = ""  # the server holding it ("host:port")
+    pinned_until: float | None = None  # a pin's deadline (unix seconds); None: not pinned
+
+
+@dataclass(frozen=True)
+class PinEntry:
+    """One pinned chunk as ``pins`` shows it."""
+
+    namespace: str
+    key: str
+    deadline: float  # unix seconds
 
 
 class KeyPage(NamedTuple):
@@ -548,7 +560,69 @@ class RedisAdmin:
         for idx, keys in found.items():
             with self.on(nodes[idx]):
                 entries += nodes[idx].describe(keys)
-        return entries
+        return self.with_pins(entries)
+
+    def with_pins(self, entries: list[KeyEntry]) -> list[KeyEntry]:
+        """``entries`` with the deadline of each pinned chunk (one ZMSCORE per namespace)."""
+        by_ns: dict[str, list[int]] = {}
+        for idx, entry in enumerate(entries):
+            parts = parse_block_key(entry.key)
+            if parts is not None and parts.prefix == self.prefix:
+                by_ns.setdefault(parts.namespace, []).append(idx)
+        out = list(entries)
+        for namespace, positions in by_ns.items():
+            pins_key = KeySpace(self.prefix, namespace).pins_key()
+            try:
+                scores = self.client.zmscore(pins_key, [entries[i].key for i in positions])
+            except NoPermissionError:  # an ACL without ZMSCORE: the TTLs as they are
+                return entries
+            for idx, score in zip(positions, scores, strict=True):
+                if score is not None:
+                    out[idx] = dataclasses.replace(entries[idx], pinned_until=float(score))
+        return out
+
+    # ------------------------------------------------------------------ pins
+
+    def pinned_namespaces(self, namespace: str | None = None) -> list[str]:
+        """``namespace`` when it has pins, else every namespace under the prefix that has (one
+        SCAN per node)."""
+        if namespace is not None:
+            return (
+                [namespace]
+                if self.client.exists(KeySpace(self.prefix, namespace).pins_key())
+                else []
+            )
+        found: set[str] = set()
+        for node in self.nodes():
+            with self.on(node):
+                for keys in node.scan(f"{glob_escape(self.prefix)}:*:pins"):
+                    found.update(_text(k).split(":")[1] for k in keys if _text(k).count(":") == 2)
+        return sorted(found)
+
+    def pins(self, namespace: str | None = None) -> list[PinEntry]:
+        """Every pinned chunk (of ``namespace``, or of every namespace), earliest deadline
+        first within a namespace."""
+        return [
+            PinEntry(ns, key, deadline)
+            for ns in self.pinned_namespaces(namespace)
+            for key, deadline in pin_set.list_pins(
+                self.client, KeySpace(self.prefix, ns).pins_key()
+            )
+        ]
+
+    def pin_count(self, namespace: str) -> int:
+        return int(self.client.zcard(KeySpace(self.prefix, namespace).pins_key()))
+
+    def unpin(
+        self, namespaces: Sequence[str], ttl_s: int, every: bool
+    ) -> dict[str, pin_set.SweepResult]:
+        """End the pins of ``namespaces`` (only those past their deadline unless ``every``):
+        their chunks get ``ttl_s`` back and leave the pins set."""
+        now = pin_set.EVERY_PIN if every else None
+        return {
+            ns: pin_set.sweep(self.client, KeySpace(self.prefix, ns).pins_key(), ttl_s, now=now)
+            for ns in namespaces
+        }
 
     def get(self, key: str) -> bytes | None:
         """The value of a string key; None if missing. Raises ``ResponseError`` for other types."""

@@ -297,11 +297,20 @@ def _check_maxmemory(memory: NodeMemory) -> Check:
 
 def _check_policy(admin: RedisAdmin, node: NodeAdmin, policy: str) -> Check:
     if policy in ("allkeys-lru", "allkeys-lfu"):
-        return Check("maxmemory-policy", Verdict.OK, policy)
+        return Check(
+            "maxmemory-policy", Verdict.OK, f"{policy} (pinning needs volatile-lru/lfu and ttl_s)"
+        )
     if policy.startswith("volatile-"):
-        sampled = [e for e in node.sample(admin.pattern(), 100) if parse_block_key(e.key)]
-        if sampled and all(e.ttl_s is not None for e in sampled):
-            return Check("maxmemory-policy", Verdict.OK, f"{policy}; the sampled blocks have a TTL")
+        sampled = [
+            e for e in admin.with_pins(node.sample(admin.pattern(), 100)) if parse_block_key(e.key)
+        ]
+        # A pinned chunk has no TTL on purpose (pins need volatile-*).
+        if sampled and all(e.ttl_s is not None or e.pinned_until is not None for e in sampled):
+            return Check(
+                "maxmemory-policy",
+                Verdict.OK,
+                f"{policy}; the sampled blocks have a TTL or are pinned (pins work)",
+            )
         return Check(
             "maxmemory-policy",
             Verdict.WARN,

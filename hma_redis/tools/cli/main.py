@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import functools
 import importlib.metadata
 import json
@@ -29,6 +30,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -216,6 +218,25 @@ def build_parser() -> argparse.ArgumentParser:
     purge.add_argument("--by-node", action="store_true", help="the count of each node")
     purge.set_defaults(handler=cmd_purge)
 
+    pins_cmd = command("pins", "pinned chunks and their deadlines (kv_transfer_params pins)")
+    pins_cmd.add_argument("--namespace", help="only this namespace")
+    pins_cmd.set_defaults(handler=cmd_pins)
+
+    unpin = command("unpin", "give pinned chunks their TTL back: ended pins, or every pin")
+    unpin.add_argument("--namespace", help="only this namespace (default: every namespace)")
+    unpin.add_argument(
+        "--ttl",
+        type=_positive,
+        required=True,
+        metavar="SECONDS",
+        help="the TTL the chunks get back: the tier's ttl_s",
+    )
+    unpin.add_argument(
+        "--all", action="store_true", help="end every pin, also those before their deadline"
+    )
+    unpin.add_argument("--yes", action="store_true", help="do not ask for confirmation (--all)")
+    unpin.set_defaults(handler=cmd_unpin)
+
     command("doctor", "check every server's setup for a cache tier").set_defaults(
         handler=cmd_doctor
     )
@@ -325,6 +346,7 @@ def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
         name: intersection_orphans(admin, name, ns.info, args.sample)
         for name, ns in usage.namespaces.items()
     }
+    pinned = {name: admin.pin_count(name) for name in usage.namespaces}
     if args.json:
         _print_json(
             {
@@ -334,7 +356,11 @@ def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
                 "prefix": admin.prefix,
                 "memory": _memory_json(memory),
                 "namespaces": [
-                    {**_namespace_json(ns), "unusable": _unusable_json(ns, orphans[name])}
+                    {
+                        **_namespace_json(ns),
+                        "unusable": _unusable_json(ns, orphans[name]),
+                        "pinned_chunks": pinned[name],
+                    }
                     for name, ns in usage.namespaces.items()
                 ],
                 "unrecognized_keys": usage.unrecognized_keys,
@@ -351,6 +377,8 @@ def cmd_info(admin: RedisAdmin, args: argparse.Namespace) -> int:
         _emit(f"({usage.unrecognized_keys} other keys under '{admin.prefix}:' are not hma_redis's)")
     for name, ns in usage.namespaces.items():
         _emit("", *namespace_report(ns, usage.nodes if args.by_node else None, orphans[name]))
+        if pinned[name]:
+            _emit(f"  pinned chunks: {pinned[name]} (hma-redis pins --namespace {name})")
     return EXIT_OK
 
 
@@ -642,10 +670,18 @@ def _key_row(entry: KeyEntry, with_node: bool) -> list[object]:
         entry.type,
         "-" if entry.value_bytes is None else entry.value_bytes,
         "?" if entry.memory_bytes is None else entry.memory_bytes,
-        "-" if entry.ttl_s is None else f"{entry.ttl_s}s",
+        _ttl_text(entry),
         *([entry.node] if with_node else []),
         entry.key,
     ]
+
+
+def _ttl_text(entry: KeyEntry) -> str:
+    """The ttl column: seconds, ``-`` (none), or a pinned chunk's deadline."""
+    if entry.pinned_until is not None:
+        left = int(entry.pinned_until - time.time())
+        return f"pinned {left}s" if left > 0 else "pinned (ended)"
+    return "-" if entry.ttl_s is None else f"{entry.ttl_s}s"
 
 
 # ---------------------------------------------------------------------------------- inspect
@@ -823,6 +859,75 @@ def _purge_report(
     if args.by_node:
         rows = [[node, count] for node, count in result.by_node.items()]
         _emit(*table(["node", "keys"], rows, {1}, "  "))
+
+
+# ---------------------------------------------------------------------------------- pins
+
+
+def cmd_pins(admin: RedisAdmin, args: argparse.Namespace) -> int:
+    namespace = _checked_namespace(admin, args.namespace)
+    entries = admin.pins(namespace)
+    now = time.time()
+    if args.json:
+        _print_json(
+            {
+                "now": now,
+                "pins": [
+                    {**dataclasses.asdict(e), "remaining_s": max(0, int(e.deadline - now))}
+                    for e in entries
+                ],
+            }
+        )
+        return EXIT_OK
+    if not entries:
+        _emit("no pinned chunks")
+        return EXIT_OK
+    rows = [[_deadline_text(e.deadline, now), e.namespace, e.key] for e in entries]
+    _emit(*table(["pinned until", "namespace", "key"], rows, set()))
+    return EXIT_OK
+
+
+def _deadline_text(deadline: float, now: float) -> str:
+    """A pin's deadline in UTC, and how long is left (``ended`` once past: the next sweep
+    gives the chunk its TTL back)."""
+    when = datetime.datetime.fromtimestamp(deadline, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    left = int(deadline - now)
+    return f"{when} ({left}s left)" if left > 0 else f"{when} (ended)"
+
+
+def cmd_unpin(admin: RedisAdmin, args: argparse.Namespace) -> int:
+    """End pins like the tier's sweep (past their deadline), or every pin with ``--all``
+    (asks first, like ``purge``). Exit 1 when a named namespace has no pins."""
+    namespace = _checked_namespace(admin, args.namespace)
+    namespaces = admin.pinned_namespaces(namespace)
+    if args.all and not args.yes and namespaces:
+        if not sys.stdin.isatty():
+            raise CliError(
+                "unpin --all needs --yes when stdin is not a terminal (nothing changed)",
+                EXIT_USAGE,
+            )
+        count = sum(admin.pin_count(ns) for ns in namespaces)
+        if not _confirm(f"end {count} pins in {len(namespaces)} namespace(s)?"):
+            raise CliError("unpin cancelled (nothing changed)")
+    results = admin.unpin(namespaces, args.ttl, every=args.all)
+    if args.json:
+        _print_json(
+            {
+                "all": bool(args.all),
+                "namespaces": {
+                    ns: {"unpinned": r.expired, "renewed": r.renewed} for ns, r in results.items()
+                },
+            }
+        )
+    else:
+        for ns, r in results.items():
+            _emit(f"{ns}: {r.expired} chunks unpinned (TTL {args.ttl}s), {r.renewed} renewed")
+        if not results:
+            _emit("no pinned chunks")
+    if namespace is not None and not namespaces:
+        print(f"{PROG}: no pins in namespace {printable(namespace)!r}", file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------- doctor

@@ -13,6 +13,8 @@ _STR = {"type": "string"}
 _BOOL = {"type": "boolean"}
 _INT_OR_NULL = {"type": ["integer", "null"]}
 _STR_OR_NULL = {"type": ["string", "null"]}
+_NUM = {"type": "number"}
+_NUM_OR_NULL = {"type": ["number", "null"]}
 
 
 def _object(properties: dict[str, Any], **more: Any) -> dict[str, Any]:
@@ -70,6 +72,8 @@ INFO = _object(
                     "unusable": _object(
                         {"groups": _map(_UNUSABLE_GROUP), "not_estimated": _STR_OR_NULL}
                     ),
+                    # Chunks kept from eviction until a deadline (the namespace's pins set).
+                    "pinned_chunks": _INT,
                 }
             ),
         },
@@ -90,6 +94,8 @@ LS = _object(
                     "memory_bytes": _INT_OR_NULL,
                     "ttl_s": _INT_OR_NULL,
                     "node": _STR,
+                    # A pinned chunk's deadline, unix seconds (its ttl_s is then null).
+                    "pinned_until": _NUM_OR_NULL,
                 }
             ),
         },
@@ -139,6 +145,23 @@ PURGE = {
     ]
 }
 
+# Deadlines are unix seconds; ``remaining_s`` is 0 for a pin past its deadline (the next sweep
+# ends it).
+PINS = _object(
+    {
+        "now": _NUM,
+        "pins": {
+            "type": "array",
+            "items": _object(
+                {"namespace": _STR, "key": _STR, "deadline": _NUM, "remaining_s": _INT}
+            ),
+        },
+    }
+)
+
+# Per namespace: chunks given their TTL back, and pins found renewed meanwhile (kept).
+UNPIN = _object({"all": _BOOL, "namespaces": _map(_object({"unpinned": _INT, "renewed": _INT}))})
+
 DOCTOR = _object(
     {
         "url": _STR,
@@ -165,6 +188,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "ls": LS,
     "inspect": INSPECT,
     "purge": PURGE,
+    "pins": PINS,
+    "unpin": UNPIN,
     "doctor": DOCTOR,
     "error": ERROR,
 }

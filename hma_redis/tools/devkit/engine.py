@@ -79,9 +79,10 @@ def run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     fields, or None for no connector); ``max_model_len`` (2048); ``dtype`` ("auto");
     ``block_size`` (vLLM's default); ``reset_prefix_cache_between`` (True: the engine's own
     prefix cache is emptied before every prompt but the first); ``llm_kwargs`` (more
-    ``vllm.LLM`` arguments). Returns the result :func:`main` prints: per prompt its token ids,
-    cached tokens, time to first token and wall time; start-up and shutdown seconds; the KV
-    cache groups as the scheduler sees them.
+    ``vllm.LLM`` arguments); ``kv_transfer_params`` (None, or one dict or None per prompt: the
+    request's ``kv_transfer_params``, e.g. ``{"hma_redis_pin_s": 600}``). Returns the result
+    :func:`main` prints: per prompt its token ids, cached tokens, time to first token and wall
+    time; start-up and shutdown seconds; the KV cache groups as the scheduler sees them.
 
     ``vllm.inputs.TokensPrompt`` is looked up when the job runs, so a caller may wrap it.
     """
@@ -109,11 +110,17 @@ def run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     max_tokens = job["max_tokens"]
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     reset = bool(job.get("reset_prefix_cache_between", True))
+    transfer_params = job.get("kv_transfer_params") or [None] * len(prompts)
     results: list[dict[str, Any]] = []
-    for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+    for i, (prompt, budget, transfer) in enumerate(
+        zip(prompts, budgets, transfer_params, strict=True)
+    ):
         if reset and i > 0:
             llm.reset_prefix_cache()
-        params = SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True)
+        extra = {"kv_transfer_params": transfer} if transfer is not None else None
+        params = SamplingParams(
+            temperature=0.0, max_tokens=budget, ignore_eos=True, extra_args=extra
+        )
         t1 = time.monotonic()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)
         wall_s = time.monotonic() - t1
