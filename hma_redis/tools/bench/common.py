@@ -153,6 +153,14 @@ def require_single_server(cfg: RedisTierConfig) -> None:
         )
 
 
+def server_version(client: Any) -> str:
+    """The server's name and version as its INFO says: ``Redis 7.0.15``, ``Valkey 9.1.2``."""
+    info = client.info("server")
+    if "valkey_version" in info:
+        return f"Valkey {info['valkey_version']}"
+    return f"Redis {info['redis_version']}"
+
+
 @contextmanager
 def server_config(cfg: RedisTierConfig | None) -> Iterator[tuple[RedisTierConfig, str]]:
     """``cfg`` and its redacted URL; without one, a throwaway local ``redis-server``

@@ -56,6 +56,7 @@ from hma_redis.tools.bench.common import (
     check,
     require_lmcache_python,
     require_single_server,
+    server_version,
 )
 
 Op = Literal["load", "store"]
@@ -474,7 +475,7 @@ def measure_concurrency(
         report = ConcurrencyReport(
             plan=plan,
             where=where,
-            redis_version=str(hma.store.client.info("server")["redis_version"]),
+            redis_version=server_version(hma.store.client),
             data_path=hma.data_path,
             load_before=os.getloadavg()[0],
         )
@@ -511,7 +512,7 @@ def format_concurrency(report: ConcurrencyReport) -> str:
     then hma_redis ÷ LMCache (GB/s: higher is better for hma_redis; p99: lower is)."""
     plan = report.plan
     lines = [
-        f"hma_redis concurrency benchmark: Redis {report.redis_version}, {report.where}, "
+        f"hma_redis concurrency benchmark: {report.redis_version}, {report.where}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}",
         f"{plan.reps} interleaved repetitions; GB/s medians, latencies pooled; load average "
         f"{report.load_before:.2f} at start, {report.load_after:.2f} at end; run took "

@@ -39,6 +39,7 @@ from hma_redis.tools.bench.common import (
     report_lines,
     run_redis_benchmark,
     server_config,
+    server_version,
 )
 
 # Blocks per chunk and layers per group of the synthetic values (body = size bytes exactly).
@@ -182,7 +183,7 @@ def measure(cfg: RedisTierConfig, plan: StorePlan) -> Report:
     lookup_keys: list[RedisKey] = []
     try:
         store.ping()
-        version = str(store.client.info("server")["redis_version"])
+        version = server_version(store.client)
         bench = StoreBench(store, plan)
         rb_args, notes = redis_benchmark_plan(cfg, plan)
         lookup_keys, expected = bench.add_lookup_keys()
@@ -264,9 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with server_config(None if args.url is None else RedisTierConfig(url=args.url)) as target:
         cfg, where = target
         report = measure(cfg, plan)
-    print(
-        f"hma_redis store benchmark: Redis {report.redis_version}, {where}, {os.cpu_count()} CPUs"
-    )
+    print(f"hma_redis store benchmark: {report.redis_version}, {where}, {os.cpu_count()} CPUs")
     print(
         f"{plan.reps} interleaved repetitions; GB/s = 10^9 value bytes per second; "
         f"load average at start {load:.2f}"

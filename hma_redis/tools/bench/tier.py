@@ -101,6 +101,7 @@ from hma_redis.tools.bench.common import (
     require_single_server,
     run_redis_benchmark,
     server_config,
+    server_version,
     timed,
 )
 from hma_redis.tools.bench.concurrency import (
@@ -560,7 +561,7 @@ def measure(
     lookups = LookupBench(tier.store, tier.keyspace)
     try:
         tier.store.ping()
-        version = str(tier.store.client.info("server")["redis_version"])
+        version = server_version(tier.store.client)
         warmup = Samples()
         for size in plan.sizes:  # first touch of every buffer and connection
             for bench in tiers:
@@ -626,7 +627,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 def format_report(report: Report) -> str:
     plan, samples = report.plan, report.samples
     lines = [
-        f"hma_redis tier benchmark: Redis {report.redis_version}, {report.where}, "
+        f"hma_redis tier benchmark: {report.redis_version}, {report.where}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)",
         f"{plan.reps} interleaved repetitions, medians; load average {report.load_before:.2f} at "
         f"start, {report.load_after:.2f} at end; run took {report.seconds:.0f} s",
@@ -769,7 +770,7 @@ def draw_plot(report: Report, path: str) -> bool:
         draw.text((x + 36, 30), client, fill="black", font=small, anchor="lm")
     draw.text(
         (width // 2, height - 14),
-        f"one run, {report.plan.reps} interleaved repetitions (medians), Redis "
+        f"one run, {report.plan.reps} interleaved repetitions (medians), "
         f"{report.redis_version}, {os.cpu_count()} CPUs, loopback",
         fill=(90, 90, 90),
         font=small,
