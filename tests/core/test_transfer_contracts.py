@@ -1,0 +1,246 @@
+"""Contracts of the transfer engine that a user of its counters, its waits and its shutdown
+relies on, against a real Redis (no vLLM): every stored chunk is counted once as stored,
+existed or failed; a valid value under another chunk's key is never loaded; a value that holds
+more blocks than the load needs lands from the right block; ``wait_for_finish`` sleeps only as
+long as asked; shutdown flushes queued stores and then takes no work; a KV cache whose layers
+mix host memory and strided views stores and loads every page.
+
+Each job runs on both data paths (the C job and its twin, ``HMA_REDIS_NATIVE=0``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.fastpath import NATIVE_ENV
+from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV, TransferEngine, ValueFormat
+from hma_redis.tools.devkit.local_redis import LocalRedis
+from tests.support.kv_pages import (
+    BPC,
+    DST,
+    LAYERS,
+    PAGES,
+    SRC,
+    Pages,
+    chunks,
+    kv_tensors,
+    layer_groups,
+    make_pages,
+)
+
+
+def _store(url: str) -> RedisBlockStore:
+    return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
+
+
+@pytest.fixture(params=["native", "python"])
+def path(request, monkeypatch) -> str:
+    if request.param == "python":
+        monkeypatch.setenv(NATIVE_ENV, "0")
+    return request.param
+
+
+@pytest.fixture(params=[False, True], ids=["in-place", "buffered"])
+def pages(request, path, redis_client, redis_url):
+    store = _store(redis_url)
+    rig = make_pages(store, strided=request.param)
+    yield rig
+    rig.close()
+    store.close()
+
+
+def _counted(store: RedisBlockStore) -> dict[str, int]:
+    totals = store.counters.totals
+    names = ("stored_chunks", "stored_bytes", "store_existed_chunks", "store_failed_chunks")
+    return {name: totals[name] for name in names}
+
+
+def test_each_stored_chunk_is_counted_once_as_stored_or_existed(
+    pages: Pages, redis_client: redis.Redis
+) -> None:
+    job = chunks(SRC)
+    redis_client.set(job[0].redis_key, b"another instance's value")
+    # Known absent: sent without EXISTS, so SET NX itself finds the value there.
+    result = pages.run(
+        1, lambda jid, j: pages.engine.submit_store(jid, j, {c.redis_key for c in job}), job
+    )
+    assert result.ok
+    assert result.nbytes == sum(len(redis_client.get(c.redis_key) or b"") for c in job[1:])
+    assert _counted(pages.store) == {
+        "stored_chunks": len(job) - 1,
+        "stored_bytes": result.nbytes,
+        "store_existed_chunks": 1,
+        "store_failed_chunks": 0,
+    }
+
+
+def test_chunks_a_full_redis_refuses_are_counted_failed(path: str) -> None:
+    server = LocalRedis(extra_args=["--maxmemory-policy", "noeviction"])
+    server.start()
+    store = _store(server.url)
+    rig = make_pages(store)
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.set("filler", b"x" * (2 << 20))
+        client.config_set("maxmemory", "1mb")  # past it: every SET is refused (OOM)
+        job = chunks(SRC)
+        result = rig.store_job(1, job)
+        assert result.nbytes == 0
+        assert _counted(store) == {
+            "stored_chunks": 0,
+            "stored_bytes": 0,
+            "store_existed_chunks": 0,
+            "store_failed_chunks": len(job),
+        }
+        client.close()
+    finally:
+        rig.close()
+        store.close()
+        server.stop()
+
+
+def test_a_valid_value_under_another_chunks_key_is_never_loaded(
+    pages: Pages, redis_client: redis.Redis
+) -> None:
+    """A value whose header names another chunk (copied, or a hash collision of the key
+    space) is refused even though its checksum holds: it lands in staging, never in a page."""
+    job = chunks(SRC)
+    assert pages.store_job(1, job).ok
+    first, second = job[0], job[1]  # two whole chunks of group 0, same layout
+    redis_client.set(second.redis_key, redis_client.get(first.redis_key) or b"")
+    before = [t.clone() for t in pages.tensors]
+    loaded = pages.load_job(2, chunks(DST))
+    assert not loaded.ok
+    dst_rows = DST[0][BPC : 2 * BPC]
+    for idx in LAYERS[0]:
+        rows = pages.tensors[idx][dst_rows, : PAGES[0]]
+        # Never the other chunk's pages (zeros where an in-place load was cleared).
+        src_rows = pages.tensors[idx][SRC[0][:BPC], : PAGES[0]]
+        assert not torch.equal(rows, src_rows) or torch.equal(before[idx][dst_rows], rows)
+    assert redis_client.get(second.redis_key) is None  # an invalid value is deleted
+
+
+def test_a_value_of_another_group_under_this_key_is_never_loaded(
+    pages: Pages, redis_client: redis.Redis
+) -> None:
+    job = chunks(SRC)
+    assert pages.store_job(1, job).ok
+    group0 = next(c for c in job if c.group == 0)
+    group1 = [c for c in job if c.group == 1][-1]  # a whole chunk of group 1
+    redis_client.set(group1.redis_key, redis_client.get(group0.redis_key) or b"")
+    assert not pages.load_job(2, chunks(DST)).ok
+
+
+def test_wait_for_finish_waits_as_long_as_asked_and_no_longer(
+    path: str, redis_client: redis.Redis, redis_url: str, monkeypatch
+) -> None:
+    monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "1.5")  # the load runs for 1.5 s at least
+    store = _store(redis_url)
+    rig = make_pages(store)
+    try:
+        monkeypatch.delenv(TEST_LOAD_DELAY_ENV)
+        assert rig.store_job(1, chunks(SRC)).ok
+        rig.engine.finished()
+        rig.engine.submit_load(2, chunks(DST))
+        started = time.monotonic()
+        assert rig.engine.wait_for_finish(0.0) is False
+        assert time.monotonic() - started < 0.1  # 0: never sleeps
+        started = time.monotonic()
+        assert rig.engine.wait_for_finish(0.4) is False  # still running after 0.4 s
+        assert 0.35 <= time.monotonic() - started < 1.2
+    finally:
+        rig.close()
+        store.close()
+
+
+def test_shutdown_flushes_queued_stores_then_takes_no_more(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    store = _store(redis_url)
+    rig = make_pages(store, io_threads=2)  # one store thread: the second job queues
+    job = chunks(SRC)
+    rig.engine.submit_store(1, job[:2])
+    rig.engine.submit_store(2, job[2:])
+    rig.engine.shutdown()
+    assert all(redis_client.exists(c.redis_key) for c in job), "a queued store was dropped"
+    assert _counted(store)["stored_chunks"] == len(job)
+    rig.engine.shutdown()  # idempotent
+    store.close()
+
+
+def test_shutdown_gives_up_on_stores_that_outlast_its_timeout(
+    path: str, local_redis: LocalRedis
+) -> None:
+    """A store stuck on a paused Redis holds shutdown for ``shutdown_timeout_s`` (1 s here),
+    not for the store's own deadline."""
+    store = RedisBlockStore(
+        RedisTierConfig.from_extra_config(
+            {"redis_url": local_redis.url, "read_timeout_s": 20.0}, env={}
+        )
+    )
+    rig = make_pages(store)
+    try:
+        local_redis.pause()
+        rig.engine.submit_store(1, chunks(SRC))
+        time.sleep(0.2)
+        started = time.monotonic()
+        rig.engine.shutdown()
+        assert time.monotonic() - started < 5.0
+    finally:
+        local_redis.resume()
+        store.close()
+
+
+def test_shutdown_stops_every_thread_of_the_engine(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    store = _store(redis_url)
+    rig = make_pages(store)
+    assert rig.store_job(1, chunks(SRC)).ok
+    assert rig.load_job(2, chunks(DST)).ok
+    rig.engine.shutdown()
+    deadline = time.monotonic() + 5
+    names = ("hma-load", "hma-store", "hma-conn")
+    while time.monotonic() < deadline:
+        alive = [t for t in threading.enumerate() if t.name.startswith(names)]
+        if not alive:
+            break
+        time.sleep(0.05)
+    assert not alive, f"threads left after shutdown: {[t.name for t in alive]}"
+    store.close()
+
+
+def test_a_cache_of_host_and_strided_layers_stores_and_loads_every_page(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """Group 0 in host memory, group 1 strided (as a mixed KV cache may be): values go
+    through buffers, the host layers' pages copied by runs, the strided ones by torch."""
+    tensors = kv_tensors()
+    strided = kv_tensors(strided=True)
+    for idx in LAYERS[1]:
+        tensors[idx] = strided[idx]
+    store = _store(redis_url)
+    engine = TransferEngine(
+        store,
+        layer_groups(tensors),
+        ValueFormat(kv_dtype="int8"),
+        blocks_per_chunk=BPC,
+        io_threads=2,
+        shutdown_timeout_s=1.0,
+    )
+    rig = Pages(engine, tensors, store)
+    try:
+        before = [t.clone() for t in tensors]
+        assert rig.store_job(1, chunks(SRC)).ok
+        assert all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
+        assert rig.load_job(2, chunks(DST)).ok
+        assert rig.moved(SRC, DST)
+    finally:
+        rig.close()
+        store.close()
