@@ -9,6 +9,18 @@ for the puts; ``batched_get`` where the connector supports it (``resp://``), els
 ``get`` per key (``redis://``). For reference ``--connector redis-py`` does the same with plain
 redis-py: pipelined SET, then GET, ``--pipeline`` values per pipeline on one connection.
 
+``--connector mp`` measures LMCache's multiprocess (MP) mode, which replaces the in-process one
+where ``resp://`` lives: its Redis/Valkey L2 adapter (``resp`` in
+``lmcache/v1/distributed/l2_adapters/``, the native C++ RESP client behind
+``NativeConnectorL2Adapter``, ``--threads`` workers), built by
+``create_l2_adapter_from_registry`` and called the way the MP server's store and prefetch
+controllers call it: ``submit_store_task`` of L1 memory objects (from LMCache's own
+``L1MemoryManager``), wait on the adapter's store event fd, ``pop_completed_store_tasks``; then
+``submit_load_task`` into other L1 objects, wait on the load event fd, ``query_load_result``.
+The MP server itself is not run: its store and retrieve take a serving engine's registered GPU
+KV cache, so without vLLM the adapter is the part that moves bytes to and from Redis. A release
+without the MP mode's adapters ends with exit status 2 and the reason.
+
 It runs in a separate virtual environment with ``lmcache`` installed, not in hma_redis's::
 
     /tmp/lmc-venv/bin/python benchmarks/lmcache_peer.py --url redis://127.0.0.1:6379/0 \\
@@ -34,7 +46,7 @@ every value put. Its JSON line has ``wall_s`` and each job's (submitted, finishe
 the loop began (``load_spans``, ``store_spans``) instead of ``put_s`` and ``get_s``.
 
 Prints one JSON line on stdout: ``client``, ``size``, ``count``, ``put_s`` and ``get_s`` (seconds
-per repetition), ``lmcache_version``, ``redis_py_version``, ``threads`` (``resp://`` only) and
+per repetition), ``lmcache_version``, ``redis_py_version``, ``threads`` (``resp://`` and ``mp``) and
 ``pipeline`` (redis-py only). Everything else, LMCache's logs included, goes to stderr. Any
 missing or wrong value ends it with exit status 1 and a one-line message. The process ends with
 ``os._exit`` and never calls the connector's ``close()``, which deadlocks in LMCache 0.5.6.
@@ -48,10 +60,11 @@ import collections
 import concurrent.futures
 import json
 import os
+import select
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
@@ -250,6 +263,126 @@ class LMCacheClient:
         return seconds
 
 
+_MP_NO_MODE_STATUS = 2  # the exit status for "this LMCache has no MP mode"
+
+
+class NoMPMode(Exception):
+    """The installed LMCache has no multiprocess mode with a Redis (RESP) L2 adapter."""
+
+
+class MPClient:
+    """LMCache's MP-mode Redis L2 adapter (``resp``), called as the MP server's storage
+    controllers call it, on buffers from the MP server's L1 memory manager."""
+
+    name = "lmcache-mp"
+    keys_per_value = 1
+
+    def __init__(self, url: str, size: int, count: int, threads: int | None, timeout: float):
+        try:
+            from lmcache.v1.distributed.api import MemoryLayoutDesc
+            from lmcache.v1.distributed.config import L1MemoryManagerConfig
+            from lmcache.v1.distributed.l2_adapters.factory import (
+                create_l2_adapter_from_registry,
+            )
+            from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
+            from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryManager
+        except ImportError as exc:
+            version = lmcache.__version__
+            raise NoMPMode(f"LMCache {version} has no MP-mode RESP adapter: {exc}") from None
+        parts = urlsplit(url)
+        if parts.path not in ("", "/", "/0"):
+            raise BenchError(f"the MP RESP adapter always uses database 0, not {parts.path!r}")
+        self.timeout = timeout
+        self.size = size
+        # A put's sources and a get's destinations, plus the allocator's alignment slack.
+        l1_bytes = 2 * count * (size + 0x1000) + (64 << 20)
+        self.l1 = L1MemoryManager(
+            L1MemoryManagerConfig(size_in_bytes=l1_bytes, use_lazy=False, shm_name="")
+        )
+        self.layout = MemoryLayoutDesc([torch.Size([size])], [torch.uint8])
+        config: dict[str, Any] = {"host": parts.hostname, "port": parts.port or 6379}
+        if threads is not None:
+            config["num_workers"] = threads
+        resp_config = RESPL2AdapterConfig.from_dict(config)
+        self.threads = resp_config.num_workers
+        self.adapter = create_l2_adapter_from_registry(resp_config)
+
+    def _keys(self, tag: str, count: int) -> list[Any]:
+        from lmcache.v1.distributed.api import ObjectKey
+
+        # Serialized "<model>@<rank hex>@<group>@<hash hex>": the tag (no "@") as the model.
+        return [
+            ObjectKey(chunk_hash=i.to_bytes(8, "big"), model_name=tag, kv_rank=0)
+            for i in range(count)
+        ]
+
+    def pattern(self, tag: str) -> str:
+        return f"{tag}@*"
+
+    def _allocate(self, count: int) -> list[MemoryObj]:
+        error, objs = self.l1.allocate(self.layout, count)
+        if len(objs) != count:
+            raise BenchError(
+                f"LMCache's L1MemoryManager could not allocate {count} values ({error})"
+            )
+        return objs
+
+    def _wait(self, what: str, fd: int, done: Callable[[], T | None]) -> T:
+        """Poll ``done`` whenever the adapter signals ``fd``, as the MP server's controllers
+        do, until it answers or ``--timeout`` passes."""
+        from lmcache.v1.platform.event_notifier import consume_fd
+
+        deadline = time.perf_counter() + self.timeout
+        while (result := done()) is None:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise BenchError(f"{what} did not finish in {self.timeout:g} s")
+            if select.select([fd], [], [], left)[0]:
+                consume_fd(fd)
+        return result
+
+    def put(self, tag: str, payloads: list[bytes]) -> float:
+        objs = self._allocate(len(payloads))
+        for obj, payload in zip(objs, payloads, strict=True):  # as after the copy from the GPU
+            memoryview(obj.byte_array).cast("B")[:] = payload
+        keys = self._keys(tag, len(payloads))
+        try:
+            start = time.perf_counter()
+            task = self.adapter.submit_store_task(keys, objs)
+            results: dict[Any, Any] = {}
+
+            def finished() -> Any:
+                results.update(self.adapter.pop_completed_store_tasks())
+                return results.get(task)
+
+            result = self._wait("submit_store_task", self.adapter.get_store_event_fd(), finished)
+            seconds = time.perf_counter() - start
+        finally:
+            self.l1.free(objs)
+        if not result.is_successful():
+            raise BenchError(f"the store task failed ({result.bytes_transferred()} bytes stored)")
+        return seconds
+
+    def get(self, tag: str, payloads: list[bytes]) -> float:
+        objs = self._allocate(len(payloads))
+        keys = self._keys(tag, len(payloads))
+        try:
+            start = time.perf_counter()
+            task = self.adapter.submit_load_task(keys, objs)
+            loaded = self._wait(
+                "submit_load_task",
+                self.adapter.get_load_event_fd(),
+                lambda: self.adapter.query_load_result(task),
+            )
+            seconds = time.perf_counter() - start
+            for i, (obj, payload) in enumerate(zip(objs, payloads, strict=True)):
+                got = memoryview(obj.byte_array).cast("B") if loaded.test(i) else None
+                _check(i, got, payload)
+        finally:
+            self.l1.free(objs)
+        return seconds
+
+
 class RedisPyClient:
     """Plain redis-py on one connection: pipelines of SET, then of GET."""
 
@@ -439,6 +572,8 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
     client: Client
     if args.connector == "redis-py":
         client = RedisPyClient(args.url, args.pipeline)
+    elif args.connector == "mp":
+        client = MPClient(args.url, args.size, args.count, args.threads, args.timeout)
     else:
         client = LMCacheClient(
             args.url, args.connector, args.size, args.count, args.threads, args.timeout
@@ -474,13 +609,15 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="redis://host:port/db of the Redis to use")
-    parser.add_argument("--connector", required=True, choices=("redis", "resp", "redis-py"))
+    parser.add_argument("--connector", required=True, choices=("redis", "resp", "mp", "redis-py"))
     parser.add_argument("--size", type=int, required=True, help="bytes per value")
     parser.add_argument("--count", type=int, required=True, help="values per repetition")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
     parser.add_argument(
-        "--threads", type=int, help="resp:// client worker threads (default: LMCache's)"
+        "--threads",
+        type=int,
+        help="resp:// client (or MP RESP adapter) worker threads (default: LMCache's)",
     )
     parser.add_argument(
         "--concurrency",
@@ -532,6 +669,9 @@ def main() -> None:
             result = _measure(args, r, prefix)
         out.write(json.dumps(result) + "\n")
         status = 0
+    except NoMPMode as exc:
+        print(f"lmcache_peer: {args.connector}: {exc}", file=sys.stderr)
+        status = _MP_NO_MODE_STATUS
     except BenchError as exc:
         print(f"lmcache_peer: {args.connector}: {exc}", file=sys.stderr)
     except Exception as exc:

@@ -177,6 +177,26 @@ def test_concurrent_bench_smoke_loads_what_it_stored(capsys) -> None:  # type: i
         assert row["lmcache-resp"] is None  # no --lmcache-python
 
 
+def test_a_missing_mooncake_interpreter_is_one_line_before_anything_runs(capsys) -> None:  # type: ignore[no-untyped-def]
+    """--mooncake-python is off unless given (CI never has the venv); a wrong one stops the
+    bench with one line naming it, before any server starts or anything is measured."""
+    assert bench_tier.build_parser().parse_args([]).mooncake_python is None
+    code = main(["bench", "--smoke", "--mooncake-python", "/nonexistent/mc-venv/bin/python"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert err == (
+        "hma-redis: bench: --mooncake-python /nonexistent/mc-venv/bin/python is not an executable\n"
+    )
+    assert out == ""
+
+
+def test_mooncake_is_not_measured_under_concurrency(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exc:
+        bench_tier.main(["--concurrency", "1", "--mooncake-python", "/usr/bin/python3"])
+    assert exc.value.code == 2
+    assert "--mooncake-python" in capsys.readouterr().err
+
+
 def test_per_op_gbps_counts_the_time_that_op_was_in_flight() -> None:
     """Loads and stores alternate, so their counts are equal: each op's GB/s is its bytes
     over the time one of its jobs ran, the total over the loop's wall time."""

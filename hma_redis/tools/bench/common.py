@@ -32,6 +32,8 @@ GB = 1e9
 
 # benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
 LMCACHE_PEER = Path(__file__).resolve().parents[3] / "benchmarks" / "lmcache_peer.py"
+# benchmarks/mooncake_peer.py, run by the Python of a separate venv that has Mooncake Store.
+MOONCAKE_PEER = LMCACHE_PEER.with_name("mooncake_peer.py")
 
 _T = TypeVar("_T")
 _P = TypeVar("_P", bound="Plan")
@@ -142,6 +144,16 @@ def require_lmcache_python(python: str, cfg: RedisTierConfig) -> None:
         raise SystemExit(f"bench: {LMCACHE_PEER} not found (run from a source checkout)")
     if not os.access(python, os.X_OK):
         raise SystemExit(f"bench: --lmcache-python {python} is not an executable")
+
+
+def require_mooncake_python(python: str) -> None:
+    """``SystemExit`` (one line) unless Mooncake's peer can run with ``python``: the peer
+    script is here and ``python`` is an executable. The peer starts its own Mooncake servers
+    and never sees the Redis measured."""
+    if not MOONCAKE_PEER.is_file():
+        raise SystemExit(f"bench: {MOONCAKE_PEER} not found (run from a source checkout)")
+    if not os.access(python, os.X_OK):
+        raise SystemExit(f"bench: --mooncake-python {python} is not an executable")
 
 
 def require_single_server(cfg: RedisTierConfig) -> None:

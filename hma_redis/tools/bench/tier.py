@@ -2,8 +2,8 @@
 Redis connectors, in one run.
 
     hma-redis bench [--quick | --smoke] [--url URL] [--reps N] [--plot PNG] [--json FILE]
-                    [--lmcache-python PYTHON] [--connections N] [--python-path]
-                    [--concurrency N,N,...]
+                    [--lmcache-python PYTHON] [--mooncake-python PYTHON] [--connections N]
+                    [--python-path] [--concurrency N,N,...]
     python benchmarks/tier_bench.py ...              (the same)
 
 Without ``--url`` it starts its own ``redis-server`` on a free loopback port (persistence off) and
@@ -15,6 +15,12 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
 - with ``--lmcache-python``: LMCache's ``redis://`` and native ``resp://`` connectors
   (``benchmarks/lmcache_peer.py`` run by that interpreter: a separate venv with LMCache; never
   in CI), ``batched_put`` and ``batched_get`` of a job's worth of values, every byte checked;
+  and its multiprocess mode's Redis L2 adapter (column ``lmc-mp``; where the release has no MP
+  mode, a note says why the column is absent);
+- with ``--mooncake-python``: Mooncake Store over TCP on this host (``benchmarks/mooncake_peer.py``
+  run by that interpreter: a separate venv with Mooncake; never in CI), its own master and a
+  process holding the values, ``batch_put_from`` and ``batch_get_into`` of a job's worth of values
+  from and into registered buffers, every byte checked;
 - the real worker (:class:`~hma_redis.adapter.worker.RedisOffloadingWorker`) on CPU KV-cache
   tensors (8 layers of ``(num_blocks, 16 KiB)`` int8, ``blocks_per_chunk`` 4 / 16 / 64 for the
   three sizes), on the data path the transfer engine picks (native where it can: the header
@@ -86,6 +92,7 @@ from hma_redis.tools.bench.common import (
     LAYERS,
     LMCACHE_PEER,
     MIB,
+    MOONCAKE_PEER,
     PAGE_BYTES,
     BenchError,
     OffloadKeys,
@@ -98,6 +105,7 @@ from hma_redis.tools.bench.common import (
     redis_benchmark_plan,
     report_lines,
     require_lmcache_python,
+    require_mooncake_python,
     require_single_server,
     run_redis_benchmark,
     server_config,
@@ -123,12 +131,16 @@ CLIENTS = (
     "redis-py",
     "lmcache-redis",
     "lmcache-resp",
+    "lmcache-mp",
+    "mooncake",
     "hma-python",
     "hma_redis",
     "hma-tiering",
 )
 OPS = ("load", "store")
-LMCACHE_CONNECTORS = ("redis", "resp")
+LMCACHE_CONNECTORS = ("redis", "resp", "mp")
+# lmcache_peer.py's exit status when the installed LMCache has no multiprocess mode.
+_NO_MP_MODE_STATUS = 2
 
 
 @dataclass(frozen=True)
@@ -222,10 +234,12 @@ def redis_py_client(cfg: RedisTierConfig) -> redis.Redis:
 
 
 class LMCachePeer:
-    """LMCache's ``redis://`` and ``resp://`` (native, 2 threads) connectors, the peers users
-    would pick instead: ``benchmarks/lmcache_peer.py`` run by ``python``, the interpreter of a
-    separate venv with LMCache installed (optional; never in CI). Each sample is one put and
-    one get of a job's worth of fresh values, after one untimed warm-up, every byte checked."""
+    """LMCache's ``redis://`` and ``resp://`` (native, 2 threads) connectors and its MP mode's
+    Redis L2 adapter (2 workers), the peers users would pick instead:
+    ``benchmarks/lmcache_peer.py`` run by ``python``, the interpreter of a separate venv with
+    LMCache installed (optional; never in CI). Each sample is one put and one get of a job's
+    worth of fresh values, after one untimed warm-up, every byte checked. A release without the
+    MP mode leaves a note in ``notes`` instead of its samples."""
 
     def __init__(self, python: str, cfg: RedisTierConfig, plan: TierPlan) -> None:
         require_lmcache_python(python, cfg)
@@ -233,9 +247,10 @@ class LMCachePeer:
         self.url = cfg.url
         self.plan = plan
         self.version = "?"
+        self.notes: list[str] = []  # why a column is absent
 
     def run(self, size: int, samples: Samples) -> None:
-        for connector in LMCACHE_CONNECTORS:
+        for connector in self._connectors():
             args = [
                 self.python, str(LMCACHE_PEER), "--url", self.url, "--connector", connector,
                 "--size", str(size), "--count", str(self.plan.job_bytes // size),
@@ -243,13 +258,54 @@ class LMCachePeer:
             ]  # fmt: skip
             proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
             lines = proc.stdout.strip().splitlines()
+            why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            if connector == "mp" and proc.returncode == _NO_MP_MODE_STATUS:
+                self.notes.append(f"lmc-mp absent: {why.removeprefix('lmcache_peer: mp: ')}")
+                continue
             if proc.returncode or not lines:
-                why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise BenchError(f"bench: LMCache {connector}:// peer failed: {why}")
             result = json.loads(lines[-1])
             self.version = result["lmcache_version"]
             samples.add(f"lmcache-{connector} store {size}", result["put_s"][0])
             samples.add(f"lmcache-{connector} load {size}", result["get_s"][0])
+
+    def _connectors(self) -> tuple[str, ...]:
+        """The connectors still to measure: the MP mode is dropped once found absent."""
+        if self.notes:
+            return tuple(c for c in LMCACHE_CONNECTORS if c != "mp")
+        return LMCACHE_CONNECTORS
+
+
+class MooncakePeer:
+    """Mooncake Store over TCP on this host, what vLLM users pick through
+    ``MooncakeStoreConnector``: ``benchmarks/mooncake_peer.py`` run by ``python``, the
+    interpreter of a separate venv with ``mooncake-transfer-engine-non-cuda`` (optional; never
+    in CI). Each sample is one ``batch_put_from`` and one ``batch_get_into`` of a job's worth of
+    fresh values, after one untimed warm-up, every byte checked; each run starts its own
+    master and segment-holding client (untimed) and stops them."""
+
+    def __init__(self, python: str, plan: TierPlan) -> None:
+        require_mooncake_python(python)
+        self.python = python
+        self.plan = plan
+        self.version = "?"
+
+    def run(self, size: int, samples: Samples) -> None:
+        count = self.plan.job_bytes // size
+        args = [
+            self.python, str(MOONCAKE_PEER), "--size", str(size), "--count", str(count),
+            "--reps", "1", "--segment-bytes", str(max(1 << 30, 4 * self.plan.job_bytes)),
+        ]  # fmt: skip
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode or not lines:
+            why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise BenchError(f"bench: Mooncake peer failed: {why}")
+        result = json.loads(lines[-1])
+        self.version = result["mooncake_version"]
+        samples.add(f"mooncake store {size}", result["put_s"][0])
+        samples.add(f"mooncake load {size}", result["get_s"][0])
 
 
 # ---------------------------------------------------------------------------------- (d)
@@ -483,6 +539,7 @@ class Report:
     load_after: float = 0.0
     seconds: float = 0.0
     lmcache_version: str | None = None
+    mooncake_version: str | None = None
     notes: tuple[str, ...] = ()
     data_path: str = ""
 
@@ -507,6 +564,7 @@ class Report:
             "redis_version": self.redis_version,
             "data_path": self.data_path,
             "lmcache_version": self.lmcache_version,
+            "mooncake_version": self.mooncake_version,
             "load_average": [self.load_before, self.load_after],
             "plan": dataclasses.asdict(self.plan),
             "gbps": {
@@ -539,6 +597,7 @@ def measure(
     python_path: bool = False,
     smoke: bool = False,
     tiering: bool = True,
+    mooncake_python: str | None = None,
 ) -> Report:
     """Every measurement, interleaved, against the Redis ``cfg`` names. The worker runs on the
     data path its transfer engine picks; with ``python_path`` (always with ``smoke``) also
@@ -549,6 +608,7 @@ def measure(
     require_single_server(cfg)
     rb_args, notes = redis_benchmark_plan(cfg, plan)
     peer = LMCachePeer(lmcache_python, cfg, plan) if lmcache_python else None
+    mooncake = MooncakePeer(mooncake_python, plan) if mooncake_python else None
     tier = TierBench(cfg, plan, namespace, check_values=smoke)
     tiers: list[TierBench | TieringBench] = [tier]
     if (python_path or smoke) and tier.data_path.startswith("native"):
@@ -578,6 +638,8 @@ def measure(
                 runners.append(partial(_warm_then_timed, plain.run, size, samples))
                 if peer is not None:
                     runners.insert(1, partial(peer.run, size, samples))
+                if mooncake is not None:
+                    runners.insert(1, partial(mooncake.run, size, samples))
                 if rep % 2:
                     runners.reverse()
                 if rb_args:
@@ -599,7 +661,8 @@ def measure(
             load_after=os.getloadavg()[0],
             seconds=time.perf_counter() - started,
             lmcache_version=peer.version if peer is not None else None,
-            notes=notes,
+            mooncake_version=mooncake.version if mooncake is not None else None,
+            notes=(*notes, *(peer.notes if peer is not None else ())),
             data_path=tier.data_path,
         )
     finally:
@@ -642,14 +705,24 @@ def format_report(report: Report) -> str:
     if report.lmcache_version is not None:
         lines.append(
             f"  LMCache {report.lmcache_version}: benchmarks/lmcache_peer.py, batched_put, then "
-            "batched_get (resp://, 2 threads) or a get per key (redis://)"
+            "batched_get (resp://, 2 threads) or a get per key (redis://); lmc-mp: the MP "
+            "mode's RESP L2 adapter (2 workers), submit_store_task / submit_load_task on L1 "
+            "buffers"
+        )
+    if report.mooncake_version is not None:
+        lines.append(
+            f"  Mooncake Store {report.mooncake_version}: benchmarks/mooncake_peer.py, TCP on "
+            "loopback, its own master and a mooncake_client holding the values, "
+            "batch_put_from, then batch_get_into (registered buffers)"
         )
     lmcache = report.lmcache_version is not None
+    mooncake = report.mooncake_version is not None
     short = {
         "hma-python": "hma-py",
         "redis-benchmark": "redis-bench",
         "lmcache-redis": "lmc-redis",
         "lmcache-resp": "lmc-resp",
+        "lmcache-mp": "lmc-mp",
         "hma-tiering": "hma-tier",
     }
     columns = [short.get(c, c) for c in report.clients] + [
@@ -659,6 +732,7 @@ def format_report(report: Report) -> str:
         "hma/r-bench",
     ]
     columns += ["hma/lmc-resp"] if lmcache else []
+    columns += ["hma/mooncake"] if mooncake else []
     row = "{:<8}{:<7}{:>5}" + "{:>13}" * len(columns)
     lines += ["", row.format("value", "op", "bpc", *columns)]
     for size in plan.sizes:
@@ -674,6 +748,8 @@ def format_report(report: Report) -> str:
             ]
             if lmcache:
                 cells.append(_ratio(hma, gbps["lmcache-resp"]))
+            if mooncake:
+                cells.append(_ratio(hma, gbps["mooncake"]))
             lines.append(row.format(size_label(size), op, TierBench.blocks_per_chunk(size), *cells))
     chunks = PROMPT_TOKENS // CHUNK_TOKENS
     keys = chunks * GROUPS
@@ -723,6 +799,8 @@ def draw_plot(report: Report, path: str) -> bool:
         "redis-py": (31, 119, 180),
         "lmcache-redis": (148, 103, 189),
         "lmcache-resp": (44, 160, 44),
+        "lmcache-mp": (23, 190, 207),
+        "mooncake": (140, 86, 75),
         "hma-python": (255, 127, 14),
         "hma_redis": (214, 39, 40),
     }
@@ -824,8 +902,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lmcache-python",
         metavar="PYTHON",
-        help="also measure LMCache's redis:// and resp:// connectors with this interpreter "
-        "(a separate venv with lmcache==0.5.6; see docs/performance.md)",
+        help="also measure LMCache's redis:// and resp:// connectors and its MP mode's Redis "
+        "adapter with this interpreter (a separate venv with lmcache==0.5.6; see "
+        "docs/performance.md)",
+    )
+    parser.add_argument(
+        "--mooncake-python",
+        metavar="PYTHON",
+        help="also measure Mooncake Store over TCP on this host with this interpreter (a "
+        "separate venv with mooncake-transfer-engine-non-cuda; see docs/performance.md)",
     )
     return parser
 
@@ -849,8 +934,10 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
             levels = parse_levels(args.concurrency)
         except ValueError as exc:
             parser.error(str(exc))
-        if args.plot or args.python_path:
-            parser.error("--concurrency takes neither --plot nor --python-path")
+        if args.plot or args.python_path or args.mooncake_python:
+            parser.error("--concurrency takes neither --plot, --python-path nor --mooncake-python")
+    if args.mooncake_python is not None:
+        require_mooncake_python(args.mooncake_python)  # before any server starts
     to_stdout = args.json == "-"
     # With the JSON on stdout, everything else goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
@@ -895,7 +982,13 @@ def _measure_and_print(
         if args.connections is not None:
             target = dataclasses.replace(target, connections_per_job=args.connections)
         report = measure(
-            target, plan, where, args.lmcache_python, args.python_path, smoke=args.smoke
+            target,
+            plan,
+            where,
+            args.lmcache_python,
+            args.python_path,
+            smoke=args.smoke,
+            mooncake_python=args.mooncake_python,
         )
     print(format_report(report))
     if args.smoke:
