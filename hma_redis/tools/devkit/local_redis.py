@@ -30,8 +30,12 @@ def free_port() -> int:
 class LocalRedis:
     """A ``redis-server`` process on a loopback port, persistence off, stopped by its pid."""
 
-    def __init__(self, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
-        binary = shutil.which("redis-server")
+    def __init__(
+        self, port: int | None = None, extra_args: Sequence[str] = (), binary: str | None = None
+    ) -> None:
+        """``binary``: the server to run (default: ``redis-server`` on PATH; a
+        ``valkey-server`` takes the same arguments)."""
+        binary = binary or shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(INSTALL_HINT)
         self.binary = binary
