@@ -5,7 +5,8 @@ Engine A serves a system prompt with ``kv_transfer_params {"hma_redis_pin_s": 60
 control prompt without a pin, then a flood of other prompts several times larger than Redis'
 memory. Engine B, a fresh process, then finds the pinned prompt in Redis (a hit in the tier's
 counters, its tokens identical to an engine without the tier), while the control prompt was
-evicted and is recomputed."""
+evicted and is recomputed. On a hybrid (Gemma-3-shaped) model a pinned request, stored at vLLM's
+request level, is exact and loads in a fresh engine."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import redis
 
 from hma_redis.core.keys import parse_block_key
-from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
+from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.redis_server import LocalRedis
 from tests.support.tier import chunk_aligned_prefix, tier_config
@@ -96,3 +97,30 @@ def test_a_pinned_system_prompt_survives_a_flood_that_evicts_everything_else(
     # The control prompt, same age and size but unpinned, was evicted: recomputed.
     assert control_result.num_cached_tokens == 0
     assert control_result.token_ids == run_a.results[1].token_ids
+
+
+def test_a_pinned_prompt_on_a_hybrid_model_is_exact_and_loads_in_a_fresh_engine(
+    redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A pinned request is stored at vLLM's request level; on a model with sliding-window and
+    full-attention groups its output, and a fresh engine's that loads it, equal an engine's
+    without the tier, and its chunks are pinned."""
+    model = build_gemma3(tmp_path_factory.mktemp("gemma3"))
+    system, other = make_prompts(seed=31, n=2, length=PROMPT_LEN, vocab=VOCAB_SIZE)
+    tier = tier_config(redis_url, ttl_s=3600)
+    baseline = run_engine(model, [system, other], MAX_TOKENS, None)
+    run_a = run_engine(
+        model,
+        [system, other],
+        MAX_TOKENS,
+        tier,
+        kv_transfer_params=[{"hma_redis_pin_s": 600}, None],
+    )
+    assert [r.token_ids for r in run_a.results] == [r.token_ids for r in baseline.results]
+    chunks = _chunks_of(redis_client)
+    assert any(ttl == -1 for ttl in chunks.values()), run_a.stderr_tail
+    assert any(ttl > 0 for ttl in chunks.values())  # the unpinned prompt's chunks keep ttl_s
+
+    run_b = run_engine(model, [system], MAX_TOKENS, tier)
+    assert run_b.results[0].num_cached_tokens > 0, run_b.stderr_tail
+    assert run_b.results[0].token_ids == baseline.results[0].token_ids
