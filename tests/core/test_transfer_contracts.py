@@ -9,6 +9,7 @@ Each job runs on both data paths (the C job and its twin, ``HMA_REDIS_NATIVE=0``
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -241,6 +242,91 @@ def test_a_cache_of_host_and_strided_layers_stores_and_loads_every_page(
         assert all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
         assert rig.load_job(2, chunks(DST)).ok
         assert rig.moved(SRC, DST)
+    finally:
+        rig.close()
+        store.close()
+
+
+def _loaded(store: RedisBlockStore) -> dict[str, int]:
+    totals = store.counters.totals
+    names = ("loaded_chunks", "loaded_bytes", "load_failed_jobs", "load_failed_chunks")
+    return {name: totals[name] for name in names}
+
+
+def test_a_load_counts_its_chunks_and_bytes(pages: Pages, redis_client: redis.Redis) -> None:
+    job = chunks(SRC)
+    assert pages.store_job(1, job).ok
+    value_bytes = sum(len(redis_client.get(c.redis_key) or b"") for c in job)
+    loaded = pages.load_job(2, chunks(DST))
+    assert loaded.ok and loaded.nbytes == value_bytes
+    assert _loaded(pages.store) == {
+        "loaded_chunks": len(job),
+        "loaded_bytes": value_bytes,
+        "load_failed_jobs": 0,
+        "load_failed_chunks": 0,
+    }
+
+
+def _damage(value: bytes, how: str) -> bytes:
+    """``value`` damaged the way the world damages values."""
+    if how == "random-body":  # random bytes over the second half, the header intact
+        half = len(value) // 2
+        return value[:half] + os.urandom(len(value) - half)
+    if how == "longer":  # one byte past what its chunk can hold
+        return value + os.urandom(1 << 20)
+    if how == "truncated":  # the expected header, a body short of what it announces
+        return value[:-7]
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("random-body", "checksum mismatch"),
+        ("longer", "its chunk at most"),
+        ("truncated", "not the length its header announces"),
+    ],
+)
+def test_a_failed_load_says_why_and_counts_every_chunk(
+    pages: Pages, redis_client: redis.Redis, caplog, how: str, reason: str
+) -> None:
+    job = chunks(SRC)
+    assert pages.store_job(1, job).ok
+    bad = chunks(DST)[1]
+    redis_client.set(bad.redis_key, _damage(redis_client.get(bad.redis_key) or b"", how))
+    redis_client.unlink(chunks(DST)[2].redis_key)
+    with caplog.at_level("WARNING", logger="hma_redis.core.transfer"):
+        assert not pages.load_job(2, chunks(DST)).ok
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "1 chunk(s) missing, 1 invalid" in said and reason in said, said
+    assert bad.redis_key in said
+    assert _loaded(pages.store) == {
+        "loaded_chunks": 0,
+        "loaded_bytes": 0,
+        "load_failed_jobs": 1,
+        "load_failed_chunks": len(job),
+    }
+
+
+def test_a_partial_load_counts_what_landed_and_what_failed(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    store = _store(redis_url)
+    rig = make_pages(store, partial_loads=True)
+    try:
+        job = chunks(SRC)
+        assert rig.store_job(1, job).ok
+        redis_client.unlink(chunks(DST)[1].redis_key)
+        value_bytes = sum(len(redis_client.get(c.redis_key) or b"") for c in job)
+        result = rig.load_job(2, chunks(DST))
+        assert not result.ok and result.failed_chunks == (1,)
+        assert result.nbytes == value_bytes
+        assert _loaded(store) == {
+            "loaded_chunks": len(job) - 1,
+            "loaded_bytes": value_bytes,
+            "load_failed_jobs": 1,
+            "load_failed_chunks": 1,
+        }
     finally:
         rig.close()
         store.close()
