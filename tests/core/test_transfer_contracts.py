@@ -330,3 +330,22 @@ def test_a_partial_load_counts_what_landed_and_what_failed(
     finally:
         rig.close()
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "at", "value"),
+    [("magic", 0, b"XMAK"), ("version", 4, b"\x7f\x7f"), ("flags", 6, b"\x00\x80")],
+)
+def test_a_value_of_another_format_is_never_loaded_though_its_checksum_holds(
+    pages: Pages, redis_client: redis.Redis, field: str, at: int, value: bytes
+) -> None:
+    """The checksum covers the header and body, not the prefix: a value whose prefix says
+    another magic, format version or an unknown flag, with this engine's header and a valid
+    checksum, is refused, never landed as this format."""
+    assert pages.store_job(1, chunks(SRC)).ok
+    bad = chunks(DST)[0]
+    stored = bytearray(redis_client.get(bad.redis_key) or b"")
+    stored[at : at + len(value)] = value
+    redis_client.set(bad.redis_key, bytes(stored))
+    assert not pages.load_job(2, chunks(DST)).ok, field
+    assert redis_client.exists(bad.redis_key) == 0
