@@ -349,3 +349,31 @@ def test_a_value_of_another_format_is_never_loaded_though_its_checksum_holds(
     redis_client.set(bad.redis_key, bytes(stored))
     assert not pages.load_job(2, chunks(DST)).ok, field
     assert redis_client.exists(bad.redis_key) == 0
+
+
+def test_each_job_runs_on_the_data_path_its_engine_names(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """A native engine's jobs run the C job; an engine on the Python path (here
+    ``HMA_REDIS_NATIVE=0``) runs the twin for stores and loads alike. Seen by which of the
+    fast path's functions the engine's threads call."""
+    called: set[str] = set()
+
+    def profile(frame, event, arg) -> None:  # type: ignore[no-untyped-def]
+        if event == "call" and frame.f_code.co_filename.endswith("fastpath.py"):
+            called.add(frame.f_code.co_name)
+
+    threading.setprofile(profile)
+    try:
+        store = _store(redis_url)
+        rig = make_pages(store)
+        assert rig.store_job(1, chunks(SRC)).ok
+        assert rig.load_job(2, chunks(DST)).ok
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    rig.close()
+    store.close()
+    twin = {"python_store_values", "python_load_values"}
+    native = {"native_store_values", "native_load_values"}
+    assert called >= (native if path == "native" else twin), called
+    assert not called & (twin if path == "native" else native), called
