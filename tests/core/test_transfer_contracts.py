@@ -19,8 +19,15 @@ import torch
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.fastpath import NATIVE_ENV
+from hma_redis.core.latency import Operation
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV, TransferEngine, ValueFormat
+from hma_redis.core.transfer import (
+    TEST_LOAD_DELAY_ENV,
+    TransferEngine,
+    ValueFormat,
+    _BufferPool,
+    _split,
+)
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.kv_pages import (
     BPC,
@@ -377,3 +384,64 @@ def test_each_job_runs_on_the_data_path_its_engine_names(
     native = {"native_store_values", "native_load_values"}
     assert called >= (native if path == "native" else twin), called
     assert not called & (twin if path == "native" else native), called
+
+
+def test_a_store_that_asks_first_counts_what_was_there_once_and_times_it_as_a_store(
+    pages: Pages, redis_client: redis.Redis
+) -> None:
+    """Chunks not known absent are asked about first (EXISTS); those present are counted
+    existed once, never sent, and the round trip's time is a store's, not a lookup's."""
+    job = chunks(SRC)
+    redis_client.set(job[0].redis_key, b"another instance's value")
+    pages.store.latency.take()
+    result = pages.store_job(1, job)
+    assert result.ok
+    assert redis_client.get(job[0].redis_key) == b"another instance's value"
+    assert _counted(pages.store) == {
+        "stored_chunks": len(job) - 1,
+        "stored_bytes": result.nbytes,
+        "store_existed_chunks": 1,
+        "store_failed_chunks": 0,
+    }
+    samples = pages.store.latency.take()
+    assert set(samples) == {Operation.STORE} and len(samples[Operation.STORE]) == 2, samples
+
+
+@pytest.mark.parametrize(
+    ("sizes", "parts"),
+    [([1] * 6, 3), ([1, 1, 10], 3), ([10, 1, 1], 3), ([1, 1, 1, 1], 2), ([5], 4), ([], 2)],
+)
+def test_a_job_is_cut_into_consecutive_non_empty_parts_in_order(
+    sizes: list[int], parts: int
+) -> None:
+    cuts = _split(sizes, parts)
+    assert 1 <= len(cuts) <= max(1, parts)
+    covered = [i for cut in cuts for i in range(len(sizes))[cut]]
+    assert covered == list(range(len(sizes)))  # every item once, in order
+    assert all(cut.stop > cut.start for cut in cuts) or sizes == []
+
+
+def test_six_equal_items_in_three_parts_are_two_each() -> None:
+    assert _split([1] * 6, 3) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert _split([1] * 4, 2) == [slice(0, 2), slice(2, 4)]
+    assert _split([10, 1, 1], 3) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+
+
+def test_the_buffer_pool_reuses_what_it_was_given_up_to_its_limit() -> None:
+    pool = _BufferPool(limit=3000, pinned=False)
+    first = pool.take(1000)
+    second = pool.take(1000)
+    assert pool.peak_bytes == 2000
+    pool.give([first, second])
+    again = pool.take(1000)
+    assert again.obj is second.obj or again.obj is first.obj  # reused, not allocated
+    other = pool.take(500)  # another size is never served from the 1000-byte buffers
+    assert other.nbytes == 500 and all(other.obj is not b.obj for b in (first, second))
+    assert pool.peak_bytes == 2000  # out now: 1000 + 500
+    pool.give([again, other])
+    # Idle bytes stay under the limit: of three more 1000-byte buffers only what fits is kept.
+    extra = [pool.take(1000) for _ in range(4)]
+    pool.give(extra)
+    kept = [pool.take(1000) for _ in range(4)]
+    reused = sum(any(k.obj is e.obj for e in extra) for k in kept)
+    assert reused == 2, reused  # 3000 idle at most: 500 + 2 x 1000 (a third would pass it)
