@@ -445,3 +445,32 @@ def test_the_buffer_pool_reuses_what_it_was_given_up_to_its_limit() -> None:
     kept = [pool.take(1000) for _ in range(4)]
     reused = sum(any(k.obj is e.obj for e in extra) for k in kept)
     assert reused == 2, reused  # 3000 idle at most: 500 + 2 x 1000 (a third would pass it)
+
+
+def test_stores_abandoned_at_shutdown_never_run_later(path: str, local_redis: LocalRedis) -> None:
+    """Stores still queued when shutdown gives up (Redis paused past ``shutdown_timeout_s``)
+    are dropped: none of them runs once Redis is back, and shutdown returns within its
+    timeout, not the stuck job's own deadline."""
+    store = RedisBlockStore(
+        RedisTierConfig.from_extra_config(
+            {"redis_url": local_redis.url, "read_timeout_s": 20.0}, env={}
+        )
+    )
+    rig = make_pages(store, io_threads=2)  # one store thread: jobs 2 and 3 queue behind 1
+    job = chunks(SRC)
+    client = redis.Redis.from_url(local_redis.url)
+    try:
+        local_redis.pause()
+        for job_id, part in enumerate((job[:1], job[1:2], job[2:]), start=1):
+            rig.engine.submit_store(job_id, part, {c.redis_key for c in part})
+        time.sleep(0.2)
+        started = time.monotonic()
+        rig.engine.shutdown()
+        assert time.monotonic() - started < 5.0
+        local_redis.resume()
+        time.sleep(1.5)
+        assert not any(client.exists(c.redis_key) for c in job[1:]), "a dropped store ran"
+    finally:
+        local_redis.resume()
+        client.close()
+        store.close()
