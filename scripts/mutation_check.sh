@@ -47,7 +47,7 @@ tests_for() {
     case "$1" in
         core/codec) echo "tests/core/test_codec*.py tests/core/test_security.py tests/core/test_fastpath.py" ;;
         core/store) echo "tests/core/test_store*.py tests/core/test_refusals.py tests/core/test_security.py tests/core/test_cluster.py" ;;
-        core/transfer) echo "tests/core/test_transfer*.py tests/core/test_fastpath.py" ;;
+        core/transfer) echo "tests/core/test_transfer*.py tests/core/test_fastpath*.py tests/core/test_deadlines.py tests/core/test_security.py tests/core/test_outage_replies.py" ;;
         adapter/manager) echo "tests/adapter/test_manager*.py tests/adapter/test_behaviours.py tests/adapter/test_removals_admission*.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_connector_fast.py tests/adapter/test_vllm_compat.py tests/adapter/test_metrics.py" ;;
         adapter/worker) echo "tests/adapter/test_worker*.py tests/adapter/test_behaviours.py tests/adapter/test_connector_fast.py tests/adapter/test_connector_guard.py" ;;
         core/breaker) echo "tests/core/test_refusals.py tests/core/test_outage_replies.py tests/core/test_deadlines.py tests/core/test_store*.py tests/core/test_transfer_paths.py tests/core/test_breaker*.py" ;;
