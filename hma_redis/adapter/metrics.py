@@ -209,7 +209,8 @@ _REFUSED_HELP = (
 )
 _ROUND_TRIP_HELP = (
     "Seconds of each Redis call that Redis answered, by operation: lookup (the scheduler's "
-    "batch), load (a load job's GETs), store (a store job's SETs and the EXISTS before them)."
+    "batch), load (a load job's GETs), store (a store job's SETs, and the EXISTS before them "
+    "for chunks no fresh lookup answered MISS)."
 )
 # From a loopback round trip (~0.1 ms) to a load of hundreds of MiB.
 ROUND_TRIP_BUCKETS = (
