@@ -269,7 +269,8 @@ def test_info_and_doctor_show_each_masters_memory_and_their_sums(on_cluster, clu
         assert memory["used_bytes"] == sum(m["used_bytes"] for m in memory["by_node"].values())
         for client, node in zip(clients, nodes, strict=True):
             used = client.info("memory")["used_memory"]
-            assert abs(memory["by_node"][node]["used_bytes"] - used) < 64 * 1024
+            # Read a moment apart: client buffers and the CLI's own connections come and go.
+            assert abs(memory["by_node"][node]["used_bytes"] - used) < 256 * 1024
 
         lines = cli(on_cluster.url, "info").out.splitlines()
         assert lines[1].startswith("Redis memory: used ") and "of max 384.0 MiB" in lines[1]
