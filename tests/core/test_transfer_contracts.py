@@ -17,6 +17,7 @@ import pytest
 import redis
 import torch
 
+from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.core.latency import Operation
@@ -212,6 +213,7 @@ def test_shutdown_stops_every_thread_of_the_engine(
     rig = make_pages(store)
     assert rig.store_job(1, chunks(SRC)).ok
     assert rig.load_job(2, chunks(DST)).ok
+    assert _threads("hma-load") >= 1 and _threads("hma-store") >= 1  # named, so they can be found
     rig.engine.shutdown()
     deadline = time.monotonic() + 5
     names = ("hma-load", "hma-store", "hma-conn")
@@ -473,4 +475,144 @@ def test_stores_abandoned_at_shutdown_never_run_later(path: str, local_redis: Lo
     finally:
         local_redis.resume()
         client.close()
+        store.close()
+
+
+def _engine(store: RedisBlockStore, tensors: list[torch.Tensor], **kwargs) -> TransferEngine:
+    """An engine as the worker builds one: every option not given at its default."""
+    return TransferEngine(
+        store, layer_groups(tensors), ValueFormat(kv_dtype="int8"), blocks_per_chunk=BPC, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    ("strided", "native", "auth_key", "where"),
+    [
+        (False, None, None, "loads land in the KV cache's pages"),
+        (True, None, None, "loads received into buffers, copied once valid"),
+        (False, False, None, "loads received into buffers, copied once valid"),
+        (False, None, b"k" * 32, "loads received into buffers, copied once valid"),
+    ],
+    ids=["host", "strided", "python-asked", "auth-key"],
+)
+def test_the_data_path_line_says_where_loads_land_and_why(
+    redis_url: str, strided: bool, native: bool | None, auth_key: bytes | None, where: str
+) -> None:
+    store = _store(redis_url)
+    engine = TransferEngine(
+        store,
+        layer_groups(kv_tensors(strided)),
+        ValueFormat(kv_dtype="int8", auth_key=auth_key),
+        blocks_per_chunk=BPC,
+        native=native,
+    )
+    try:
+        assert where in engine.data_path
+        assert engine.loads_land_in_place == where.startswith("loads land")
+        if native is False:
+            assert "(the Python path was asked for)" in engine.data_path and not engine.native
+        else:
+            assert engine.native and engine.data_path.startswith("native")
+        assert "1 connection(s) per job" in engine.data_path
+    finally:
+        engine.shutdown()
+        store.close()
+
+
+def _threads(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def test_an_engine_runs_four_load_threads_and_two_store_threads_by_default(
+    path: str, local_redis: LocalRedis
+) -> None:
+    """The default ``io_threads`` (4): four loads at once, stores on half as many threads."""
+    store = _store(local_redis.url)
+    tensors = kv_tensors()
+    rig = Pages(_engine(store, tensors), tensors, store)
+    job = chunks(SRC)
+    try:
+        assert rig.store_job(1, job).ok
+        local_redis.pause()
+        for job_id in range(10, 16):  # six loads and three stores wait on the paused Redis
+            rig.engine.submit_load(job_id, chunks(DST))
+        for job_id in range(20, 23):
+            rig.engine.submit_store(job_id, job[:1])
+        time.sleep(0.3)
+        assert _threads("hma-load") == 4
+        assert _threads("hma-store") == 2
+    finally:
+        local_redis.resume()
+        rig.close()
+        store.close()
+
+
+def test_a_load_with_a_missing_chunk_lands_nothing_by_default(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """Without ``partial_loads`` a load is all or nothing: one missing chunk fails every
+    chunk of the job, and no page of the others is written."""
+    store = _store(redis_url)
+    tensors = kv_tensors()
+    rig = Pages(_engine(store, tensors), tensors, store)
+    try:
+        job = chunks(SRC)
+        assert rig.store_job(1, job).ok
+        redis_client.unlink(chunks(DST)[3].redis_key)
+        before = [t.clone() for t in tensors]
+        result = rig.load_job(2, chunks(DST))
+        assert not result.ok and result.failed_chunks == tuple(range(len(job)))
+        for idx in LAYERS[0]:  # the first chunks' pages: as before or cleared, never loaded
+            rows = tensors[idx][DST[0][:BPC], : PAGES[0]]
+            assert torch.equal(rows, before[idx][DST[0][:BPC], : PAGES[0]]) or not rows.any()
+    finally:
+        rig.close()
+        store.close()
+
+
+def test_values_carry_a_mac_exactly_when_the_engine_has_an_auth_key(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    for auth_key in (None, b"k" * 32):
+        redis_client.flushall()
+        store = _store(redis_url)
+        rig = make_pages(store, auth_key=auth_key)
+        try:
+            assert rig.store_job(1, chunks(SRC)).ok
+            values = [redis_client.get(c.redis_key) or b"" for c in chunks(SRC)]
+            assert [codec.has_mac(v) for v in values] == [auth_key is not None] * len(values)
+        finally:
+            rig.close()
+            store.close()
+
+
+def test_a_store_submitted_after_shutdown_runs_in_the_callers_thread(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """At interpreter exit the thread pools take no new work: a store submitted then is not
+    lost, it runs at once in the caller's thread."""
+    store = _store(redis_url)
+    rig = make_pages(store)
+    rig.engine.shutdown()
+    job = chunks(SRC)
+    rig.engine.submit_store(1, job, {c.redis_key for c in job})
+    assert all(redis_client.exists(c.redis_key) for c in job)
+    assert _counted(store)["stored_chunks"] == len(job)
+    store.close()
+
+
+def test_wait_for_finish_returns_at_once_when_no_load_runs(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    store = _store(redis_url)
+    rig = make_pages(store)
+    try:
+        assert rig.store_job(1, chunks(SRC)).ok
+        assert rig.load_job(2, chunks(DST)).ok
+        assert rig.load_job(3, chunks(DST)).ok
+        started = time.monotonic()
+        assert rig.engine.wait_for_finish(0.5) is False
+        assert time.monotonic() - started < 0.4  # nothing runs: no sleep
+    finally:
+        rig.close()
         store.close()
