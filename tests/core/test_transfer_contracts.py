@@ -209,16 +209,18 @@ def test_shutdown_gives_up_on_stores_that_outlast_its_timeout(
 def test_shutdown_stops_every_thread_of_the_engine(
     path: str, redis_client: redis.Redis, redis_url: str
 ) -> None:
+    before = set(threading.enumerate())
     store = _store(redis_url)
     rig = make_pages(store)
     assert rig.store_job(1, chunks(SRC)).ok
     assert rig.load_job(2, chunks(DST)).ok
-    assert _threads("hma-load") >= 1 and _threads("hma-store") >= 1  # named, so they can be found
+    # Named, so they can be found.
+    assert _threads("hma-load", before) >= 1 and _threads("hma-store", before) >= 1
     rig.engine.shutdown()
     deadline = time.monotonic() + 5
     names = ("hma-load", "hma-store", "hma-conn")
     while time.monotonic() < deadline:
-        alive = [t for t in threading.enumerate() if t.name.startswith(names)]
+        alive = [t for t in threading.enumerate() if t.name.startswith(names) and t not in before]
         if not alive:
             break
         time.sleep(0.05)
@@ -519,14 +521,19 @@ def test_the_data_path_line_says_where_loads_land_and_why(
         store.close()
 
 
-def _threads(prefix: str) -> int:
-    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+def _threads(prefix: str, since: set[threading.Thread] | None = None) -> int:
+    """Live threads named ``prefix...``, of those started after ``since`` was taken (other
+    tests' engines may still be winding down)."""
+    return sum(
+        t.name.startswith(prefix) and t not in (since or set()) for t in threading.enumerate()
+    )
 
 
 def test_an_engine_runs_four_load_threads_and_two_store_threads_by_default(
     path: str, local_redis: LocalRedis
 ) -> None:
     """The default ``io_threads`` (4): four loads at once, stores on half as many threads."""
+    before = set(threading.enumerate())
     store = _store(local_redis.url)
     tensors = kv_tensors()
     rig = Pages(_engine(store, tensors), tensors, store)
@@ -539,8 +546,8 @@ def test_an_engine_runs_four_load_threads_and_two_store_threads_by_default(
         for job_id in range(20, 23):
             rig.engine.submit_store(job_id, job[:1])
         time.sleep(0.3)
-        assert _threads("hma-load") == 4
-        assert _threads("hma-store") == 2
+        assert _threads("hma-load", before) == 4
+        assert _threads("hma-store", before) == 2
     finally:
         local_redis.resume()
         rig.close()
