@@ -346,6 +346,7 @@ def test_a_partial_load_counts_what_landed_and_what_failed(
 @pytest.mark.parametrize(
     ("field", "at", "value"),
     [("magic", 0, b"XMAK"), ("version", 4, b"\x7f\x7f"), ("flags", 6, b"\x00\x80")],
+    ids=["magic", "version", "flags"],
 )
 def test_a_value_of_another_format_is_never_loaded_though_its_checksum_holds(
     pages: Pages, redis_client: redis.Redis, field: str, at: int, value: bytes
