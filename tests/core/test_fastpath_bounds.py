@@ -458,7 +458,9 @@ def test_an_error_text_ends_at_a_nul_byte() -> None:
     assert outcome.results is not None and outcome.results[0].error == "ERR bad"
 
 
-@pytest.mark.parametrize("ending", [b"\r\n", b"\rX", b"X\n", b"XX"])
+@pytest.mark.parametrize(
+    "ending", [b"\r\n", b"\rX", b"X\n", b"XX"], ids=["crlf", "cr-only", "lf-only", "neither"]
+)
 def test_a_bulk_string_must_end_with_crlf(ending: bytes) -> None:
     """A value is followed by exactly CRLF; anything else is a protocol error."""
     value, expected = chunk()
