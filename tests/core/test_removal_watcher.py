@@ -3,6 +3,7 @@ Cluster failover. Real servers, no mocks."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -10,7 +11,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from hma_redis.core.client import make_client
+from hma_redis.core.client import RedisClient, make_client
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.notifications import NotificationState, RemovalWatcher, missing_flags
@@ -131,7 +132,14 @@ def test_state_says_unreachable_while_redis_is_down_and_off_when_its_flags_are_l
 
 def test_watcher_started_while_the_cluster_is_down_watches_every_master_once_it_is_up() -> None:
     cluster = LocalCluster(masters=3, username=USER, password=PASSWORD)
-    watcher = _watcher(cluster.url)
+    tries: list[float] = []
+
+    def factory(cfg: RedisTierConfig) -> RedisClient:
+        tries.append(time.monotonic())
+        return make_client(cfg)
+
+    before = set(threading.enumerate())
+    watcher = _watcher(cluster.url, client_factory=factory)
     try:
         time.sleep(1.0)
         assert watcher.state is NotificationState.UNREACHABLE
@@ -143,9 +151,25 @@ def test_watcher_started_while_the_cluster_is_down_watches_every_master_once_it_
             writer.close()
         assert watcher.state is NotificationState.ON
         assert len(watcher.watched_nodes()) == 3
+        assert watcher.detail.endswith(" (all 3 nodes)"), watcher.detail
+        # One thread per master, numbered from 0 (its number is the node's in the logs).
+        assert sorted(_node_threads(before)) == [f"hma-removals-{i}" for i in range(3)]
+        # Down again: the masters are asked for again and again (with back-off), never given up.
+        cluster.stop()
+        asked = len(tries)
+        _until("the masters asked for 3 more times", lambda: len(tries) >= asked + 3, 15.0)
     finally:
         watcher.close()
         cluster.stop()
+
+
+def _node_threads(before: set[threading.Thread]) -> list[str]:
+    """Names of the node threads started since ``before`` that are still alive."""
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t not in before and t.name.startswith("hma-removals-")
+    ]
 
 
 def _role(cluster: LocalCluster, port: int) -> str:
@@ -161,7 +185,14 @@ def test_a_master_promoted_by_a_cluster_failover_is_watched() -> None:
         masters=3, replicas=1, node_timeout_ms=2000, username=USER, password=PASSWORD
     )
     cluster.start()
-    watcher = _watcher(cluster.url)
+    tries: list[float] = []
+
+    def factory(cfg: RedisTierConfig) -> RedisClient:
+        tries.append(time.monotonic())
+        return make_client(cfg)
+
+    before = set(threading.enumerate())
+    watcher = _watcher(cluster.url, client_factory=factory)
     try:
         assert watcher.wait_subscribed(WAIT_S)
         assert watcher.state is NotificationState.ON
@@ -181,10 +212,22 @@ def test_a_master_promoted_by_a_cluster_failover_is_watched() -> None:
         assert watcher.state is NotificationState.ON
         watched = watcher.watched_nodes()
         assert f"127.0.0.1:{promoted}" in watched and f"127.0.0.1:{old}" not in watched
+        # The thread of the node that is no master any more stops: one thread per watched node.
+        _until("the old master's thread to stop", lambda: len(_node_threads(before)) == 3)
 
+        asked = len(tries)
         next(n for n in cluster.nodes if n.port == promoted).kill()  # no replica left
         _until("the state to say degraded", lambda: watcher.state is NotificationState.DEGRADED)
         assert "1 of 3" in watcher.detail
+        # The loss makes the watcher ask for the masters again: the same three (the lost one
+        # still owns its slots). A search that changed nothing leaves the searching thread on.
+        _until("the masters asked for again", lambda: len(tries) > asked)
+        time.sleep(1.0)
+        assert len(watcher.watched_nodes()) == 3
+        searching = [
+            t for t in threading.enumerate() if t not in before and t.name == "hma-removals"
+        ]
+        assert searching and searching[0].is_alive()
     finally:
         watcher.close()
         cluster.stop()
