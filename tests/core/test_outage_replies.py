@@ -13,7 +13,6 @@ import redis
 
 from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
 from tests.support.error_server import ErrorServer
@@ -27,14 +26,6 @@ OUTAGE_REPLIES = {
     "BUSY": "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN.",
 }
 READONLY = "READONLY You can't write against a read only replica."
-
-
-@pytest.fixture(params=["native", "python"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The data path the transfer engine runs (``HMA_REDIS_NATIVE=0`` for Python)."""
-    if request.param == "python":
-        monkeypatch.setenv(NATIVE_ENV, "0")
-    return str(request.param)
 
 
 def _rig(url: str, path: str) -> Iterator[tuple[RedisBlockStore, Pages]]:

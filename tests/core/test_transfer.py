@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import (
     TEST_LOAD_DELAY_ENV,
@@ -51,24 +50,6 @@ def _store(url: str) -> RedisBlockStore:
 
 def _stored_keys(client) -> list[str]:
     return sorted(k.decode() for k in client.scan_iter("hma:worker-test:g*"))
-
-
-@pytest.fixture(params=["native", "python"])
-def path(request, monkeypatch) -> str:
-    """The data path engines built in the test run (``HMA_REDIS_NATIVE=0``: the twin)."""
-    if request.param == "python":
-        monkeypatch.setenv(NATIVE_ENV, "0")
-    return request.param
-
-
-@pytest.fixture(params=[False, True], ids=["in-place", "buffered"])
-def pages(request, path, redis_client, redis_url):
-    store = _store(redis_url)
-    rig = make_pages(store, strided=request.param)
-    assert rig.engine.native == (path == "native")
-    yield rig
-    rig.close()
-    store.close()
 
 
 def _changed_only_in(before: list[torch.Tensor], pages: Pages, blocks) -> bool:

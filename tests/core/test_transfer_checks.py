@@ -15,7 +15,6 @@ import torch
 
 from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import ChunkTransfer
 from tests.support.kv_pages import (
@@ -30,14 +29,6 @@ from tests.support.kv_pages import (
 )
 
 AUTH_KEY = b"transfer-checks-secret-000001"
-
-
-@pytest.fixture(params=["native", "python"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The data path the engines of the test run (``HMA_REDIS_NATIVE=0`` for Python)."""
-    if request.param == "python":
-        monkeypatch.setenv(NATIVE_ENV, "0")
-    return str(request.param)
 
 
 def _rig(url: str, path: str, auth_key: bytes | None = None) -> Iterator[Pages]:

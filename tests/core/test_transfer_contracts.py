@@ -19,7 +19,6 @@ import torch
 
 from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.fastpath import NATIVE_ENV
 from hma_redis.core.latency import Operation
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import (
@@ -46,22 +45,6 @@ from tests.support.kv_pages import (
 
 def _store(url: str) -> RedisBlockStore:
     return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
-
-
-@pytest.fixture(params=["native", "python"])
-def path(request, monkeypatch) -> str:
-    if request.param == "python":
-        monkeypatch.setenv(NATIVE_ENV, "0")
-    return request.param
-
-
-@pytest.fixture(params=[False, True], ids=["in-place", "buffered"])
-def pages(request, path, redis_client, redis_url):
-    store = _store(redis_url)
-    rig = make_pages(store, strided=request.param)
-    yield rig
-    rig.close()
-    store.close()
 
 
 def _counted(store: RedisBlockStore) -> dict[str, int]:
