@@ -31,7 +31,6 @@ from hma_redis.tools.cli.schemas import markdown as schema_markdown
 from hma_redis.tools.devkit.local_redis import free_port
 from tests.support.cli_run import (
     FINGERPRINT,
-    Run,
     assert_one_line_error,
     block_header,
     cli_command,
@@ -67,19 +66,6 @@ def populated(redis_client: redis.Redis, redis_url: str) -> Iterator[Populated]:
     redis_client.mset(FOREIGN_KEYS)
     store.close()
     yield Populated(ns, {0: written[:3], 1: written[3:]}, other_blocks)
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], redis_url: str) -> Any:
-    """Run ``hma-redis --url <session redis> ARGS...`` in-process."""
-
-    def run(*args: str, url: str | None = redis_url) -> Run:
-        argv = (["--url", url] if url is not None else []) + list(args)
-        code = main(argv)
-        captured = capsys.readouterr()
-        return Run(code, captured.out, captured.err)
-
-    return run
 
 
 # ---------------------------------------------------------------------------------- info

@@ -13,20 +13,9 @@ import redis
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace, RedisKey
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.tools.cli.main import main
-from tests.support.cli_run import FINGERPRINT, Run, write_blocks
+from tests.support.cli_run import FINGERPRINT, write_blocks
 
 NS = FINGERPRINT.namespace_id()  # two groups of 256 tokens per chunk
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], redis_url: str) -> Any:
-    def run(*args: str) -> Run:
-        code = main(["--url", redis_url, *args])
-        captured = capsys.readouterr()
-        return Run(code, captured.out, captured.err)
-
-    return run
 
 
 @pytest.fixture

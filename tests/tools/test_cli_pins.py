@@ -11,23 +11,12 @@ import redis
 
 from hma_redis.core import pins
 from hma_redis.core.keys import KeySpace
-from hma_redis.tools.cli.main import main
 from hma_redis.tools.cli.schemas import SCHEMAS
 from tests.support.cli_run import Run
 
 NS = "pinned-ns"
 KEYSPACE = KeySpace("hma", NS)
 TTL_S = 3600
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], redis_url: str) -> Any:
-    def run(*args: str) -> Run:
-        code = main(["--url", redis_url, *args])
-        captured = capsys.readouterr()
-        return Run(code, captured.out, captured.err)
-
-    return run
 
 
 @pytest.fixture
