@@ -73,6 +73,16 @@ def server() -> Iterator[LocalRedis]:
     local.stop()
 
 
+def _counting_factory(tries: list[float]) -> Callable[[RedisTierConfig], RedisClient]:
+    """A client factory that records when each client was asked for (the watcher's tries)."""
+
+    def factory(cfg: RedisTierConfig) -> RedisClient:
+        tries.append(time.monotonic())
+        return make_client(cfg)
+
+    return factory
+
+
 def test_watcher_started_while_redis_is_down_sets_the_flags_and_watches_once_it_is_up() -> None:
     port = free_port()
     watcher = _watcher(f"redis://127.0.0.1:{port}/0")
@@ -133,11 +143,7 @@ def test_state_says_unreachable_while_redis_is_down_and_off_when_its_flags_are_l
 def test_watcher_started_while_the_cluster_is_down_watches_every_master_once_it_is_up() -> None:
     cluster = LocalCluster(masters=3, username=USER, password=PASSWORD)
     tries: list[float] = []
-
-    def factory(cfg: RedisTierConfig) -> RedisClient:
-        tries.append(time.monotonic())
-        return make_client(cfg)
-
+    factory = _counting_factory(tries)
     before = set(threading.enumerate())
     watcher = _watcher(cluster.url, client_factory=factory)
     try:
@@ -186,11 +192,7 @@ def test_a_master_promoted_by_a_cluster_failover_is_watched() -> None:
     )
     cluster.start()
     tries: list[float] = []
-
-    def factory(cfg: RedisTierConfig) -> RedisClient:
-        tries.append(time.monotonic())
-        return make_client(cfg)
-
+    factory = _counting_factory(tries)
     before = set(threading.enumerate())
     watcher = _watcher(cluster.url, client_factory=factory)
     try:
