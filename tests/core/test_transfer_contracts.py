@@ -513,14 +513,18 @@ def _threads(prefix: str, since: set[threading.Thread] | None = None) -> int:
     )
 
 
-def test_an_engine_runs_four_load_threads_and_two_store_threads_by_default(
-    path: str, local_redis: LocalRedis
+@pytest.mark.parametrize(
+    ("io_threads", "loads", "stores"), [(None, 4, 2), (2, 2, 1)], ids=["default", "two"]
+)
+def test_an_engine_runs_io_threads_loads_and_half_as_many_stores_at_once(
+    path: str, local_redis: LocalRedis, io_threads: int | None, loads: int, stores: int
 ) -> None:
-    """The default ``io_threads`` (4): four loads at once, stores on half as many threads."""
+    """``io_threads`` (default 4) loads at once, stores on half as many threads (at least one)."""
     before = set(threading.enumerate())
     store = _store(local_redis.url)
     tensors = kv_tensors()
-    rig = Pages(_engine(store, tensors), tensors, store)
+    options = {} if io_threads is None else {"io_threads": io_threads}
+    rig = Pages(_engine(store, tensors, **options), tensors, store)
     job = chunks(SRC)
     try:
         assert rig.store_job(1, job).ok
@@ -530,8 +534,8 @@ def test_an_engine_runs_four_load_threads_and_two_store_threads_by_default(
         for job_id in range(20, 23):
             rig.engine.submit_store(job_id, job[:1])
         time.sleep(0.3)
-        assert _threads("hma-load", before) == 4
-        assert _threads("hma-store", before) == 2
+        assert _threads("hma-load", before) == loads
+        assert _threads("hma-store", before) == stores
     finally:
         local_redis.resume()
         rig.close()
@@ -604,6 +608,25 @@ def test_wait_for_finish_returns_at_once_when_no_load_runs(
         started = time.monotonic()
         assert rig.engine.wait_for_finish(0.5) is False
         assert time.monotonic() - started < 0.4  # nothing runs: no sleep
+    finally:
+        rig.close()
+        store.close()
+
+
+def test_the_parts_of_a_split_job_run_on_their_own_named_threads(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """With ``connections_per_job`` 2 each job's second part runs on an ``hma-conn`` thread
+    while the job's own thread runs the first; both parts land."""
+    before = set(threading.enumerate())
+    store = _store(redis_url)
+    tensors = kv_tensors()
+    rig = Pages(_engine(store, tensors, connections_per_job=2), tensors, store)
+    try:
+        assert "2 connection(s) per job" in rig.engine.data_path
+        assert rig.store_job(1, chunks(SRC)).ok
+        assert rig.load_job(2, chunks(DST)).ok and rig.moved(SRC, DST)
+        assert _threads("hma-conn", before) >= 1
     finally:
         rig.close()
         store.close()
