@@ -195,16 +195,19 @@ class RedisOffloadingWorker(OffloadingWorker):
             spec,
             group_ids=self._group_ids,
             blocks_per_chunk=self._blocks_per_chunk,
-            redis_key=lambda group, block_hash: self._keyspace.block_key(
-                group, block_hash, self._rank
-            ),
+            redis_key=self._block_key,
         )
 
+    def _block_key(self, group: int, block_hash: bytes) -> str:
+        """This worker's (its rank's) Redis key of a chunk."""
+        return self._keyspace.block_key(group, block_hash, self._rank)
+
     def _redis_key(self, key: bytes) -> str:
-        """This worker's Redis key of an offload key (its rank's)."""
+        """This worker's Redis key of an offload key."""
         offload_key = OffloadKey(key)
-        group = get_offload_group_idx(offload_key)
-        return self._keyspace.block_key(group, get_offload_block_hash(offload_key), self._rank)
+        return self._block_key(
+            get_offload_group_idx(offload_key), get_offload_block_hash(offload_key)
+        )
 
 
 def layer_groups(kv_caches: CanonicalKVCaches) -> list[list[LayerSource]]:

@@ -56,6 +56,15 @@ def _subscribed(server: LocalRedis, **kwargs: object) -> RemovalWatcher:
     return watcher
 
 
+def _detail_of_a_new_watcher(server: LocalRedis) -> str:
+    """The detail a freshly subscribed watcher of ``server`` works out (the watcher closed)."""
+    watcher = _subscribed(server)
+    try:
+        return watcher.detail
+    finally:
+        watcher.close()
+
+
 def _config_gets(admin: redis.Redis) -> int:
     stats = admin.info("commandstats").get("cmdstat_config|get", {})
     return int(stats.get("calls", 0))
@@ -156,11 +165,7 @@ def test_a_standalone_server_is_one_unnamed_node_and_the_detail_says_who_set_its
         assert first.detail == "notify-keyspace-events set to 'Kgxe'"
     finally:
         first.close()
-    second = _subscribed(local_redis)
-    try:
-        assert second.detail == "notify-keyspace-events already on"
-    finally:
-        second.close()
+    assert _detail_of_a_new_watcher(local_redis) == "notify-keyspace-events already on"
 
 
 def test_ensure_flags_says_what_it_found_and_what_is_in_force(
@@ -191,11 +196,7 @@ def test_flags_given_as_the_a_alias_count_as_on_and_are_left_alone(
     admin.config_set("notify-keyspace-events", "AK")
     outcome = ensure_flags(admin)
     assert (outcome.before, outcome.after, outcome.enabled) == ("AK", "AK", True)
-    watcher = _subscribed(local_redis)
-    try:
-        assert watcher.detail == "notify-keyspace-events already on"
-    finally:
-        watcher.close()
+    assert _detail_of_a_new_watcher(local_redis) == "notify-keyspace-events already on"
 
 
 def test_flags_the_watcher_may_not_set_are_named_and_warned_about_once(
