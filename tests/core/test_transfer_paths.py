@@ -258,12 +258,17 @@ def test_a_job_with_one_failing_connection_opens_the_breaker_once(local_redis, c
     try:
         assert rig.engine.native
         assert rig.store_job(1, chunks(SRC)).ok
-        # Slow replies: a job's parts overlap, so each holds a connection of its own, and
-        # the parts that still answer end after the broken one.
-        proxy.reply_delay_s = 0.05
+        # Slow replies: a job's parts overlap, so each holds a connection of its own (a part
+        # that started after another ended could reuse its connection and never meet the
+        # broken one), and the parts that still answer end after the broken one. A quarter
+        # second outlasts a busy host's scheduling delays.
+        proxy.reply_delay_s = 0.25
         assert rig.load_job(2, chunks(DST)).ok  # the pool's last three connections
         proxy.limit, proxy.mode = 0, "close"  # every connection from now on is cut at once
-        bulk = [c for c in admin.client_list() if c["cmd"] == "get"]
+        # This store's connections only: another test's idle client of the same server may
+        # also have sent GET last.
+        ours = set(proxy.upstream_addrs)
+        bulk = [c for c in admin.client_list() if c["cmd"] == "get" and c["addr"] in ours]
         assert len(bulk) == 3
         admin.client_kill_filter(_id=bulk[0]["id"])
         gets = int(admin.info("commandstats")["cmdstat_get"]["calls"])

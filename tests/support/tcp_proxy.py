@@ -33,10 +33,15 @@ class BreakingProxy(LoopbackServer):
         self.byte_delay_s: float | None = None
         self.reply_delay_s = 0.0
         self.connections = 0
+        # Each upstream connection's local address as Redis's CLIENT LIST names it ("ip:port"),
+        # so a test can tell this proxy's connections from any other client of the same server.
+        self.upstream_addrs: list[str] = []
         super().__init__()
 
     def _handle(self, conn: socket.socket) -> None:
         server = self._keep(socket.create_connection(("127.0.0.1", self.upstream_port)))
+        host, port = server.getsockname()[:2]
+        self.upstream_addrs.append(f"{host}:{port}")
         self.connections += 1
         threading.Thread(
             target=self._pump, args=(conn, server, self.request_limit), daemon=True
