@@ -42,7 +42,8 @@ def test_a_value_whose_header_names_another_group_is_never_loaded_under_this_key
     job = chunks(SRC)
     assert pages.store_job(1, job).ok
     chunk = [c for c in job if c.group == 1][-1]
-    block = codec.decode(redis_client.get(chunk.redis_key) or b"", expected_key=chunk.redis_key)
+    stored: Any = redis_client.get(chunk.redis_key)
+    block = codec.decode(stored, expected_key=chunk.redis_key)
     forged = dataclasses.replace(block.header, group=0)
     redis_client.set(chunk.redis_key, bytes(codec.encode(forged, bytes(block.body))))
     assert not pages.load_job(2, chunks(DST)).ok
@@ -140,7 +141,9 @@ def test_a_load_redis_cannot_answer_fails_as_missing_chunks_not_as_a_crash(
         store.close()
 
 
-def test_shutdown_does_not_hold_for_a_load(path: str, local_redis: LocalRedis, caplog) -> None:
+def test_shutdown_does_not_hold_for_a_load(
+    path: str, local_redis: LocalRedis, caplog: pytest.LogCaptureFixture
+) -> None:
     """Shutdown flushes stores; a load still in flight is not one (its request is going away
     with the engine), so shutdown neither waits for it nor counts it as a flushed store."""
     store = _store(local_redis.url, read_timeout_s=20.0)
