@@ -21,7 +21,7 @@ from hma_redis.core.deadline import budget_s
 from hma_redis.core.fastpath import NATIVE_ENV, StoreValue
 from hma_redis.core.medium import LoadTarget
 from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import JobResult
+from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV, JobResult
 from tests.support.kv_pages import DST, KEYSPACE, SRC, Pages, chunks, make_pages
 from tests.support.tcp_proxy import BreakingProxy
 
@@ -74,11 +74,12 @@ def slow_rig(
         store.close()
 
 
-def _job_bound(rig: Pages, job: list[Any]) -> float:
-    """The deadline of a transfer job of ``job``'s chunks, counted from its submission."""
+def _job_bound(rig: Pages, job: list[Any], read_timeout_s: float = READ_TIMEOUT_S) -> float:
+    """The deadline of a transfer job (load or store) of ``job``'s chunks, counted from its
+    submission."""
     engine: Any = rig.engine
     nbytes = sum(engine._value_bound(chunk) for chunk in job)
-    return budget_s(READ_TIMEOUT_S, nbytes, round_trips=2)
+    return budget_s(read_timeout_s, nbytes, round_trips=2)
 
 
 def _finished(rig: Pages, job_id: int, within_s: float) -> JobResult | None:
@@ -174,3 +175,37 @@ def test_a_slow_server_fails_a_fast_path_job_at_its_budget(
         values = [StoreValue(framing, head, [], b"\r\n$2\r\nNX\r\n")] * 10  # replies: 5 s
         elapsed = _run_bounded(lambda: store(sock, values, READ_TIMEOUT_S, budget_s=budget))
         assert budget * 0.9 <= elapsed < budget + MARGIN_S
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_load_queued_behind_others_ends_by_its_deadline_from_submission(
+    local_redis: Any, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's deadline counts from its submission, not from when a thread took it: vLLM
+    waits on a job by that bound. Two loads hold the engine's two load threads for 2 s each
+    (the test hook's pause, which their own deadlines leave out); the third, queued meanwhile,
+    is taken after 2 s and pauses 2 s more: by then its deadline (2 s of pause plus 1.5 s)
+    has passed, so it fails without running a budget of its own, though Redis is fast."""
+    if path == "python":
+        monkeypatch.setenv(NATIVE_ENV, "0")
+    monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "2.0")
+    store = RedisBlockStore(
+        RedisTierConfig.from_extra_config(
+            {"redis_url": local_redis.url, "read_timeout_s": 0.5}, env={}
+        )
+    )
+    rig = make_pages(store, io_threads=2)  # two load threads
+    try:
+        assert rig.store_job(1, chunks(SRC)).ok
+        for job_id in (2, 3, 9):
+            rig.engine.submit_load(job_id, chunks(DST))
+        results: dict[int, JobResult] = {}
+        deadline = time.monotonic() + 20
+        while len(results) < 3 and time.monotonic() < deadline:
+            results.update({r.job_id: r for r in rig.engine.finished()})
+            time.sleep(0.01)
+        assert results[2].ok and results[3].ok  # their pauses are not theirs to pay for
+        assert not results[9].ok  # queued 2 s, paused 2 s: past 2 s + its 1.5 s budget
+    finally:
+        rig.close()
+        store.close()
