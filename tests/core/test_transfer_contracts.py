@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -346,12 +347,9 @@ def test_a_value_of_another_format_is_never_loaded_though_its_checksum_holds(
     assert redis_client.exists(bad.redis_key) == 0
 
 
-def test_each_job_runs_on_the_data_path_its_engine_names(
-    path: str, redis_client: redis.Redis, redis_url: str
-) -> None:
-    """A native engine's jobs run the C job; an engine on the Python path (here
-    ``HMA_REDIS_NATIVE=0``) runs the twin for stores and loads alike. Seen by which of the
-    fast path's functions the engine's threads call."""
+def _fastpath_calls(make: Callable[[], Pages]) -> set[str]:
+    """The fast path's functions the threads of the engine ``make`` builds call for one store
+    and one load (profiled from before the engine starts its threads)."""
     called: set[str] = set()
 
     def profile(frame, event, arg) -> None:  # type: ignore[no-untyped-def]
@@ -360,18 +358,51 @@ def test_each_job_runs_on_the_data_path_its_engine_names(
 
     threading.setprofile(profile)
     try:
-        store = _store(redis_url)
-        rig = make_pages(store)
-        assert rig.store_job(1, chunks(SRC)).ok
-        assert rig.load_job(2, chunks(DST)).ok
+        rig = make()
+        try:
+            assert rig.store_job(1, chunks(SRC)).ok
+            assert rig.load_job(2, chunks(DST)).ok
+        finally:
+            rig.close()
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
-    rig.close()
-    store.close()
-    twin = {"python_store_values", "python_load_values"}
-    native = {"native_store_values", "native_load_values"}
-    assert called >= (native if path == "native" else twin), called
-    assert not called & (twin if path == "native" else native), called
+    return called
+
+
+TWIN = {"python_store_values", "python_load_values"}
+NATIVE = {"native_store_values", "native_load_values"}
+
+
+def test_each_job_runs_on_the_data_path_its_engine_names(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """A native engine's jobs run the C job; an engine on the Python path (here
+    ``HMA_REDIS_NATIVE=0``) runs the twin for stores and loads alike. Seen by which of the
+    fast path's functions the engine's threads call."""
+    store = _store(redis_url)
+    try:
+        called = _fastpath_calls(lambda: make_pages(store))
+    finally:
+        store.close()
+    assert called >= (NATIVE if path == "native" else TWIN), called
+    assert not called & (TWIN if path == "native" else NATIVE), called
+
+
+def test_an_engine_asked_for_the_python_path_runs_the_twin_where_c_could_run(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    """``native=False`` (the worker's choice, not the environment's): the store would run the
+    C job, the engine's jobs still run the twin."""
+    store = _store(redis_url)
+    assert store.native_unavailable_reason() is None
+    tensors = kv_tensors()
+    try:
+        called = _fastpath_calls(
+            lambda: Pages(_engine(store, tensors, native=False), tensors, store)
+        )
+    finally:
+        store.close()
+    assert called >= TWIN and not called & NATIVE, called
 
 
 def test_a_store_that_asks_first_counts_what_was_there_once_and_times_it_as_a_store(
