@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -282,6 +283,53 @@ def test_a_job_with_one_failing_connection_opens_the_breaker_once(local_redis, c
         assert store.breaker.state is BreakerState.OPEN
         sent = int(admin.info("commandstats")["cmdstat_get"]["calls"]) - gets
         assert sent <= len(chunks(DST))  # the first job's answering parts only
+    finally:
+        rig.close()
+        store.close()
+        proxy.close()
+        admin.close()
+
+
+def _fresh(job: int) -> list[Any]:
+    """SRC's chunks under hashes of their own (not in Redis): a store sends only SETs."""
+    hashes = ([bytes([job, g, i]) * 5 + b"\0" for i in (1, 2)] for g in (0, 1))
+    return chunks(SRC, tuple(hashes))  # type: ignore[arg-type]
+
+
+def test_a_store_with_one_failing_connection_opens_the_breaker_once(local_redis, caplog) -> None:
+    """The store side of the test above: a store job split over three connections, one of
+    them broken while the other two still answer. The job's chunks are not stored, the
+    breaker opens once and the answering parts do not close it: five failing jobs, one
+    WARNING."""
+    caplog.set_level(logging.WARNING, logger="hma_redis.core.breaker")
+    proxy = BreakingProxy(local_redis.port)
+    store = _store(proxy.url, connections_per_job=3, retry_interval_s=600)
+    rig = make_pages(store)
+    admin = redis.Redis(port=local_redis.port)
+
+    def store_job(job: int) -> None:
+        fresh = _fresh(job)
+        rig.run(
+            job, lambda jid, c: rig.engine.submit_store(jid, c, {k.redis_key for k in c}), fresh
+        )
+
+    try:
+        assert rig.engine.native
+        proxy.reply_delay_s = 0.25  # a job's parts overlap, each on a connection of its own
+        store_job(1)
+        assert all(admin.exists(c.redis_key) for c in _fresh(1))
+        proxy.limit, proxy.mode = 0, "close"  # every connection from now on is cut at once
+        ours = set(proxy.upstream_addrs)
+        sets = [c for c in admin.client_list() if c["cmd"] == "set" and c["addr"] in ours]
+        assert len(sets) == 3
+        admin.client_kill_filter(_id=sets[0]["id"])
+        caplog.clear()
+
+        for job in range(3, 8):
+            store_job(job)
+        warnings = [r for r in caplog.records if r.name == "hma_redis.core.breaker"]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert store.breaker.state is BreakerState.OPEN
     finally:
         rig.close()
         store.close()
