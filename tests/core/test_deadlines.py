@@ -22,15 +22,22 @@ from hma_redis.core.fastpath import NATIVE_ENV, StoreValue
 from hma_redis.core.medium import LoadTarget
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV, JobResult
-from tests.support.kv_pages import DST, KEYSPACE, SRC, Pages, chunks, make_pages
+from tests.support.kv_pages import (
+    DST,
+    KEYSPACE,
+    SRC,
+    UNSTORED_HASHES,
+    Pages,
+    chunks,
+    make_pages,
+    store_at,
+)
 from tests.support.tcp_proxy import BreakingProxy
 
 READ_TIMEOUT_S = 0.2
 BYTE_DELAY_S = 0.1  # half the read timeout: every wait succeeds, the reply crawls
 MARGIN_S = 1.0  # scheduling slack on a loaded test machine
 PATHS = ["native", "python"]
-# Chunks that are not in Redis (the rig stores SRC under kv_pages.HASHES).
-NEW_HASHES = ([bytes([9]) * 16, bytes([10]) * 16], [bytes([11]) * 16, bytes([12]) * 16])
 
 
 @pytest.fixture
@@ -131,7 +138,7 @@ def test_the_wait_on_a_store_ends_by_its_deadline_however_slowly_redis_answers(
 ) -> None:
     """vLLM's model-runner thread waits on a store before it reuses the store's blocks: that
     wait ends by the store's deadline."""
-    job = chunks(DST, NEW_HASHES)  # not in Redis yet: an EXISTS, then SETs
+    job = chunks(DST, UNSTORED_HASHES)  # not in Redis yet: an EXISTS, then SETs
     started = time.monotonic()
     slow_rig.engine.submit_store(3, job)
     slow_rig.engine.wait({3})
@@ -189,11 +196,7 @@ def test_a_load_queued_behind_others_ends_by_its_deadline_from_submission(
     if path == "python":
         monkeypatch.setenv(NATIVE_ENV, "0")
     monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "2.0")
-    store = RedisBlockStore(
-        RedisTierConfig.from_extra_config(
-            {"redis_url": local_redis.url, "read_timeout_s": 0.5}, env={}
-        )
-    )
+    store = store_at(local_redis.url, read_timeout_s=0.5)
     rig = make_pages(store, io_threads=2)  # two load threads
     try:
         assert rig.store_job(1, chunks(SRC)).ok

@@ -19,7 +19,6 @@ import redis
 import torch
 
 from hma_redis.core import codec
-from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.latency import Operation
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import (
@@ -41,11 +40,8 @@ from tests.support.kv_pages import (
     kv_tensors,
     layer_groups,
     make_pages,
+    store_at,
 )
-
-
-def _store(url: str) -> RedisBlockStore:
-    return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
 
 
 def _counted(store: RedisBlockStore) -> dict[str, int]:
@@ -76,7 +72,7 @@ def test_each_stored_chunk_is_counted_once_as_stored_or_existed(
 def test_chunks_a_full_redis_refuses_are_counted_failed(path: str) -> None:
     server = LocalRedis(extra_args=["--maxmemory-policy", "noeviction"])
     server.start()
-    store = _store(server.url)
+    store = store_at(server.url)
     rig = make_pages(store)
     try:
         client = redis.Redis.from_url(server.url)
@@ -134,7 +130,7 @@ def test_wait_for_finish_waits_as_long_as_asked_and_no_longer(
     path: str, redis_client: redis.Redis, redis_url: str, monkeypatch
 ) -> None:
     monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "3.0")  # the load runs for 3 s at least
-    store = _store(redis_url)
+    store = store_at(redis_url)
     rig = make_pages(store)
     try:
         monkeypatch.delenv(TEST_LOAD_DELAY_ENV)
@@ -155,7 +151,7 @@ def test_wait_for_finish_waits_as_long_as_asked_and_no_longer(
 def test_shutdown_flushes_queued_stores_then_takes_no_more(
     path: str, redis_client: redis.Redis, redis_url: str
 ) -> None:
-    store = _store(redis_url)
+    store = store_at(redis_url)
     rig = make_pages(store, io_threads=2)  # one store thread: the second job queues
     job = chunks(SRC)
     rig.engine.submit_store(1, job[:2])
@@ -172,11 +168,7 @@ def test_shutdown_gives_up_on_stores_that_outlast_its_timeout(
 ) -> None:
     """A store stuck on a paused Redis holds shutdown for ``shutdown_timeout_s`` (1 s here),
     not for the store's own deadline."""
-    store = RedisBlockStore(
-        RedisTierConfig.from_extra_config(
-            {"redis_url": local_redis.url, "read_timeout_s": 20.0}, env={}
-        )
-    )
+    store = store_at(local_redis.url, read_timeout_s=20.0)
     rig = make_pages(store)
     try:
         local_redis.pause()
@@ -194,7 +186,7 @@ def test_shutdown_stops_every_thread_of_the_engine(
     path: str, redis_client: redis.Redis, redis_url: str
 ) -> None:
     before = set(threading.enumerate())
-    store = _store(redis_url)
+    store = store_at(redis_url)
     rig = make_pages(store)
     assert rig.store_job(1, chunks(SRC)).ok
     assert rig.load_job(2, chunks(DST)).ok
@@ -221,7 +213,7 @@ def test_a_cache_of_host_and_strided_layers_stores_and_loads_every_page(
     strided = kv_tensors(strided=True)
     for idx in LAYERS[1]:
         tensors[idx] = strided[idx]
-    store = _store(redis_url)
+    store = store_at(redis_url)
     engine = TransferEngine(
         store,
         layer_groups(tensors),
@@ -306,7 +298,7 @@ def test_a_failed_load_says_why_and_counts_every_chunk(
 def test_a_partial_load_counts_what_landed_and_what_failed(
     path: str, redis_client: redis.Redis, redis_url: str
 ) -> None:
-    store = _store(redis_url)
+    store = store_at(redis_url)
     rig = make_pages(store, partial_loads=True)
     try:
         job = chunks(SRC)
@@ -379,7 +371,7 @@ def test_each_job_runs_on_the_data_path_its_engine_names(
     """A native engine's jobs run the C job; an engine on the Python path (here
     ``HMA_REDIS_NATIVE=0``) runs the twin for stores and loads alike. Seen by which of the
     fast path's functions the engine's threads call."""
-    store = _store(redis_url)
+    store = store_at(redis_url)
     try:
         called = _fastpath_calls(lambda: make_pages(store))
     finally:
@@ -393,7 +385,7 @@ def test_an_engine_asked_for_the_python_path_runs_the_twin_where_c_could_run(
 ) -> None:
     """``native=False`` (the worker's choice, not the environment's): the store would run the
     C job, the engine's jobs still run the twin."""
-    store = _store(redis_url)
+    store = store_at(redis_url)
     assert store.native_unavailable_reason() is None
     tensors = kv_tensors()
     try:
@@ -470,11 +462,7 @@ def test_stores_abandoned_at_shutdown_never_run_later(path: str, local_redis: Lo
     """Stores still queued when shutdown gives up (Redis paused past ``shutdown_timeout_s``)
     are dropped: none of them runs once Redis is back, and shutdown returns within its
     timeout, not the stuck job's own deadline."""
-    store = RedisBlockStore(
-        RedisTierConfig.from_extra_config(
-            {"redis_url": local_redis.url, "read_timeout_s": 20.0}, env={}
-        )
-    )
+    store = store_at(local_redis.url, read_timeout_s=20.0)
     rig = make_pages(store, io_threads=2)  # one store thread: jobs 2 and 3 queue behind 1
     job = chunks(SRC)
     client = redis.Redis.from_url(local_redis.url)
@@ -515,7 +503,7 @@ def _engine(store: RedisBlockStore, tensors: list[torch.Tensor], **kwargs) -> Tr
 def test_the_data_path_line_says_where_loads_land_and_why(
     redis_url: str, strided: bool, native: bool | None, auth_key: bytes | None, where: str
 ) -> None:
-    store = _store(redis_url)
+    store = store_at(redis_url)
     engine = TransferEngine(
         store,
         layer_groups(kv_tensors(strided)),
@@ -552,7 +540,7 @@ def test_an_engine_runs_io_threads_loads_and_half_as_many_stores_at_once(
 ) -> None:
     """``io_threads`` (default 4) loads at once, stores on half as many threads (at least one)."""
     before = set(threading.enumerate())
-    store = _store(local_redis.url)
+    store = store_at(local_redis.url)
     tensors = kv_tensors()
     options = {} if io_threads is None else {"io_threads": io_threads}
     rig = Pages(_engine(store, tensors, **options), tensors, store)
@@ -583,7 +571,7 @@ def test_a_load_with_a_missing_chunk_lands_nothing_by_default(
 ) -> None:
     """Without ``partial_loads`` a load is all or nothing: one missing chunk fails every
     chunk of the job, and no page of the others is written."""
-    store = _store(redis_url)
+    store = store_at(redis_url)
     tensors = kv_tensors()
     rig = Pages(_engine(store, tensors), tensors, store)
     try:
@@ -606,7 +594,7 @@ def test_values_carry_a_mac_exactly_when_the_engine_has_an_auth_key(
 ) -> None:
     for auth_key in (None, b"k" * 32):
         redis_client.flushall()
-        store = _store(redis_url)
+        store = store_at(redis_url)
         rig = make_pages(store, auth_key=auth_key)
         try:
             assert rig.store_job(1, chunks(SRC)).ok
@@ -622,7 +610,7 @@ def test_a_store_submitted_after_shutdown_runs_in_the_callers_thread(
 ) -> None:
     """At interpreter exit the thread pools take no new work: a store submitted then is not
     lost, it runs at once in the caller's thread."""
-    store = _store(redis_url)
+    store = store_at(redis_url)
     rig = make_pages(store)
     rig.engine.shutdown()
     job = chunks(SRC)
@@ -635,7 +623,7 @@ def test_a_store_submitted_after_shutdown_runs_in_the_callers_thread(
 def test_wait_for_finish_returns_at_once_when_no_load_runs(
     path: str, redis_client: redis.Redis, redis_url: str
 ) -> None:
-    store = _store(redis_url)
+    store = store_at(redis_url)
     rig = make_pages(store)
     try:
         assert rig.store_job(1, chunks(SRC)).ok
@@ -655,7 +643,7 @@ def test_the_parts_of_a_split_job_run_on_their_own_named_threads(
     """With ``connections_per_job`` 2 each job's second part runs on an ``hma-conn`` thread
     while the job's own thread runs the first; both parts land."""
     before = set(threading.enumerate())
-    store = _store(redis_url)
+    store = store_at(redis_url)
     tensors = kv_tensors()
     rig = Pages(_engine(store, tensors, connections_per_job=2), tensors, store)
     try:

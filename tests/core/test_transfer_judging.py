@@ -16,18 +16,9 @@ import pytest
 import redis
 
 from hma_redis.core import codec
-from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis
-from tests.support.kv_pages import DST, SRC, Pages, chunks, make_pages
+from tests.support.kv_pages import DST, SRC, UNSTORED_HASHES, Pages, chunks, make_pages, store_at
 from tests.support.tcp_proxy import BreakingProxy
-
-# Chunks that are not in Redis (the rigs store SRC under kv_pages.HASHES).
-MISSING = ([bytes([9]) * 16, bytes([10]) * 16], [bytes([11]) * 16, bytes([12]) * 16])
-
-
-def _store(url: str, **options: Any) -> RedisBlockStore:
-    return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url, **options}, env={}))
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> str:
@@ -104,7 +95,7 @@ def test_a_staged_value_that_fails_says_why(
 def test_a_value_signed_with_another_key_fails_as_a_mac_mismatch(
     path: str, redis_client: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    writer_store, reader_store = _store(redis_url), _store(redis_url)
+    writer_store, reader_store = store_at(redis_url), store_at(redis_url)
     writer = make_pages(writer_store, auth_key=b"w" * 32)
     reader = make_pages(reader_store, auth_key=b"r" * 32)
     try:
@@ -125,7 +116,7 @@ def test_a_load_redis_cannot_answer_fails_as_missing_chunks_not_as_a_crash(
 ) -> None:
     """Redis gone mid-session: every chunk is missing, said in one warning; no traceback."""
     proxy = BreakingProxy(local_redis.port)
-    store = _store(proxy.url, connect_timeout_s=0.5, read_timeout_s=0.5)
+    store = store_at(proxy.url, connect_timeout_s=0.5, read_timeout_s=0.5)
     rig = make_pages(store)
     try:
         assert rig.store_job(1, chunks(SRC)).ok
@@ -146,7 +137,7 @@ def test_shutdown_does_not_hold_for_a_load(
 ) -> None:
     """Shutdown flushes stores; a load still in flight is not one (its request is going away
     with the engine), so shutdown neither waits for it nor counts it as a flushed store."""
-    store = _store(local_redis.url, read_timeout_s=20.0)
+    store = store_at(local_redis.url, read_timeout_s=20.0)
     rig = make_pages(store)
     try:
         assert rig.store_job(1, chunks(SRC)).ok
@@ -169,7 +160,7 @@ def test_a_second_load_in_flight_keeps_wait_for_finish_waiting(
     """Two loads in flight and the first collected: the engine still has a load running, so
     ``wait_for_finish`` sleeps until the second is done instead of returning at once."""
     proxy = BreakingProxy(local_redis.port)
-    store = _store(proxy.url)
+    store = store_at(proxy.url)
     rig = make_pages(store, io_threads=4)  # two loads at once
     try:
         assert rig.store_job(1, chunks(SRC)).ok
@@ -200,6 +191,6 @@ def test_the_engine_keeps_no_record_of_finished_jobs(pages: Pages) -> None:
     for job_id in range(1, 6):
         assert pages.store_job(job_id, chunks(SRC)).ok
         assert pages.load_job(100 + job_id, chunks(DST)).ok
-    assert not pages.load_job(200, chunks(DST, MISSING)).ok  # a load that fails
+    assert not pages.load_job(200, chunks(DST, UNSTORED_HASHES)).ok  # a load that fails
     engine: Any = pages.engine
     assert engine._jobs == {}

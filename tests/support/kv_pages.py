@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.store import RedisBlockStore
 from hma_redis.core.transfer import (
@@ -41,6 +42,8 @@ DST = ([30, 31, 32, 33, 0, 36, 38, 39], [25, 26, 27, 18, 34, 35])
 # The block hashes of the job's chunks, per group.
 HASHES = ([bytes([1]) * 16, bytes([2]) * 16], [bytes([3]) * 16, bytes([4]) * 16])
 FIRST_INDEX = (0, 2)  # each group's first block, as an index into its chunks' blocks
+# Hashes no test stores under (the rigs store SRC under HASHES): chunks Redis does not hold.
+UNSTORED_HASHES = ([bytes([9]) * 16, bytes([10]) * 16], [bytes([11]) * 16, bytes([12]) * 16])
 
 
 def kv_tensors(strided: bool = False) -> list[torch.Tensor]:
@@ -119,6 +122,11 @@ class Pages:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def store_at(url: str, **options: Any) -> RedisBlockStore:
+    """A store on ``url`` with ``options`` (extra_config keys) and nothing from the environment."""
+    return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url, **options}, env={}))
 
 
 def make_pages(
