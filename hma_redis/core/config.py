@@ -53,6 +53,8 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9_.\-]{1,32}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # connections_per_job: more connections than this per job only add Redis clients.
 MAX_CONNECTIONS_PER_JOB = 64
+# connections_per_thread: the C job's limit is 64; past a few, only more Redis clients.
+MAX_CONNECTIONS_PER_THREAD = 8
 MAX_IDLE_WAIT_MS = 100.0
 # Every timeout and interval: the native path's poll() takes at most a day (int milliseconds),
 # and a longer wait is a hang, not a timeout.
@@ -225,6 +227,9 @@ class RedisTierConfig:
     # Worker: connections one transfer job's chunks are split over, each driven by its own
     # thread running the native fast path (more for many cores, Redis io-threads).
     connections_per_job: int = 1
+    # Worker: connections each of those threads spreads its values over from one call of the
+    # fast path (value i on connection i mod N); jobs whose values may exceed 3 MiB use one.
+    connections_per_thread: int = 2
     shutdown_timeout_s: float = 30.0
     # Lower Python's GIL switch interval to this in the worker's process (0: leave it).
     gil_switch_interval_ms: float = 0.5
@@ -671,6 +676,7 @@ NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "pool_size": (1, MAX_POOL_SIZE, True),
     "io_threads": (1, MAX_IO_THREADS, True),
     "connections_per_job": (1, MAX_CONNECTIONS_PER_JOB, True),
+    "connections_per_thread": (1, MAX_CONNECTIONS_PER_THREAD, True),
     "max_inflight_bytes": (1, MAX_INFLIGHT_BYTES, True),
     "ttl_s": (1, MAX_EXPIRE_S, True),
     "admission_window_s": (1, MAX_EXPIRE_S, True),

@@ -19,9 +19,16 @@ The types a load job shares with the transfer engine (:class:`LoadTarget`, :clas
 :class:`LoadStatus`, :class:`Landed`) are :mod:`hma_redis.core.medium`'s; the rules below are
 how the wire job meets their contract.
 
+A job runs on one socket or on several (the job's connections, 1 to 64, distinct): value i
+travels on socket i mod k, replies are read in value order, and ``window`` counts per socket.
+While this thread receives one socket's reply, Redis writes the next socket's (a load) or
+reads the value just sent on another (a store): on two cores one thread on two connections moved
+512 KiB values faster than one connection, where a second thread per job did not
+(docs/performance.md). :func:`job_connections` says how many a job takes.
+
 A load job (:func:`load_values`) sends one command per target (a ``GET``; at most ``window``
-unanswered at once) and reads one reply per target: RESP2 ``$len``/``$-1``, RESP3 ``_``, or an
-error. Each value of ``len`` bytes lands by these rules, in this order:
+unanswered at once per socket) and reads one reply per target: RESP2 ``$len``/``$-1``, RESP3
+``_``, or an error. Each value of ``len`` bytes lands by these rules, in this order:
 
 1. ``len > max_len``: drained in bounded pieces (never held whole), ``oversized``.
 2. Its first ``min(len, 48)`` bytes (the codec's prefix) go to ``head[0:]``. If ``len >= 48``
@@ -48,8 +55,8 @@ A timeout (no progress for ``timeout_s``, or the job not done within ``budget_s`
 its start when a budget is given), an EOF or a malformed reply (among them a reply line that
 does not fit :data:`MAX_REPLY_LINE` bytes with its CRLF, found before more than that is held)
 raises (``TimeoutError``,
-``ConnectionError``, :class:`ProtocolError`): the stream is then at an unknown position and the
-caller must drop the connection. Destination memory may have been written by then.
+``ConnectionError``, :class:`ProtocolError`): the streams are then at unknown positions and the
+caller must drop every connection of the job. Destination memory may have been written by then.
 
 :func:`store_values` takes each value as a :class:`StoreValue`: the command's framing up to the
 value (``*4 $3 SET $<keylen> key $<valuelen>``), the head (the codec's prefix and msgpack
@@ -72,7 +79,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import crc32c as _crc32c
 
@@ -103,6 +110,12 @@ _MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk lengt
 # fourth round).
 DEFAULT_WINDOW = 2
 ONE_AT_A_TIME_BYTES = 3 << 20
+
+# The most connections one job runs on (the C code's limit).
+MAX_JOB_CONNECTIONS = 64
+
+# One socket, or the job's connections (value i on socket i mod their number).
+Sockets: TypeAlias = socket.socket | Sequence[socket.socket]
 
 # The extension (untyped: its surface is wrapped, with types, by the functions below).
 _native: Any
@@ -203,9 +216,23 @@ def _announce() -> None:
             logger.info("hma_redis: transfer data path: %s", describe())
 
 
-def _native_for(sock: socket.socket, native: bool = True) -> bool:
+def _sockets(sock: Sockets) -> list[socket.socket]:
+    """The job's sockets as a list (one socket is a job on one connection)."""
+    return [sock] if isinstance(sock, socket.socket) else list(sock)
+
+
+def _check_sockets(socks: Sequence[socket.socket]) -> None:
+    """The checks the C code makes of a job's sockets."""
+    if not 1 <= len(socks) <= MAX_JOB_CONNECTIONS:
+        raise ValueError("a job runs on 1 to 64 connections")
+    if len({sock.fileno() for sock in socks}) != len(socks):
+        raise ValueError("a job's connections must be distinct")
+
+
+def _native_for(sock: Sockets, native: bool = True) -> bool:
     _announce()
-    return native and available() and not isinstance(sock, ssl.SSLSocket)
+    tls = any(isinstance(s, ssl.SSLSocket) for s in _sockets(sock))
+    return native and available() and not tls
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -229,15 +256,29 @@ def crc32c_parts(buffers: Sequence[Any], value: int = 0) -> int:
     return value
 
 
-def window_for(targets: Sequence[LoadTarget]) -> int:
-    """GETs in flight for a job of ``targets``: :data:`DEFAULT_WINDOW`, or 1 when one of its
-    values may be longer than :data:`ONE_AT_A_TIME_BYTES`."""
+def job_connections(largest: int, count: int, wanted: int) -> int:
+    """Connections a job of ``count`` values, each at most ``largest`` bytes, runs on:
+    ``wanted`` (``connections_per_thread``), never more than it has values, and one when a
+    value may be longer than :data:`ONE_AT_A_TIME_BYTES` (two such values at once overflow
+    Linux' default largest TCP send buffer, and Redis holds both in its reply buffers)."""
+    if largest > ONE_AT_A_TIME_BYTES:
+        return 1
+    return max(1, min(wanted, count))
+
+
+def window_for(targets: Sequence[LoadTarget], connections: int = 1) -> int:
+    """GETs in flight per connection for a job of ``targets`` on ``connections`` sockets:
+    :data:`DEFAULT_WINDOW` on one; one when the job has several (each socket's reply is
+    prepared while another's is received, and two per socket measured no faster), or when one
+    of its values may be longer than :data:`ONE_AT_A_TIME_BYTES`."""
     largest = max((target.max_len for target in targets), default=0)
-    return 1 if largest > ONE_AT_A_TIME_BYTES else DEFAULT_WINDOW
+    if largest > ONE_AT_A_TIME_BYTES or connections > 1:
+        return 1
+    return DEFAULT_WINDOW
 
 
 def load_values(
-    sock: socket.socket,
+    sock: Sockets,
     commands: Sequence[bytes | memoryview],
     targets: Sequence[LoadTarget],
     timeout_s: float,
@@ -245,36 +286,38 @@ def load_values(
     budget_s: float | None = None,
     native: bool = True,
 ) -> list[LoadResult]:
-    """Run a load job on ``sock`` (see the module docstring): ``commands[i]`` asks for the value
-    that goes to ``targets[i]``; at most ``window`` are unanswered at once (0: all sent first;
-    None: :func:`window_for` the targets); the whole job within ``budget_s`` seconds when
-    given (TimeoutError at once when it is not > 0). Native unless unavailable, ``sock`` is
-    TLS or ``native`` is False; the pure-Python twin otherwise."""
+    """Run a load job on ``sock``, one socket or several (see the module docstring):
+    ``commands[i]`` asks for the value that goes to ``targets[i]``; at most ``window`` are
+    unanswered at once per socket (0: all sent first; None: :func:`window_for` the targets);
+    the whole job within ``budget_s`` seconds when given (TimeoutError at once when it is not
+    > 0). Native unless unavailable, a socket is TLS or ``native`` is False; the pure-Python
+    twin otherwise."""
+    socks = _sockets(sock)
     if window is None:
-        window = window_for(targets)
-    if _native_for(sock, native):
+        window = window_for(targets, len(socks))
+    if _native_for(socks, native):
         return native_load_values(sock, commands, targets, timeout_s, window, budget_s)
     return python_load_values(sock, commands, targets, timeout_s, window, budget_s)
 
 
 def store_values(
-    sock: socket.socket,
+    sock: Sockets,
     values: Sequence[StoreValue],
     timeout_s: float,
     budget_s: float | None = None,
     native: bool = True,
 ) -> list[StoreResult]:
-    """Run a store job on ``sock`` (see the module docstring): checksum each value into its
-    head, send it with its pages in place, then read one reply per value; the whole job within
-    ``budget_s`` seconds when given. Native unless unavailable, ``sock`` is TLS or ``native``
-    is False; the pure-Python twin otherwise."""
+    """Run a store job on ``sock``, one socket or several (see the module docstring):
+    checksum each value into its head, send it with its pages in place, then read one reply
+    per value; the whole job within ``budget_s`` seconds when given. Native unless
+    unavailable, a socket is TLS or ``native`` is False; the pure-Python twin otherwise."""
     if _native_for(sock, native):
         return native_store_values(sock, values, timeout_s, budget_s)
     return python_store_values(sock, values, timeout_s, budget_s)
 
 
 def native_load_values(
-    sock: socket.socket,
+    sock: Sockets,
     commands: Sequence[bytes | memoryview],
     targets: Sequence[LoadTarget],
     timeout_s: float,
@@ -285,7 +328,8 @@ def native_load_values(
     if _native is None:
         raise RuntimeError(f"the native fast path is not built ({_IMPORT_ERROR})")
     budget = _check_budget(budget_s)
-    raw = _native.load_values(sock.fileno(), commands, targets, timeout_s, window, budget)
+    fds = [s.fileno() for s in _sockets(sock)]
+    raw = _native.load_values(fds, commands, targets, timeout_s, window, budget)
     return [
         LoadResult(
             LoadStatus(status), value_len, header_len, crc_ok, landed and Landed(landed), error
@@ -295,7 +339,7 @@ def native_load_values(
 
 
 def native_store_values(
-    sock: socket.socket,
+    sock: Sockets,
     values: Sequence[StoreValue],
     timeout_s: float,
     budget_s: float | None = None,
@@ -304,7 +348,8 @@ def native_store_values(
     if _native is None:
         raise RuntimeError(f"the native fast path is not built ({_IMPORT_ERROR})")
     budget = _check_budget(budget_s)
-    raw = _native.store_values(sock.fileno(), values, timeout_s, budget)
+    fds = [s.fileno() for s in _sockets(sock)]
+    raw = _native.store_values(fds, values, timeout_s, budget)
     return [StoreResult(StoreStatus(status), error) for status, error in raw]
 
 
@@ -528,20 +573,25 @@ def _check_target(target: LoadTarget) -> None:
 
 
 @contextmanager
-def _timeout(sock: socket.socket, timeout_s: float, budget_s: float | None) -> Iterator[_Waits]:
-    """Bound every wait on ``sock`` by ``timeout_s``, and the block by ``budget_s`` from now
-    when given (as the C code's poll)."""
+def _timeouts(
+    socks: Sequence[socket.socket], timeout_s: float, budget_s: float | None
+) -> Iterator[list[_Waits]]:
+    """Bound every wait on each of ``socks`` by ``timeout_s``, and the block by ``budget_s``
+    from now when given, one deadline for them all (as the C code's poll)."""
     if not 0 < timeout_s <= 86400:
         raise ValueError("timeout_s must be > 0 and at most a day")
     if budget_s is not None and not 0 <= budget_s <= 86400:
         raise ValueError("budget_s must be >= 0 and at most a day")
+    _check_sockets(socks)
     deadline = Deadline.after(budget_s) if budget_s else None
-    before = sock.gettimeout()
-    sock.settimeout(timeout_s)
+    before = [sock.gettimeout() for sock in socks]
     try:
-        yield _Waits(sock, timeout_s, deadline)
+        for sock in socks:
+            sock.settimeout(timeout_s)
+        yield [_Waits(sock, timeout_s, deadline) for sock in socks]
     finally:
-        sock.settimeout(before)
+        for sock, timeout in zip(socks, before, strict=True):
+            sock.settimeout(timeout)
 
 
 def _check_budget(budget_s: float | None) -> float:
@@ -554,7 +604,7 @@ def _check_budget(budget_s: float | None) -> float:
 
 
 def python_load_values(
-    sock: socket.socket,
+    sock: Sockets,
     commands: Sequence[bytes | memoryview],
     targets: Sequence[LoadTarget],
     timeout_s: float,
@@ -570,20 +620,29 @@ def python_load_values(
     for target in targets:
         _check_target(target)
     count = len(targets)
+    socks = _sockets(sock)
+    lanes = len(socks)
     out: list[LoadResult] = []
-    with _timeout(sock, timeout_s, budget_s) as waits:
-        stream = _Stream(sock, waits)
-        sent = count if window == 0 else min(window, count)
-        _send(sock, commands[:sent], waits)
-        for target in targets:
-            kind, detail = _reply_line(stream)
-            if sent < count:
-                _send(sock, [commands[sent]], waits)
+    with _timeouts(socks, timeout_s, budget_s) as waits:
+        streams = [_Stream(s, w) for s, w in zip(socks, waits, strict=True)]
+        sent = count if window == 0 else min(window * lanes, count)
+        for lane in range(min(lanes, count)):
+            _send(socks[lane], commands[lane:sent:lanes], waits[lane])
+        for idx, target in enumerate(targets):
+            lane = idx % lanes
+            kind, detail = _reply_line(streams[lane])
+            if sent < count:  # command ``sent`` is this socket's next (sent == idx + window * k)
+                _send(socks[lane], [commands[sent]], waits[lane])
                 sent += 1
-            out.append(_load_reply(stream, target, kind, detail))
-        if stream.leftover():
-            raise ProtocolError("unexpected bytes after the last reply")
+            out.append(_load_reply(streams[lane], target, kind, detail))
+        _check_drained(streams)
     return out
+
+
+def _check_drained(streams: Sequence[_Stream]) -> None:
+    """No socket of the job holds bytes past its last reply."""
+    if any(stream.leftover() for stream in streams):
+        raise ProtocolError("unexpected bytes after the last reply")
 
 
 def _load_reply(
@@ -608,7 +667,7 @@ def _load_reply(
 
 
 def python_store_values(
-    sock: socket.socket,
+    sock: Sockets,
     values: Sequence[StoreValue],
     timeout_s: float,
     budget_s: float | None = None,
@@ -616,17 +675,20 @@ def python_store_values(
     """:func:`store_values` in pure Python: the oracle of the native path, and its fallback."""
     _check_budget(budget_s)
     heads = [_store_head(value) for value in values]
+    socks = _sockets(sock)
+    lanes = len(socks)
     out: list[StoreResult] = []
-    with _timeout(sock, timeout_s, budget_s) as waits:
-        for value, head in zip(values, heads, strict=True):
+    with _timeouts(socks, timeout_s, budget_s) as waits:
+        for idx, (value, head) in enumerate(zip(values, heads, strict=True)):
             crc = _crc32c.crc32c(head[PREFIX_BYTES:])
             for page in value.pages:
                 crc = _crc32c.crc32c(page, crc)
             head[CRC_AT : CRC_AT + 4] = crc.to_bytes(4, "big")
-            _send(sock, [value.framing, head, *value.pages, value.tail], waits)
-        stream = _Stream(sock, waits)
-        for _ in values:
-            kind, detail = _reply_line(stream)
+            lane = idx % lanes
+            _send(socks[lane], [value.framing, head, *value.pages, value.tail], waits[lane])
+        streams = [_Stream(s, w) for s, w in zip(socks, waits, strict=True)]
+        for idx in range(len(values)):
+            kind, detail = _reply_line(streams[idx % lanes])
             if kind == "status":
                 if detail != "OK":
                     raise ProtocolError("unexpected status reply to SET")
@@ -638,6 +700,5 @@ def python_store_values(
                 out.append(StoreResult(StoreStatus.ERROR, detail))
             else:
                 raise ProtocolError("bulk reply to SET NX")
-        if stream.leftover():
-            raise ProtocolError("unexpected bytes after the last reply")
+        _check_drained(streams)
     return out

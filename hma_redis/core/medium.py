@@ -106,7 +106,14 @@ class BlockStore(Protocol):
 
     @property
     def connections_per_job(self) -> int:
-        """How many connections a job's chunks are split over when the engine is not told."""
+        """How many parts (threads) a job's chunks are split over when the engine is not
+        told."""
+        ...
+
+    @property
+    def connections_per_thread(self) -> int:
+        """How many connections one part's call (:meth:`load_values`, :meth:`put_values`)
+        spreads its values over at most."""
         ...
 
     def exists(

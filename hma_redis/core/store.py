@@ -417,13 +417,18 @@ class RedisBlockStore:
         """``connections_per_job`` of the config."""
         return self.cfg.connections_per_job
 
+    @property
+    def connections_per_thread(self) -> int:
+        """``connections_per_thread`` of the config."""
+        return self.cfg.connections_per_thread
+
     def warm_bulk(self, connections: int) -> int:
-        """Open up to ``connections`` connections of the bulk pool (of each Cluster primary's
-        pool) ahead of the first job, so that a fresh engine's first load does not wait for
-        them (connect, HELLO, AUTH, SELECT). Best effort, outside the breaker: an error stops
-        it quietly and the jobs open what they need, as they always could. Returns how many
-        connections it opened or found open."""
-        return _warm(self._bulk, connections)
+        """Open up to ``connections`` × ``connections_per_thread`` connections of the bulk pool
+        (of each Cluster primary's pool) ahead of the first job, so that a fresh engine's first
+        load does not wait for them (connect, HELLO, AUTH, SELECT). Best effort, outside the
+        breaker: an error stops it quietly and the jobs open what they need, as they always
+        could. Returns how many connections it opened or found open."""
+        return _warm(self._bulk, connections * self.cfg.connections_per_thread)
 
     def warm_lookups(self) -> int:
         """:meth:`warm_bulk` for the connection lookups use (one per pool)."""
@@ -455,6 +460,7 @@ class RedisBlockStore:
             return []
         commands = [_get_command(key) for key in keys]
         within = self._deadline(sum(target.max_len for target in targets), deadline)
+        lanes = self._lanes(max((target.max_len for target in targets), default=0), len(keys))
 
         def body(sock: Any, idx: Sequence[int]) -> list[LoadResult]:
             return fastpath.load_values(
@@ -467,7 +473,7 @@ class RedisBlockStore:
             )
 
         def load() -> list[LoadResult]:
-            results = self._on_job_connections(keys, body)
+            results = self._on_job_connections(keys, body, lanes)
             for result in results:
                 if result.status is LoadStatus.ERROR:
                     self._job_error("GET", result.error)
@@ -502,11 +508,12 @@ class RedisBlockStore:
         if ttl:
             tail += b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
         values = []
-        total = 0
+        total = largest = 0
         for key, head, body in zip(keys, heads, bodies, strict=True):
             raw_key = key.encode()
             size = memoryview(head).nbytes + sum(memoryview(piece).nbytes for piece in body)
             total += size
+            largest = max(largest, size)
             framing = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
                 6 if ttl else 4,
                 len(raw_key),
@@ -516,6 +523,7 @@ class RedisBlockStore:
             values.append(fastpath.StoreValue(framing, head, body, tail))
 
         within = self._deadline(total, deadline)
+        lanes = self._lanes(largest, len(keys))
 
         def send(sock: Any, idx: Sequence[int]) -> list[fastpath.StoreResult]:
             return fastpath.store_values(
@@ -527,7 +535,7 @@ class RedisBlockStore:
             )
 
         def store() -> list[PutResult]:
-            return [self._store_result(r) for r in self._on_job_connections(keys, send)]
+            return [self._store_result(r) for r in self._on_job_connections(keys, send, lanes)]
 
         default = [PutResult.FAILED] * len(keys)
         return self._guard("SET", store, default, within, _own(outcome), Operation.STORE)
@@ -767,19 +775,26 @@ class RedisBlockStore:
         with self._stats_lock:
             self.round_trips += 1
 
+    def _lanes(self, largest: int, count: int) -> int:
+        """Connections a value job of ``count`` values (the largest ``largest`` bytes) runs on
+        (:func:`fastpath.job_connections` of ``connections_per_thread``)."""
+        return fastpath.job_connections(largest, count, self.cfg.connections_per_thread)
+
     def _on_job_connections(
-        self, keys: Sequence[str], body: Callable[[Any, Sequence[int]], list[_R]]
+        self, keys: Sequence[str], body: Callable[[Any, Sequence[int]], list[_R]], lanes: int = 1
     ) -> list[_R]:
-        """``body(socket, positions)`` for the positions of ``keys``, its results back in key
-        order. One server: every position on one connection. A Cluster: the positions grouped
-        by the node that serves their slot, each group on a connection to its node, one node
-        after the other; a key whose slot is migrating and that answered ASK is sent again to
-        the node named, after ``ASKING`` (:meth:`_follow_asks`). A key that moved answers
-        MOVED: an error result, a refusal, so the job fails and is recomputed, and the slot
-        table is refreshed for the next job."""
+        """``body(sockets, positions)`` for the positions of ``keys``, its results back in key
+        order. One server: every position on ``lanes`` connections. A Cluster: the positions
+        grouped by the node that serves their slot, each group on up to ``lanes`` connections
+        to its node, one node after the other; a key whose slot is migrating and that answered
+        ASK is sent again to the node named, after ``ASKING`` (:meth:`_follow_asks`). A key
+        that moved answers MOVED: an error result, a refusal, so the job fails and is
+        recomputed, and the slot table is refreshed for the next job."""
         if not isinstance(self._bulk, RedisCluster):
             pool = self._bulk.connection_pool
-            return self._on_job_connection(pool, lambda sock: body(sock, range(len(keys))))
+            return self._on_job_connection(
+                pool, lambda socks: body(socks, range(len(keys))), lanes=lanes
+            )
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for idx, key in enumerate(keys):
             node = self._bulk.get_node_from_key(key)
@@ -793,7 +808,8 @@ class RedisBlockStore:
                     return body(sock, on_node)
 
                 pool = self._bulk.get_redis_connection(node).connection_pool
-                results = self._on_job_connection(pool, run, counters=False)
+                on = min(lanes, len(positions))
+                results = self._on_job_connection(pool, run, counters=False, lanes=on)
                 for idx, result in zip(positions, results, strict=True):
                     out[idx] = result
             self._follow_asks(out, body)  # type: ignore[arg-type,type-var]  # all filled
@@ -820,8 +836,8 @@ class RedisBlockStore:
                 continue
             pool = self._bulk.get_redis_connection(node).connection_pool
 
-            def again(sock: Any, at: int = idx) -> list[_R]:
-                return body(sock, [at])
+            def again(socks: Any, at: int = idx) -> list[_R]:
+                return body(socks, [at])
 
             (out[idx],) = self._on_job_connection(pool, again, counters=False, asking=True)
 
@@ -851,32 +867,42 @@ class RedisBlockStore:
             raise
 
     def _on_job_connection(
-        self, pool: Any, body: Callable[[Any], _T], counters: bool = True, asking: bool = False
+        self,
+        pool: Any,
+        body: Callable[[list[Any]], _T],
+        counters: bool = True,
+        asking: bool = False,
+        lanes: int = 1,
     ) -> _T:
-        """Run ``body(socket)`` on one connection of ``pool``, which nothing else reads while
-        it runs. Pending counter deltas are delivered first (unless ``counters`` is false), in
-        a round trip of their own (a value job reads only the replies to its own commands);
-        with ``asking``, ``ASKING`` goes first (Cluster: the next command may use a slot the
-        node is importing). A connection holding bytes nobody asked for (a push message) is
-        reconnected first, so the job starts at a reply boundary. Any exception drops the
-        connection (the stream may stop inside a reply) and propagates."""
+        """Run ``body(sockets)`` on ``lanes`` connections of ``pool``, which nothing else reads
+        while it runs. Pending counter deltas are delivered first on the first (unless
+        ``counters`` is false), in a round trip of their own (a value job reads only the
+        replies to its own commands); with ``asking`` (one connection), ``ASKING`` goes first
+        (Cluster: the next command may use a slot the node is importing). A connection holding
+        bytes nobody asked for (a push message) is reconnected first, so the job starts at a
+        reply boundary. Any exception drops every one of the connections (a stream may stop
+        inside a reply) and propagates."""
         self._count_round_trip()
-        conn = pool.get_connection()
+        conns: list[Any] = []
         try:
-            if conn.can_read(timeout=0):
-                conn.disconnect()
-                conn.connect()
+            for _ in range(lanes):
+                conns.append(pool.get_connection())
+                if conns[-1].can_read(timeout=0):
+                    conns[-1].disconnect()
+                    conns[-1].connect()
             if counters:
-                self._deliver_counters_on(conn)
+                self._deliver_counters_on(conns[0])
             if asking:
-                conn.send_command("ASKING")
-                conn.read_response()
-            return body(raw_socket(conn))
+                conns[0].send_command("ASKING")
+                conns[0].read_response()
+            return body([raw_socket(conn) for conn in conns])
         except BaseException:
-            conn.disconnect()
+            for conn in conns:
+                conn.disconnect()
             raise
         finally:
-            pool.release(conn)
+            for conn in conns:
+                pool.release(conn)
 
     def _deliver_counters_on(self, conn: Any) -> None:
         """Pending counter deltas as HINCRBYs on ``conn``, their replies read (an outage in
@@ -990,9 +1016,10 @@ def _warm(client: RedisClient, connections: int) -> int:
 
 def bulk_connections(cfg: RedisTierConfig) -> int:
     """Connections the bulk pool may need at once: every load and store thread of a transfer
-    engine built from ``cfg``, each with ``connections_per_job`` connections, and one more."""
+    engine built from ``cfg``, each with ``connections_per_job`` parts of
+    ``connections_per_thread`` connections, and one more."""
     threads = cfg.io_threads + max(1, cfg.io_threads // 2)
-    return threads * cfg.connections_per_job + 1
+    return threads * cfg.connections_per_job * cfg.connections_per_thread + 1
 
 
 def _reply_of(conn: Any) -> Any:

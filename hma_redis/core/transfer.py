@@ -11,12 +11,14 @@ into pooled, pinned buffers), encode and put them with SET NX; loads get, valida
 into the given block ids. Bytes held in buffers are bounded (:class:`_ByteBudget`); on CUDA
 every transfer is ordered after the work the caller queued before submitting it.
 
-One flow moves the bytes: a job's chunks are split over ``connections_per_job`` connections,
-each part on a thread of its own and in one call of the medium
+One flow moves the bytes: a job's chunks are split over ``connections_per_job`` parts, each
+part on a thread of its own and in one call of the medium
 (:meth:`BlockStore.load_values <hma_redis.core.medium.BlockStore.load_values>` /
 ``put_values``: the engine sees the medium only through :mod:`hma_redis.core.medium`). For
 Redis (:class:`hma_redis.core.store.RedisBlockStore`, on a Cluster each part sends every node
-its own keys on a connection to that node) that call runs the C job
+its own keys on connections to that node; the call spreads its values over
+``connections_per_thread`` connections, see :func:`hma_redis.core.fastpath.job_connections`)
+that call runs the C job
 (sockets, RESP parsing and CRC32C with the GIL released) where the extension is built and the
 connection is plain TCP or a unix socket, and its byte-identical pure-Python twin otherwise
 (TLS, ``HMA_REDIS_NATIVE=0``, no extension); one INFO line at start-up says which. The C job
@@ -398,7 +400,8 @@ class TransferEngine:
     own, as by a secondary tier); without it such a load lands nothing.
 
     ``connections_per_job`` (default: the store's) splits each job's chunks over that many
-    connections. ``native``: None runs the C job wherever the store allows it
+    parts, each on its own thread (and each on the store's ``connections_per_thread``
+    connections). ``native``: None runs the C job wherever the store allows it
     (:meth:`BlockStore.native_unavailable_reason`) and its pure-Python twin elsewhere,
     False the twin everywhere; True requires the C job (``ValueError`` where it cannot run).
 
@@ -593,7 +596,11 @@ class TransferEngine:
             if self._land_in_place
             else "loads received into buffers, copied once valid"
         )
-        return f"{which}; {where}; {self._connections} connection(s) per job"
+        lanes = self._store.connections_per_thread
+        return (
+            f"{which}; {where}; {self._connections} thread(s) per job, "
+            f"up to {lanes} connection(s) each"
+        )
 
     def _in_parts(
         self, sizes: Sequence[int], run: Callable[[slice, JobParts], list[_T] | None]

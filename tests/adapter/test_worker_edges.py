@@ -130,11 +130,12 @@ def test_a_job_runs_over_the_configured_connections(
     store: RedisBlockStore, workers: list[RedisOffloadingWorker]
 ) -> None:
     """``connections_per_job`` (here more than the store's default) splits each job over
-    that many connections on the native path, as the start-up line says, and moves every
-    page."""
+    that many threads on the native path, each on up to ``connections_per_thread``
+    connections, as the start-up line says, and moves every page."""
     assert store.cfg.connections_per_job == 1
     workers.append(worker := make_worker(store, connections_per_job=3, native=True))
-    assert worker.data_path.endswith("; 3 connection(s) per job")
+    want = f"; 3 thread(s) per job, up to {store.cfg.connections_per_thread} connection(s) each"
+    assert worker.data_path.endswith(want)
     _store(worker, 1)
     assert _load(worker, 2)
     assert _moved(worker)

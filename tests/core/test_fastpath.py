@@ -3,6 +3,7 @@ both, and results, exceptions and every byte of every buffer must be the same (a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -129,20 +130,34 @@ class Job:
         return [resp("GET", key) for key in self.keys]
 
 
+@contextlib.contextmanager
+def connections(url: str, lanes: int, resp3: bool = False) -> Iterator[list[socket.socket]]:
+    """``lanes`` fresh plain sockets to ``url``, each still in step when the block ends (a PING
+    answers PONG on every one)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(connect(url, resp3)) for _ in range(lanes)]
+        yield socks
+        for sock in socks:
+            sock.sendall(resp("PING"))
+            assert sock.recv(100) == b"+PONG\r\n"
+
+
+def on(socks: list[socket.socket]) -> socket.socket | list[socket.socket]:
+    """One socket as itself (the single-connection form), several as the list."""
+    return socks[0] if len(socks) == 1 else socks
+
+
 def run_both(
-    url: str, job: Job, window: int = 0, resp3: bool = False
+    url: str, job: Job, window: int = 0, resp3: bool = False, lanes: int = 1
 ) -> tuple[list[LoadResult], list[bytearray]]:
-    """Run ``job`` through both paths on fresh connections; assert identical results and
-    identical bytes in every buffer; return the native results and buffers."""
+    """Run ``job`` through both paths on ``lanes`` fresh connections; assert identical results
+    and identical bytes in every buffer; return the native results and buffers."""
     outcome: dict[str, tuple[list[LoadResult], list[bytes]]] = {}
     native_buffers: list[bytearray] = []
     for name, (load, _) in PATHS.items():
         targets, buffers = job.make(0)
-        with connect(url, resp3) as sock:
-            results = load(sock, job.commands(), targets, TIMEOUT_S, window)
-            # The connection is still in step: a PING answers PONG.
-            sock.sendall(resp("PING"))
-            assert sock.recv(100) == b"+PONG\r\n"
+        with connections(url, lanes, resp3) as socks:
+            results = load(on(socks), job.commands(), targets, TIMEOUT_S, window)
         outcome[name] = (results, [bytes(b) for b in buffers])
         if name == "native":
             native_buffers = buffers
@@ -221,11 +236,14 @@ def test_native_extension_is_built_and_chosen(caplog: pytest.LogCaptureFixture) 
 
 @pytest.mark.parametrize(("page", "row"), [(4096, 4096), (3000, 4096)], ids=["dense", "padded"])
 @pytest.mark.parametrize("window", [0, 1, 2])
+@pytest.mark.parametrize("lanes", [1, 4], ids=["1-conn", "4-conns"])
 def test_values_land_in_their_pages(
-    redis_url: str, redis_client: redis.Redis, page: int, row: int, window: int
+    redis_url: str, redis_client: redis.Redis, page: int, row: int, window: int, lanes: int
 ) -> None:
     """Values of several sizes land exactly in their blocks' pages (random block ids, runs and
-    padded rows), the rest of the cache untouched, CRC checked, identically on both paths."""
+    padded rows), the rest of the cache untouched, CRC checked, identically on both paths,
+    on one connection and on four (value i on connection i mod 4; six values, so two
+    connections carry two)."""
     rng = random.Random(page + window)
     cache = Cache.make(num_layers=8, num_blocks=400, page=page, row=row, seed=1)
     free = list(range(400))
@@ -239,7 +257,7 @@ def test_values_land_in_their_pages(
             ids = sorted(ids)
         chunks.append((f"k{idx}", ids))
     job, bodies = page_job(redis_client, 3, chunks, cache)
-    results, buffers = run_both(redis_url, job, window=window)
+    results, buffers = run_both(redis_url, job, window=window, lanes=lanes)
     assert [r.status for r in results] == [LoadStatus.OK] * len(chunks)
     assert all(r.landed is Landed.PAGES and r.crc_ok for r in results)
     assert [bytes(b) for b in buffers[: len(cache.layers)]] == expected_layers(
@@ -270,12 +288,17 @@ def test_a_job_of_values_over_3_mib_runs_one_get_at_a_time() -> None:
     assert fastpath.window_for(targets(8 << 20)) == 1
 
 
-def test_many_small_values_in_one_job(redis_url: str, redis_client: redis.Redis) -> None:
-    """Hundreds of small values: several replies arrive in one receive and are split right."""
+@pytest.mark.parametrize("lanes", [1, 2, 7])
+@pytest.mark.parametrize("window", [0, 2])
+def test_many_small_values_in_one_job(
+    redis_url: str, redis_client: redis.Redis, lanes: int, window: int
+) -> None:
+    """Hundreds of small values: several replies arrive in one receive and are split right,
+    also spread over connections (600 values over 7: some carry one value more)."""
     cache = Cache.make(num_layers=2, num_blocks=600, page=64, row=64, seed=5)
     chunks = [(f"s{i}", [i]) for i in range(600)]
     job, bodies = page_job(redis_client, 11, chunks, cache)
-    results, buffers = run_both(redis_url, job)
+    results, buffers = run_both(redis_url, job, window=window, lanes=lanes)
     assert all(r.status is LoadStatus.OK and r.crc_ok for r in results)
     assert [bytes(b) for b in buffers[:2]] == expected_layers(cache, chunks, bodies)
 
@@ -322,9 +345,13 @@ def test_skipped_blocks_are_checksummed_but_not_written(
     assert buffers[4] == big_body[-1024:]
 
 
-def test_missing_keys_and_error_replies(redis_url: str, redis_client: redis.Redis) -> None:
+@pytest.mark.parametrize("lanes", [1, 3, 6])
+def test_missing_keys_and_error_replies(
+    redis_url: str, redis_client: redis.Redis, lanes: int
+) -> None:
     """A missing key is ``missing``, an error reply (GET of a list) is ``error`` with Redis'
-    message, the values around them land, and the connection stays in step."""
+    message, the values around them land, and every connection stays in step (also with more
+    connections than values: the spare ones carry nothing)."""
     cache = Cache.make(num_layers=1, num_blocks=4, page=512, row=512, seed=2)
     job, bodies = page_job(redis_client, 5, [("a", [0]), ("b", [1])], cache)
     redis_client.rpush("a-list", "x")
@@ -337,7 +364,7 @@ def test_missing_keys_and_error_replies(redis_url: str, redis_client: redis.Redi
         return [targets[0], spare, spare, targets[1]], [*buffers, head]
 
     job = Job(["a", "nope", "a-list", "b"], make)
-    results, buffers = run_both(redis_url, job, window=1)
+    results, buffers = run_both(redis_url, job, window=1, lanes=lanes)
     assert [r.status for r in results] == [
         LoadStatus.OK,
         LoadStatus.MISSING,
@@ -500,12 +527,14 @@ def test_zero_byte_bodies_land(redis_url: str, redis_client: redis.Redis) -> Non
     assert results[0].crc_ok
 
 
+@pytest.mark.parametrize("lanes", [1, 2, 4])
 def test_stores_fill_the_checksum_and_send_pages_in_place(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, lanes: int
 ) -> None:
     """SET NX of values given as (framing, head, pages, tail): the CRC32C field is filled
     (header ‖ pages), Redis then holds exactly the codec's encoding, and stored, existed and
-    error replies are reported alike by both paths."""
+    error replies are reported alike by both paths, each in its value's place whichever
+    connection carried it."""
     cache = Cache.make(num_layers=3, num_blocks=64, page=8192, row=9000, seed=12)
     outcome: dict[str, list[StoreResult]] = {}
     for name, (_, store) in PATHS.items():
@@ -527,10 +556,8 @@ def test_stores_fill_the_checksum_and_send_pages_in_place(
         # A syntax error (NX with XX).
         bad = b"*5\r\n$3\r\nSET\r\n$3\r\nbad\r\n$48\r\n"
         values.append(StoreValue(bad, bytearray(48), [], b"\r\n$2\r\nNX\r\n$2\r\nXX\r\n"))
-        with connect(redis_url) as sock:
-            outcome[name] = store(sock, values, TIMEOUT_S)
-            sock.sendall(resp("PING"))
-            assert sock.recv(100) == b"+PONG\r\n"
+        with connections(redis_url, lanes) as socks:
+            outcome[name] = store(on(socks), values, TIMEOUT_S)
         for key, value in expected.items():
             if key.endswith("-there"):
                 assert redis_client.get(key) == b"old"
@@ -601,6 +628,85 @@ def test_server_closing_mid_value_raises(redis_url: str, redis_client: redis.Red
             assert not isinstance(info.value, TimeoutError), name
         finally:
             proxy.close()
+
+
+@pytest.mark.parametrize("cut_lane", [0, 1])
+def test_one_connection_of_a_job_closing_mid_value_raises(
+    redis_url: str, redis_client: redis.Redis, cut_lane: int
+) -> None:
+    """A job on two connections, one of which Redis closes in the middle of its value: the
+    whole job raises ConnectionError on both paths, whichever connection it was (the caller
+    then drops both)."""
+    cache = Cache.make(num_layers=1, num_blocks=128, page=65536, row=65536, seed=0)
+    header = header_for("cut", 64, cache)
+    redis_client.set("cut", bytes(codec.encode(header, body_of(header, 5))))
+    parts = urlsplit(redis_url)
+    keys = ["cut", "cut"]
+    for name, (load, _) in PATHS.items():
+        proxy = CuttingProxy((parts.hostname or "127.0.0.1", parts.port or 6379), 1 << 20)
+        try:
+            layer = bytearray(128 * 65536)
+            targets = [
+                LoadTarget(
+                    bytearray(200),
+                    header.to_msgpack(),
+                    [memoryview(layer)[idx * (64 << 16) : (idx + 1) * (64 << 16)]],
+                    None,
+                    8 << 20,
+                )
+                for idx in range(2)
+            ]
+            with (
+                socket.create_connection(proxy.address, timeout=TIMEOUT_S) as cut,
+                connect(redis_url) as whole,
+                pytest.raises(ConnectionError) as info,
+            ):
+                socks = [whole, cut] if cut_lane else [cut, whole]
+                load(socks, [resp("GET", key) for key in keys], targets, TIMEOUT_S, 1)
+            assert not isinstance(info.value, fastpath.ProtocolError), name
+            assert not isinstance(info.value, TimeoutError), name
+        finally:
+            proxy.close()
+
+
+def test_a_job_on_the_same_socket_twice_or_on_none_is_refused(redis_url: str) -> None:
+    """Two readers of one stream would split its replies: a job's connections must be
+    distinct, 1 to 64 of them, on both paths, before anything is sent."""
+    target = LoadTarget(bytearray(64), b"", [], None, 100)
+    value = StoreValue(resp("SET", "x")[:-2], bytearray(48), [], b"\r\n")
+    with connect(redis_url) as sock:
+        for load, store in PATHS.values():
+            for socks, why in (([sock, sock], "distinct"), ([], "1 to 64")):
+                with pytest.raises(ValueError, match=why):
+                    load(socks, [resp("GET", "k")], [target], TIMEOUT_S)
+                with pytest.raises(ValueError, match=why):
+                    store(socks, [value], TIMEOUT_S)
+        many = [socket.socket() for _ in range(fastpath.MAX_JOB_CONNECTIONS + 1)]
+        try:
+            for load, _ in PATHS.values():
+                with pytest.raises(ValueError, match="1 to 64"):
+                    load(many, [resp("GET", "k")], [target], TIMEOUT_S)
+        finally:
+            for spare in many:
+                spare.close()
+        # Nothing was sent: the connection answers its first command.
+        sock.sendall(resp("PING"))
+        assert sock.recv(100) == b"+PONG\r\n"
+
+
+def test_jobs_whose_values_may_exceed_3_mib_run_on_one_connection() -> None:
+    """A job takes ``connections_per_thread`` connections, never more than it has values, and
+    one when a value may be longer than 3 MiB (two such replies at once overflow the kernel's
+    usual largest send buffer); on several connections each keeps one GET in flight."""
+    assert fastpath.job_connections(512 << 10, 64, 2) == 2
+    assert fastpath.job_connections(3 << 20, 64, 4) == 4
+    assert fastpath.job_connections((3 << 20) + 1, 64, 4) == 1
+    assert fastpath.job_connections(512 << 10, 1, 2) == 1
+    assert fastpath.job_connections(512 << 10, 3, 8) == 3
+    assert fastpath.job_connections(512 << 10, 0, 2) == 1
+    small = [LoadTarget(bytearray(64), b"", [], None, 512 << 10)]
+    assert fastpath.window_for(small, 1) == 2
+    assert fastpath.window_for(small, 2) == 1
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["socket-timeout", "blocking-socket"])

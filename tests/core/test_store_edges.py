@@ -146,8 +146,9 @@ def reader_server(local_redis: LocalRedis) -> Iterator[tuple[LocalRedis, redis.R
 def test_connections_are_opened_ahead_of_use_and_an_outage_is_no_error(redis_client, redis_url):
     """``warm_bulk`` and ``warm_lookups`` open connections the jobs and lookups then use
     (Redis sees them at once, and a lookup opens none); with Redis down they open nothing
-    and raise nothing."""
-    store = _store(redis_url)
+    and raise nothing. ``warm_bulk(n)`` opens n parts' connections: n ×
+    ``connections_per_thread``."""
+    store = _store(redis_url, connections_per_thread=1)
     try:
         assert store.warm_bulk(3) == 3
         assert store.warm_lookups() == 1
@@ -155,6 +156,12 @@ def test_connections_are_opened_ahead_of_use_and_an_outage_is_no_error(redis_cli
         assert store.warm_bulk(3) == 3  # the same three, found open
         assert store.exists([_key(0, 1)]) == [False]
         assert store_connections(redis_client, store.client_name) == 4
+    finally:
+        store.close()
+    store = _store(redis_url, connections_per_thread=2)
+    try:
+        assert store.warm_bulk(3) == 6
+        assert store_connections(redis_client, store.client_name) == 6
     finally:
         store.close()
     port = free_port()  # nothing listens there
@@ -635,11 +642,14 @@ def test_a_store_given_a_client_uses_it_for_everything(redis_client, redis_url):
 
 def test_the_bulk_pool_has_a_connection_for_every_transfer_thread():
     # Loads (io_threads) and stores (half as many, at least one), each holding
-    # connections_per_job connections, and one more for counters or a stray call.
+    # connections_per_job parts of connections_per_thread connections (default 2), and one
+    # more for counters or a stray call.
     cfg = _cfg("redis://127.0.0.1:1/0", io_threads=4, connections_per_job=3)
-    assert bulk_connections(cfg) == (4 + 2) * 3 + 1
-    cfg = _cfg("redis://127.0.0.1:1/0", io_threads=1, connections_per_job=2)
-    assert bulk_connections(cfg) == (1 + 1) * 2 + 1
+    assert bulk_connections(cfg) == (4 + 2) * 3 * 2 + 1
+    cfg = _cfg(
+        "redis://127.0.0.1:1/0", io_threads=1, connections_per_job=2, connections_per_thread=3
+    )
+    assert bulk_connections(cfg) == (1 + 1) * 2 * 3 + 1
 
 
 # --------------------------------------------------------------------------------- cluster
@@ -745,7 +755,7 @@ def test_cluster_connections_are_opened_ahead_of_use_on_every_primary(
     clean: LocalCluster,
 ) -> None:
     """Warming a Cluster store opens connections to each of its three primaries."""
-    store = _store(clean.url)
+    store = _store(clean.url, connections_per_thread=1)
     try:
         assert store.warm_bulk(2) == 6
         assert store.warm_lookups() == 3
@@ -860,7 +870,7 @@ def test_every_connection_of_a_store_carries_its_name(redis_client, redis_url):
     shows ``hma_redis-<pid>-<n>``, one name per store."""
     first, second = _store(redis_url), _store(redis_url)
     try:
-        assert first.warm_bulk(2) == 2 and first.warm_lookups() == 1
+        assert first.warm_bulk(1) == 2 and first.warm_lookups() == 1
         assert second.warm_lookups() == 1
         assert first.client_name.startswith(f"hma_redis-{os.getpid()}-")
         assert first.client_name != second.client_name

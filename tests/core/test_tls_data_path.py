@@ -82,7 +82,7 @@ def test_the_twin_over_tls_leaves_the_bytes_the_c_job_leaves_over_tcp(
             assert rig.engine.native == (path == "native"), rig.engine.data_path
             if path == "tls":
                 assert rig.engine.data_path.startswith("pure Python (TLS")
-                assert f"{connections} connection(s) per job" in rig.engine.data_path
+                assert f"{connections} thread(s) per job" in rig.engine.data_path
             outcome[path] = store_load_and_narrow_load(rig, client)
         finally:
             rig.close()

@@ -414,21 +414,22 @@ def test_a_native_engine_opens_its_job_connections_before_the_first_job(
     redis_url: str, redis_client
 ) -> None:
     """A fresh engine's first load should not wait for TCP connects and handshakes: the
-    native engine opens ``connections_per_job`` connections of the bulk pool at start-up (on a
-    load thread, so start-up does not wait either), and its first load job opens none."""
+    native engine opens ``connections_per_job`` × ``connections_per_thread`` connections of
+    the bulk pool at start-up (on a load thread, so start-up does not wait either), and its
+    first load job opens none."""
     cfg = RedisTierConfig.from_extra_config(
-        {"redis_url": redis_url, "connections_per_job": 2}, env={}
+        {"redis_url": redis_url, "connections_per_job": 2, "connections_per_thread": 2}, env={}
     )
     store = RedisBlockStore(cfg)
     pages = make_pages(store)
     try:
         assert pages.engine.native
-        assert wait_for_store_connections(redis_client, store.client_name, 2) == 2
-        pages.engine.submit_load(1, chunks(DST))  # nothing stored: a miss, on those two
+        assert wait_for_store_connections(redis_client, store.client_name, 4) == 4
+        pages.engine.submit_load(1, chunks(DST))  # nothing stored: a miss, on those four
         pages.engine.wait([1])
         (result,) = pages.engine.finished()
         assert not result.ok
-        assert store_connections(redis_client, store.client_name) == 2
+        assert store_connections(redis_client, store.client_name) == 4
     finally:
         pages.close()
         store.close()

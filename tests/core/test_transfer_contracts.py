@@ -518,7 +518,7 @@ def test_the_data_path_line_says_where_loads_land_and_why(
             assert "(the Python path was asked for)" in engine.data_path and not engine.native
         else:
             assert engine.native and engine.data_path.startswith("native")
-        assert "1 connection(s) per job" in engine.data_path
+        assert "1 thread(s) per job" in engine.data_path
     finally:
         engine.shutdown()
         store.close()
@@ -647,7 +647,7 @@ def test_the_parts_of_a_split_job_run_on_their_own_named_threads(
     tensors = kv_tensors()
     rig = Pages(_engine(store, tensors, connections_per_job=2), tensors, store)
     try:
-        assert "2 connection(s) per job" in rig.engine.data_path
+        assert "2 thread(s) per job" in rig.engine.data_path
         assert rig.store_job(1, chunks(SRC)).ok
         assert rig.load_job(2, chunks(DST)).ok and rig.moved(SRC, DST)
         assert _threads("hma-conn", before) >= 1

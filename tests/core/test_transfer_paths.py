@@ -7,6 +7,7 @@ connection."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -82,7 +83,7 @@ def test_a_job_is_split_over_connections_per_job_connections(
     store = _store(redis_url, connections_per_job=3)
     rig = make_pages(store)
     try:
-        assert rig.engine.native and "3 connection(s) per job" in rig.engine.data_path
+        assert rig.engine.native and "3 thread(s) per job" in rig.engine.data_path
         trips = store.round_trips
         assert rig.store_job(1, chunks(SRC)).ok  # EXISTS, then the 4 values over 3 connections
         assert store.round_trips - trips == 1 + 3
@@ -253,7 +254,7 @@ def test_a_job_with_one_failing_connection_opens_the_breaker_once(local_redis, c
     five failing jobs log one WARNING and send no GET after the first job's."""
     caplog.set_level(logging.WARNING, logger="hma_redis.core.breaker")
     proxy = BreakingProxy(local_redis.port)
-    store = _store(proxy.url, connections_per_job=3, retry_interval_s=600)
+    store = _store(proxy.url, connections_per_job=3, connections_per_thread=1, retry_interval_s=600)
     rig = make_pages(store)
     admin = redis.Redis(port=local_redis.port)
     try:
@@ -303,7 +304,7 @@ def test_a_store_with_one_failing_connection_opens_the_breaker_once(local_redis,
     WARNING."""
     caplog.set_level(logging.WARNING, logger="hma_redis.core.breaker")
     proxy = BreakingProxy(local_redis.port)
-    store = _store(proxy.url, connections_per_job=3, retry_interval_s=600)
+    store = _store(proxy.url, connections_per_job=3, connections_per_thread=1, retry_interval_s=600)
     rig = make_pages(store)
     admin = redis.Redis(port=local_redis.port)
 
@@ -330,6 +331,48 @@ def test_a_store_with_one_failing_connection_opens_the_breaker_once(local_redis,
         warnings = [r for r in caplog.records if r.name == "hma_redis.core.breaker"]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert store.breaker.state is BreakerState.OPEN
+    finally:
+        rig.close()
+        store.close()
+        proxy.close()
+        admin.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "twin"])
+def test_a_job_on_two_connections_fails_whole_when_one_breaks_and_drops_both(
+    local_redis, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """One thread, two connections (``connections_per_thread=2``): Redis drops one of them in
+    the middle of a load. The job fails as a whole (its chunks are recomputed), the breaker
+    opens, and the connection that still answered is dropped too: the job stopped with a
+    command unanswered on it, so its stream is at an unknown position."""
+    if not native:
+        monkeypatch.setenv(NATIVE_ENV, "0")
+    proxy = BreakingProxy(local_redis.port)
+    store = _store(proxy.url, connections_per_job=1, connections_per_thread=2, retry_interval_s=600)
+    rig = make_pages(store)
+    admin = redis.Redis(port=local_redis.port)
+
+    def ours() -> list[dict[str, Any]]:
+        return [c for c in admin.client_list() if c["name"] == store.client_name]
+
+    try:
+        assert rig.engine.native == native
+        assert "up to 2 connection(s) each" in rig.engine.data_path
+        assert rig.store_job(1, chunks(SRC)).ok
+        assert rig.load_job(2, chunks(DST)).ok
+        lanes = [c for c in ours() if c["cmd"] == "get"]
+        assert len(lanes) == 2, lanes  # the load ran on two connections
+        proxy.reply_delay_s = 0.3  # job 3 is still receiving when one connection is dropped
+        killer = threading.Timer(0.1, lambda: admin.client_kill_filter(_id=lanes[0]["id"]))
+        killer.start()
+        assert not rig.load_job(3, chunks(DST)).ok
+        killer.join()
+        assert store.breaker.state is BreakerState.OPEN
+        deadline = time.monotonic() + 5
+        while lanes[1]["id"] in {c["id"] for c in ours()} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lanes[1]["id"] not in {c["id"] for c in ours()}
     finally:
         rig.close()
         store.close()

@@ -24,7 +24,8 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
 - the real worker (:class:`~hma_redis.adapter.worker.RedisOffloadingWorker`) on CPU KV-cache
   tensors (8 layers of ``(num_blocks, 16 KiB)`` int8, ``blocks_per_chunk`` 4 / 16 / 64 for the
   three sizes), on the data path the transfer engine picks (native where it can: the header
-  line says which; ``--connections N`` sets ``connections_per_job``): one ``submit_store`` job
+  line says which; ``--connections N`` sets ``connections_per_job``, ``--connections-per-thread
+  N`` ``connections_per_thread``): one ``submit_store`` job
   of fresh keys, as the manager sends one after its lookup answered MISS (no EXISTS check;
   CRC32C over the pages at scattered block ids, in place -> SET NX sent from the KV cache by
   ``sendmsg``) and one ``submit_load`` job (GETs whose values are received
@@ -888,6 +889,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="connections_per_job of the worker (default: the config's, 1)",
     )
     parser.add_argument(
+        "--connections-per-thread",
+        type=int,
+        metavar="N",
+        help="connections_per_thread of the worker (default: the config's, 2)",
+    )
+    parser.add_argument(
         "--python-path",
         action="store_true",
         help="also measure the worker on the Python data path (column hma-py)",
@@ -954,6 +961,15 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
     return 0
 
 
+def _connections(target: RedisTierConfig, args: argparse.Namespace) -> RedisTierConfig:
+    """``target`` with the ``--connections`` / ``--connections-per-thread`` asked for."""
+    if args.connections is not None:
+        target = dataclasses.replace(target, connections_per_job=args.connections)
+    if args.connections_per_thread is not None:
+        target = dataclasses.replace(target, connections_per_thread=args.connections_per_thread)
+    return target
+
+
 def _concurrency_and_print(
     cfg: RedisTierConfig | None, args: argparse.Namespace, levels: tuple[int, ...]
 ) -> ConcurrencyReport:
@@ -961,9 +977,7 @@ def _concurrency_and_print(
     local server); print its table; the report."""
     plan = concurrency_plan(levels, smoke=args.smoke, quick=args.quick, reps=args.reps)
     with server_config(cfg) as (target, where):
-        if args.connections is not None:
-            target = dataclasses.replace(target, connections_per_job=args.connections)
-        report = measure_concurrency(target, plan, where, args.lmcache_python)
+        report = measure_concurrency(_connections(target, args), plan, where, args.lmcache_python)
     print(format_concurrency(report))
     if args.smoke:
         print(
@@ -979,10 +993,8 @@ def _measure_and_print(
     """Measure ``plan`` against ``cfg`` (or a local server); print the tables and the plot's
     path; the report."""
     with server_config(cfg) as (target, where):
-        if args.connections is not None:
-            target = dataclasses.replace(target, connections_per_job=args.connections)
         report = measure(
-            target,
+            _connections(target, args),
             plan,
             where,
             args.lmcache_python,

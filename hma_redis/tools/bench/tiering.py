@@ -129,6 +129,7 @@ _CARRIED = (
     "connect_timeout_s",
     "pool_size",
     "connections_per_job",
+    "connections_per_thread",
     "io_threads",
     "max_inflight_bytes",
     "tls_ca_file",
