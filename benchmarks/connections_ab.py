@@ -1,0 +1,81 @@
+"""Interleaved A/B of ``connections_per_thread``: the same store and load jobs of the tier
+benchmark (``hma-redis bench``: the real worker, 8 layers of 16 KiB pages at random block
+ids, fresh keys, timed from submit until ``get_finished`` reports the job), on two workers
+against one Redis, one built with ``--a`` connections per thread and one with ``--b``, their
+jobs alternated (a, b, b, a, ...) so that both meet the same machine. Prints, per value size
+and operation, the median GB/s of each, their ratio, and in how many pairs b was faster.
+
+    .venv/bin/python benchmarks/connections_ab.py [--url redis://...] [--pairs 10] [--a 1 --b 2]
+
+Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
+tables; they assert nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+
+from hma_redis.core.config import RedisTierConfig
+from hma_redis.tools.bench.common import Samples, server_config
+from hma_redis.tools.bench.tier import FULL, TierBench, size_label
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="Redis to use (default: a private redis-server)")
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--a", type=int, default=1, help="connections_per_thread of A")
+    parser.add_argument("--b", type=int, default=2, help="connections_per_thread of B")
+    args = parser.parse_args()
+    cfg = RedisTierConfig.from_extra_config({"redis_url": args.url}, env={}) if args.url else None
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    with server_config(cfg) as (target, where):
+        benches = {
+            name: TierBench(
+                dataclasses.replace(target, connections_per_thread=n),
+                FULL,
+                f"ab-{name}-{os.getpid()}",
+                name=name,
+            )
+            for name, n in (("a", args.a), ("b", args.b))
+        }
+        try:
+            print(f"connections_per_thread A={args.a} B={args.b}; {where}; {args.pairs} pairs")
+            print(f"data path: {benches['a'].data_path} / {benches['b'].data_path}")
+            print(f"each job moves {FULL.job_bytes >> 20} MiB; GB/s = 10^9 payload bytes/s")
+            print(f"{'value':>8} {'op':>6} {'A GB/s':>8} {'B GB/s':>8} {'B/A':>6} {'b>a':>6}")
+            for size in FULL.sizes:
+                for bench in benches.values():  # untimed: first touch of pages and keys
+                    bench.run(size, Samples())
+                samples = Samples()
+                for pair in range(args.pairs):
+                    order = "ab" if pair % 2 == 0 else "ba"
+                    for name in order:
+                        benches[name].run(size, Samples())  # as the bench: warm, then timed
+                        benches[name].run(size, samples)
+                for op in ("load", "store"):
+                    a = samples.values[f"a {op} {size}"]
+                    b = samples.values[f"b {op} {size}"]
+                    wins = sum(tb < ta for ta, tb in zip(a, b, strict=True))
+                    gbs_a = FULL.job_bytes / statistics.median(a) / 1e9
+                    gbs_b = FULL.job_bytes / statistics.median(b) / 1e9
+                    print(
+                        f"{size_label(size):>8} {op:>6} {gbs_a:8.2f} {gbs_b:8.2f} "
+                        f"{gbs_b / gbs_a:6.2f} {wins:>3}/{len(a)}"
+                    )
+        finally:
+            for bench in benches.values():
+                bench.close()
+    print(
+        f"load average {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
