@@ -433,6 +433,7 @@ class TransferEngine:
         self._shutdown_timeout_s = shutdown_timeout_s
         self._layers: list[list[LayerSource]] = [list(group) for group in groups]
         self._pages = [tuple(layer.page_bytes for layer in group) for group in self._layers]
+        self._bounds: dict[tuple[int, int, int], int] = {}  # _value_bound's, by chunk shape
         self._budget = _ByteBudget(max_inflight_bytes)
         pinned = any(layer_device(group) == "cuda" for group in self._layers)
         first = next((layer for group in self._layers for layer in group), None)
@@ -783,12 +784,19 @@ class TransferEngine:
         )
 
     def _pages_in_place(self, chunk: ChunkTransfer) -> list[memoryview]:
-        """The chunk's pages of every layer (layer-major), as views of the CPU KV cache."""
+        """The chunk's pages of every layer (layer-major), as views of the CPU KV cache. The
+        spans are worked out once per page and row size (a group's layers usually share
+        them): this runs for every chunk of every job."""
         runs = _block_runs(chunk.block_ids)
+        spans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         views: list[memoryview] = []
         for layer in self._layers[chunk.group_pos]:
-            assert layer.host is not None
-            views += [layer.host[src : src + nbytes] for _, src, nbytes in _spans(layer, runs)]
+            host = layer.host
+            assert host is not None
+            shape = (layer.page_bytes, layer.row_bytes)
+            if shape not in spans:
+                spans[shape] = _spans(layer, runs)
+            views += [host[src : src + nbytes] for _, src, nbytes in spans[shape]]
         return views
 
     def _gather(self, chunk: ChunkTransfer, body: memoryview) -> None:
@@ -1042,9 +1050,15 @@ class TransferEngine:
 
     def _value_bound(self, chunk: ChunkTransfer) -> int:
         """The most bytes a valid value under ``chunk``'s key can hold: every block of the
-        chunk (a value may hold more blocks than a load needs) and its header."""
-        whole = replace(chunk, start=0, block_ids=tuple(range(self._blocks_per_chunk)))
-        return codec.value_size(self._header(whole)) + _HEADER_SLACK
+        chunk (a value may hold more blocks than a load needs) and its header. The header's
+        size depends on the chunk only through its group and its key's length (the other
+        fields are the engine's), so it is worked out once per such pair and group position."""
+        shape = (chunk.group_pos, chunk.group, len(chunk.redis_key.encode()))
+        bound = self._bounds.get(shape)
+        if bound is None:
+            whole = replace(chunk, start=0, block_ids=tuple(range(self._blocks_per_chunk)))
+            bound = self._bounds[shape] = codec.value_size(self._header(whole)) + _HEADER_SLACK
+        return bound
 
     def _validate(self, chunk: ChunkTransfer, value: memoryview) -> DecodedBlock:
         """The value as a block this engine can copy into its KV cache, or CorruptBlockError.

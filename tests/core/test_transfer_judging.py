@@ -194,3 +194,22 @@ def test_the_engine_keeps_no_record_of_finished_jobs(pages: Pages) -> None:
     assert not pages.load_job(200, chunks(DST, UNSTORED_HASHES)).ok  # a load that fails
     engine: Any = pages.engine
     assert engine._jobs == {}
+
+
+def test_a_chunks_value_bound_follows_its_key_length_and_group(pages: Pages) -> None:
+    """The most bytes a chunk's value may hold (beyond it a value is refused unread) depends on
+    its header, so on its key's length and its group: a bound worked out once for one chunk
+    is reused only for chunks whose header has the same size, in whatever order they come."""
+    base = chunks(SRC)
+    by_group = {c.group: c for c in base}
+    engine: Any = pages.engine
+    bpc = len(by_group[0].block_ids)
+    seen = []
+    for group in (0, 1, 0, 1):
+        for key in ("k" * 300, "k", "k" * 40, "k" * 300, "é" * 20):
+            chunk = dataclasses.replace(by_group[group], redis_key=key)
+            whole = dataclasses.replace(chunk, start=0, block_ids=tuple(range(bpc)))
+            want = codec.value_size(engine._header(whole)) + 64
+            assert engine._value_bound(chunk) == want, (group, len(key))
+            seen.append(want)
+    assert len(set(seen)) >= 6  # key lengths and groups do change the bound
