@@ -12,6 +12,7 @@ of job bytes. The second table repeats everything while another Python thread sp
 GIL (``while not stop: x += 1``), as vLLM's step loop does while a request waits for its KV.
 
     .venv/bin/python benchmarks/fastpath_bench.py [--url redis://...] [--reps 7]
+    .venv/bin/python benchmarks/fastpath_bench.py --connections 2 --window 1  # one thread, 2
     .venv/bin/python benchmarks/fastpath_bench.py --smoke   # bytes checked, both paths, fast
 
 Benchmarks print tables; they assert nothing about speed.
@@ -107,7 +108,7 @@ class Setup:
 # ------------------------------------------------------------------------------------- loads
 
 
-def load_fast(setup: Setup, sock: socket.socket, native: bool, window: int) -> None:
+def load_fast(setup: Setup, sock: fastpath.Sockets, native: bool, window: int) -> None:
     load = fastpath.native_load_values if native else fastpath.python_load_values
     heads = [bytearray(codec.PREFIX_BYTES + 256) for _ in setup.chunks]
     targets = [
@@ -132,7 +133,7 @@ def value_head(header: BlockHeader) -> bytearray:
     return bytearray(prefix + packed)
 
 
-def store_fast(setup: Setup, sock: socket.socket, native: bool) -> None:
+def store_fast(setup: Setup, sock: fastpath.Sockets, native: bool) -> None:
     store = fastpath.native_store_values if native else fastpath.python_store_values
     values = []
     for (key, ids), header in zip(setup.chunks, setup.headers, strict=True):
@@ -171,9 +172,12 @@ def gil_spinner(active: bool) -> Iterator[None]:
 
 
 class Bench:
-    def __init__(self, url: str, window: int) -> None:
+    def __init__(self, url: str, window: int, connections: int = 1) -> None:
         parts = urlsplit(url)
-        self.sock = socket.create_connection((parts.hostname, parts.port or 6379), timeout=10)
+        self.sock = [
+            socket.create_connection((parts.hostname, parts.port or 6379), timeout=10)
+            for _ in range(connections)
+        ]
         self.store = RedisBlockStore(RedisTierConfig(url=url, read_timeout_s=10.0))
         self.window = window
 
@@ -216,14 +220,15 @@ class Bench:
 
 
 def run(args: argparse.Namespace, url: str) -> None:
-    bench = Bench(url, args.window)
+    bench = Bench(url, args.window, args.connections)
     sizes = [256 * 1024] if args.smoke else [512 * 1024, 2 * MiB, 8 * MiB]
     job = 1 * MiB if args.smoke else args.job_mib * MiB
     reps = 1 if args.smoke else args.reps
     sys.setswitchinterval(args.switch_interval_ms / 1000)
     print(
         f"# fastpath_bench: job {job // MiB} MiB, {LAYERS} layers x {PAGE // 1024} KiB pages, "
-        f"{reps} interleaved reps, medians; load window {args.window}; "
+        f"{reps} interleaved reps, medians; load window {args.window} per connection, "
+        f"{args.connections} connection(s) per job; "
         f"switch interval {args.switch_interval_ms} ms"
     )
     print(f"# data path: {fastpath.describe()}")
@@ -260,7 +265,15 @@ def main() -> None:
     parser.add_argument("--url", help="Redis to use (default: a private redis-server)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--job-mib", type=int, default=32)
-    parser.add_argument("--window", type=int, default=2, help="GETs in flight (0: all)")
+    parser.add_argument(
+        "--window", type=int, default=2, help="GETs in flight per connection (0: all)"
+    )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="connections one job spreads its values over (value i on connection i mod N)",
+    )
     parser.add_argument(
         "--switch-interval-ms",
         type=float,
