@@ -652,7 +652,8 @@ static int send_strided(conn_t *c, target_t *targets, size_t from, size_t to, si
  * *failed is the connection that failed. */
 static int run_loads(conn_t *cs, size_t k, target_t *targets, size_t n, size_t window,
                      size_t *failed) {
-    size_t sent = window == 0 || window * k > n ? n : window * k;
+    /* min(window * k, n) without overflow (k >= 1): window > n / k means window * k > n */
+    size_t sent = window == 0 || window > n / k ? n : window * k;
     for (size_t j = 0; j < k && j < n; j++) {
         *failed = j;
         if (send_strided(&cs[j], targets, j, sent, k) < 0) return -1;

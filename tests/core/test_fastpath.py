@@ -288,13 +288,15 @@ def test_a_job_of_values_over_3_mib_runs_one_get_at_a_time() -> None:
     assert fastpath.window_for(targets(8 << 20)) == 1
 
 
-@pytest.mark.parametrize("lanes", [1, 2, 7])
-@pytest.mark.parametrize("window", [0, 2])
+@pytest.mark.parametrize("lanes", [1, 2, 4, 7])
+@pytest.mark.parametrize("window", [0, 2, 1 << 62], ids=["all", "2", "huge"])
 def test_many_small_values_in_one_job(
     redis_url: str, redis_client: redis.Redis, lanes: int, window: int
 ) -> None:
     """Hundreds of small values: several replies arrive in one receive and are split right,
-    also spread over connections (600 values over 7: some carry one value more)."""
+    also spread over connections (600 values over 7: some carry one value more). A window
+    past the job's size (whose product with the connections would overflow 64 bits) sends
+    every command first, as 0 does."""
     cache = Cache.make(num_layers=2, num_blocks=600, page=64, row=64, seed=5)
     chunks = [(f"s{i}", [i]) for i in range(600)]
     job, bodies = page_job(redis_client, 11, chunks, cache)
