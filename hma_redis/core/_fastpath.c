@@ -630,6 +630,17 @@ static int send_commands(conn_t *c, target_t *targets, size_t from, size_t to) {
     return 0;
 }
 
+/* Every connection of the job ends at a reply boundary with nothing unread (else *failed is the
+ * one holding bytes past its last reply). */
+static int conns_drained(conn_t *cs, size_t k, size_t *failed) {
+    for (size_t j = 0; j < k; j++) {
+        *failed = j;
+        if (cs[j].rlen != cs[j].rpos)
+            return conn_failed(&cs[j], FAIL_PROTOCOL, 0, "unexpected bytes after the last reply");
+    }
+    return 0;
+}
+
 /* Send the commands of targets from, from + k, from + 2k, ... below ``to`` on one connection
  * (the targets of connection ``from % k``). */
 static int send_strided(conn_t *c, target_t *targets, size_t from, size_t to, size_t k) {
@@ -694,12 +705,7 @@ static int run_loads(conn_t *cs, size_t k, target_t *targets, size_t n, size_t w
         }
         if (conn_crlf(c) < 0) return -1;
     }
-    for (size_t j = 0; j < k; j++) {
-        *failed = j;
-        if (cs[j].rlen != cs[j].rpos)
-            return conn_failed(&cs[j], FAIL_PROTOCOL, 0, "unexpected bytes after the last reply");
-    }
-    return 0;
+    return conns_drained(cs, k, failed);
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -1061,12 +1067,7 @@ static int run_stores(conn_t *cs, size_t k, struct iovec *iov, store_out_t *outs
             return conn_failed(c, FAIL_PROTOCOL, 0, "bulk reply to SET NX");
         }
     }
-    for (size_t j = 0; j < k; j++) {
-        *failed = j;
-        if (cs[j].rlen != cs[j].rpos)
-            return conn_failed(&cs[j], FAIL_PROTOCOL, 0, "unexpected bytes after the last reply");
-    }
-    return 0;
+    return conns_drained(cs, k, failed);
 }
 
 /* Hold one piece's buffer (writable for the head) and point the next iovec at it. */
