@@ -7,8 +7,8 @@ Runs the tier benchmark's worker (``hma_redis.tools.bench.tier.TierBench``: 8 la
 wraps the worker's and store's own functions with timers, so each line is the time spent inside
 that function, per job (averaged over ``--jobs`` jobs after one warm-up job per size):
 
-- store: ``exists`` (the pre-check), ``_pages_in_place`` (slicing the pages' views),
-  ``_value_head`` (prefix, header, MAC with an auth_key), ``put_values`` (the store job, C or
+- store: ``exists`` (the pre-check), ``_pages_of`` (describing a chunk's pages; the data
+  path cuts them), ``_value_head`` (prefix, header, MAC with an auth_key), ``put_values`` (the store job, C or
   twin: CRC32C over the pages in place, sending, replies);
 - load: ``load_values`` (the load job, C or twin: GETs received into the pages or pooled
   buffers, CRC32C as they arrive), ``_validate`` (``codec.decode`` of values that landed in
@@ -58,7 +58,7 @@ def main() -> None:
         (RedisBlockStore, "exists", "store exists"),
         (RedisBlockStore, "put_values", "store put_values (CRC32C, send)"),
         (TransferEngine, "_value_head", "store _value_head"),
-        (TransferEngine, "_pages_in_place", "_pages_in_place (stores and loads)"),
+        (TransferEngine, "_pages_of", "_pages_of (stores and loads)"),
         (TransferEngine, "_run_load", "load total"),
         (RedisBlockStore, "load_values", "load load_values (receive, CRC32C)"),
         (TransferEngine, "_validate", "load _validate (staged values)"),

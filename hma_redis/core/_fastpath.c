@@ -834,8 +834,182 @@ static int get_writable(PyObject *obj, Py_buffer *view, const char *what) {
     return 0;
 }
 
-/* One destination list: writable buffers, or ints (that many bytes received and dropped). */
-static int target_dests(target_t *t, PyObject *list) {
+/* ------------------------------------------------------------------------------------------
+ * Pages (hma_redis.core.medium.Pages): a chunk's body in place, described by a group's page
+ * layout and block ids. Each layout's layer memory is taken once per call, however many
+ * chunks share it; the pages are cut as Pages.views cuts them, with the same checks.
+ * ---------------------------------------------------------------------------------------- */
+
+static PyTypeObject *PagesType; /* hma_redis.core.medium.Pages */
+
+typedef struct {
+    PyObject *layout; /* a reference held for the call */
+    Py_ssize_t n;     /* layers */
+    Py_buffer *views; /* each layer's memory, held for the call */
+    long long *page, *row;
+} layout_t;
+
+typedef struct {
+    layout_t *items;
+    size_t n, cap;
+} layouts_t;
+
+static void layouts_release(layouts_t *ls) {
+    for (size_t i = 0; i < ls->n; i++) {
+        layout_t *l = &ls->items[i];
+        for (Py_ssize_t j = 0; l->views && j < l->n; j++) PyBuffer_Release(&l->views[j]);
+        PyMem_Free(l->views);
+        PyMem_Free(l->page);
+        Py_DECREF(l->layout);
+    }
+    PyMem_Free(ls->items);
+    memset(ls, 0, sizeof *ls);
+}
+
+/* A sequence attribute's items as long longs (*out PyMem'd, *n its length). */
+static int attr_ints(PyObject *obj, const char *name, long long **out, Py_ssize_t *n) {
+    PyObject *attr = PyObject_GetAttrString(obj, name);
+    if (!attr) return -1;
+    PyObject *seq = PySequence_Fast(attr, "block ids and page sizes must be sequences");
+    Py_DECREF(attr);
+    if (!seq) return -1;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    *out = PyMem_Calloc((size_t)*n + 1, sizeof(long long));
+    int rc = *out ? 0 : -1;
+    if (!*out) PyErr_NoMemory();
+    for (Py_ssize_t i = 0; rc == 0 && i < *n; i++) {
+        (*out)[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if ((*out)[i] == -1 && PyErr_Occurred()) rc = -1;
+    }
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* Parse a PageLayout into l (its layers' memory held); the checks of Pages.views. */
+static int layout_parse(layout_t *l, PyObject *layout) {
+    long long *rows = NULL;
+    Py_ssize_t npage = 0, nrow = 0;
+    PyObject *layers = PyObject_GetAttrString(layout, "layers");
+    PyObject *lseq = layers ? PySequence_Fast(layers, "layers must be a sequence") : NULL;
+    Py_XDECREF(layers);
+    int rc = -1;
+    if (!lseq) return -1;
+    if (attr_ints(layout, "page_bytes", &l->page, &npage) < 0) goto done;
+    if (attr_ints(layout, "row_bytes", &rows, &nrow) < 0) goto done;
+    l->n = PySequence_Fast_GET_SIZE(lseq);
+    if (npage != l->n || nrow != l->n) {
+        PyErr_SetString(PyExc_ValueError,
+                        "a page layout needs one page size and one row size per layer");
+        goto done;
+    }
+    /* page and row sizes side by side in one allocation: page[0..n), row = page + n */
+    long long *both = PyMem_Realloc(l->page, ((size_t)l->n * 2 + 1) * sizeof(long long));
+    if (!both) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    l->page = both;
+    l->row = both + l->n;
+    memcpy(l->row, rows, (size_t)l->n * sizeof(long long));
+    l->views = PyMem_Calloc((size_t)l->n + 1, sizeof(Py_buffer));
+    if (!l->views) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < l->n; j++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(lseq, j), &l->views[j],
+                               PyBUF_WRITABLE) < 0) {
+            memset(&l->views[j], 0, sizeof(Py_buffer)); /* nothing held: nothing to release */
+            PyErr_SetString(PyExc_TypeError, "a layer must be a writable contiguous buffer");
+            goto done;
+        }
+        if (!(l->page[j] > 0 && l->page[j] <= l->row[j])) {
+            PyErr_SetString(PyExc_ValueError, "a page must be 1 to row_bytes bytes");
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    PyMem_Free(rows);
+    Py_DECREF(lseq);
+    return rc;
+}
+
+/* The call's parse of ``layout`` (by identity), parsing it on first sight. */
+static layout_t *layouts_get(layouts_t *ls, PyObject *layout) {
+    for (size_t i = 0; i < ls->n; i++)
+        if (ls->items[i].layout == layout) return &ls->items[i];
+    if (ls->n == ls->cap) {
+        size_t cap = ls->cap * 2 + 4;
+        layout_t *items = PyMem_Realloc(ls->items, cap * sizeof(layout_t));
+        if (!items) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        ls->items = items;
+        ls->cap = cap;
+    }
+    layout_t *l = &ls->items[ls->n];
+    memset(l, 0, sizeof *l);
+    Py_INCREF(layout);
+    l->layout = layout;
+    ls->n++; /* released with the others even when the parse fails */
+    return layout_parse(l, layout) < 0 ? NULL : l;
+}
+
+/* The segments of one Pages object (*segs PyMem'd), in Pages.views order. */
+static int pages_segments(layouts_t *ls, PyObject *pages, seg_t **segs, size_t *nseg) {
+    long long *ids = NULL;
+    Py_ssize_t nids = 0;
+    int rc = -1;
+    PyObject *layout = PyObject_GetAttrString(pages, "layout");
+    if (!layout) return -1;
+    layout_t *l = layouts_get(ls, layout);
+    Py_DECREF(layout);
+    if (!l || attr_ints(pages, "block_ids", &ids, &nids) < 0) goto done;
+    *nseg = 0;
+    *segs = PyMem_Calloc((size_t)l->n * (size_t)nids + 1, sizeof(seg_t));
+    if (!*segs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < l->n; j++) {
+        long long page = l->page[j], row = l->row[j];
+        long long len = (long long)l->views[j].len;
+        long long last = len < page ? -1 : (len - page) / row; /* the last block that fits */
+        uint8_t *base = l->views[j].buf;
+        for (Py_ssize_t i = 0; i < nids;) {
+            Py_ssize_t end = i + 1; /* a run: ids[i], ids[i] + 1, ... */
+            while (end < nids && ids[end - 1] < LLONG_MAX && ids[end] == ids[end - 1] + 1) end++;
+            long long first = ids[i], count = end - i;
+            if (first < 0 || first > last || count - 1 > last - first) {
+                PyErr_SetString(PyExc_ValueError,
+                                "a block id puts a page outside its layer's memory");
+                goto done;
+            }
+            if (page == row) {
+                (*segs)[(*nseg)++] = (seg_t){base + first * row, (size_t)(count * row), 0};
+            } else {
+                for (long long b = first; b < first + count; b++)
+                    (*segs)[(*nseg)++] = (seg_t){base + b * row, (size_t)page, 0};
+            }
+            i = end;
+        }
+    }
+    rc = 0;
+done:
+    PyMem_Free(ids);
+    return rc;
+}
+
+/* The destinations: a sequence of writable buffers or ints (that many bytes received and
+ * dropped), or a Pages object. */
+static int target_dests(target_t *t, PyObject *list, layouts_t *ls) {
+    if (PyObject_TypeCheck(list, PagesType)) {
+        if (pages_segments(ls, list, &t->dests, &t->ndest) < 0) return -1;
+        for (size_t i = 0; i < t->ndest; i++) t->body_len += (long long)t->dests[i].len;
+        return 0;
+    }
     PyObject *seq = PySequence_Fast(list, "dests must be a sequence");
     if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -876,7 +1050,7 @@ static int target_dests(target_t *t, PyObject *list) {
 
 /* Parse one (head, expected_header, dests, staging, max_len[, expected_prefix]) target and its
  * command. */
-static int target_parse(target_t *t, PyObject *command, PyObject *spec) {
+static int target_parse(target_t *t, PyObject *command, PyObject *spec, layouts_t *ls) {
     PyObject *seq = PySequence_Fast(spec, "a target must be a sequence");
     if (!seq) return -1;
     int rc = -1;
@@ -896,7 +1070,7 @@ static int target_parse(target_t *t, PyObject *command, PyObject *spec) {
         PyErr_SetString(PyExc_ValueError, "head must hold at least the 48-byte prefix");
         goto done;
     }
-    if (target_dests(t, items[2]) < 0) goto done;
+    if (target_dests(t, items[2], ls) < 0) goto done;
     if (items[3] != Py_None) {
         if (get_writable(items[3], &t->staging, "staging") < 0) goto done;
         t->has_staging = 1;
@@ -960,6 +1134,7 @@ static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs
     PyObject *out = NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(tseq);
     target_t *targets = PyMem_Calloc((size_t)n + 1, sizeof(target_t));
+    layouts_t layouts = {0}; /* the page layouts of Pages destinations, held for the call */
     conn_t cs[MAX_CONNS];
     size_t k = 0, failed = 0;
     int opened = 0;
@@ -977,7 +1152,7 @@ static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs
     }
     for (Py_ssize_t i = 0; i < n; i++)
         if (target_parse(&targets[i], PySequence_Fast_GET_ITEM(cseq, i),
-                         PySequence_Fast_GET_ITEM(tseq, i)) < 0)
+                         PySequence_Fast_GET_ITEM(tseq, i), &layouts) < 0)
             goto done;
     if (conns_open(fd, cs, &k, timeout_s, budget_s) < 0) goto done;
     opened = 1;
@@ -1005,6 +1180,7 @@ done:
         for (Py_ssize_t i = 0; i < n; i++) target_release(&targets[i]);
         PyMem_Free(targets);
     }
+    layouts_release(&layouts);
     Py_DECREF(cseq);
     Py_DECREF(tseq);
     return out;
@@ -1083,19 +1259,26 @@ static int store_piece(PyObject *obj, int writable, Py_buffer *views, struct iov
 
 /* Parse one (framing, head, pages, tail) value into views/iov, growing them as needed. */
 static int store_parse(PyObject *value, Py_buffer **views, struct iovec **iov, size_t *count,
-                       size_t *cap, store_out_t *out) {
+                       size_t *cap, store_out_t *out, layouts_t *ls) {
     PyObject *vseq = PySequence_Fast(value, "a value is (framing, head, pages, tail)");
     if (!vseq) return -1;
     PyObject *pseq = NULL;
+    seg_t *segs = NULL; /* a Pages body's segments */
+    size_t nseg = 0;
     int rc = -1;
     if (PySequence_Fast_GET_SIZE(vseq) != 4) {
         PyErr_SetString(PyExc_ValueError, "a value is (framing, head, pages, tail)");
         goto done;
     }
     PyObject **items = PySequence_Fast_ITEMS(vseq);
-    pseq = PySequence_Fast(items[2], "pages must be a sequence of buffers");
-    if (!pseq) goto done;
-    size_t need = *count + (size_t)PySequence_Fast_GET_SIZE(pseq) + 3;
+    if (PyObject_TypeCheck(items[2], PagesType)) {
+        if (pages_segments(ls, items[2], &segs, &nseg) < 0) goto done;
+    } else {
+        pseq = PySequence_Fast(items[2], "pages must be a sequence of buffers");
+        if (!pseq) goto done;
+        nseg = (size_t)PySequence_Fast_GET_SIZE(pseq);
+    }
+    size_t need = *count + nseg + 3;
     if (need > *cap) {
         size_t grown = need * 2 + 16;
         Py_buffer *v2 = PyMem_Realloc(*views, grown * sizeof(Py_buffer));
@@ -1118,12 +1301,21 @@ static int store_parse(PyObject *value, Py_buffer **views, struct iovec **iov, s
         PyErr_SetString(PyExc_ValueError, "head must hold at least the 48-byte prefix");
         goto done;
     }
-    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(pseq); k++)
-        if (store_piece(PySequence_Fast_GET_ITEM(pseq, k), 0, *views, *iov, count) < 0) goto done;
+    for (size_t k = 0; k < nseg; k++) {
+        if (segs) { /* a page of a Pages body: its layer's memory is held by ``ls`` */
+            memset(&(*views)[*count], 0, sizeof(Py_buffer));
+            (*iov)[*count].iov_base = segs[k].ptr;
+            (*iov)[(*count)++].iov_len = segs[k].len;
+        } else if (store_piece(PySequence_Fast_GET_ITEM(pseq, (Py_ssize_t)k), 0, *views, *iov,
+                               count) < 0) {
+            goto done;
+        }
+    }
     if (store_piece(items[3], 0, *views, *iov, count) < 0) goto done;
     out->end = *count;
     rc = 0;
 done:
+    PyMem_Free(segs);
     Py_XDECREF(pseq);
     Py_DECREF(vseq);
     return rc;
@@ -1149,6 +1341,7 @@ static PyObject *py_store_values(PyObject *self, PyObject *args, PyObject *kwarg
     struct iovec *iov = NULL;
     size_t nviews = 0, cap = 0;
     store_out_t *outs = PyMem_Calloc((size_t)n + 1, sizeof(store_out_t));
+    layouts_t layouts = {0}; /* the page layouts of Pages bodies, held for the call */
     conn_t cs[MAX_CONNS];
     size_t k = 0, failed = 0;
     int opened = 0;
@@ -1158,7 +1351,7 @@ static PyObject *py_store_values(PyObject *self, PyObject *args, PyObject *kwarg
     }
     for (Py_ssize_t i = 0; i < n; i++)
         if (store_parse(PySequence_Fast_GET_ITEM(vseq, i), &views, &iov, &nviews, &cap,
-                        &outs[i]) < 0)
+                        &outs[i], &layouts) < 0)
             goto done;
     if (conns_open(fd, cs, &k, timeout_s, budget_s) < 0) goto done;
     opened = 1;
@@ -1192,6 +1385,7 @@ done:
     for (size_t q = 0; q < nviews; q++) PyBuffer_Release(&views[q]);
     PyMem_Free(views);
     PyMem_Free(iov);
+    layouts_release(&layouts);
     if (outs) {
         for (Py_ssize_t i = 0; i < n; i++) free(outs[i].error);
         PyMem_Free(outs);
@@ -1329,5 +1523,16 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
         return NULL;
     }
     Py_INCREF(ProtocolError); /* the module's reference was stolen; keep ours */
+    PyObject *medium = PyImport_ImportModule("hma_redis.core.medium");
+    PyObject *pages = medium ? PyObject_GetAttrString(medium, "Pages") : NULL;
+    Py_XDECREF(medium);
+    if (!pages || !PyType_Check(pages)) {
+        if (pages && !PyErr_Occurred())
+            PyErr_SetString(PyExc_ImportError, "hma_redis.core.medium.Pages is not a type");
+        Py_XDECREF(pages);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PagesType = (PyTypeObject *)pages; /* kept for the process, as ProtocolError */
     return m;
 }

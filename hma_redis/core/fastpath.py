@@ -85,7 +85,7 @@ import crc32c as _crc32c
 
 from hma_redis.core.codec import CRC_AT, HEADER_LEN_AT, PREFIX_BYTES
 from hma_redis.core.deadline import Deadline
-from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
+from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget, Pages
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class StoreValue(NamedTuple):
 
     framing: bytes | memoryview  # the command up to the value
     head: Any  # writable: the codec's prefix and header; the CRC field is filled here
-    pages: Sequence[Any]  # the body's pieces, sent in place
+    pages: Sequence[Any] | Pages  # the body's pieces, sent in place
     tail: bytes | memoryview  # "\r\n" and the arguments after the value
 
 
@@ -494,8 +494,11 @@ def _be32(view: memoryview, offset: int) -> int:
     return int.from_bytes(view[offset : offset + 4], "big")
 
 
-def _receive_value(stream: _Stream, target: LoadTarget, length: int) -> LoadResult:
-    """The Python twin of the C ``receive_value`` (same rules, same writes)."""
+def _receive_value(
+    stream: _Stream, target: LoadTarget, dests: Sequence[Any], length: int
+) -> LoadResult:
+    """The Python twin of the C ``receive_value`` (same rules, same writes); ``dests`` are
+    the target's destinations as a sequence (:func:`_check_target`)."""
     head = memoryview(target.head).cast("B")
     expected = bytes(target.expected_header)
     got = min(length, PREFIX_BYTES)
@@ -513,10 +516,10 @@ def _receive_value(stream: _Stream, target: LoadTarget, length: int) -> LoadResu
             prefix = target.expected_prefix
             if prefix is not None:
                 matched = matched and head[: len(prefix)] == bytes(prefix)
-    body_len = sum(d if isinstance(d, int) else memoryview(d).nbytes for d in target.dests)
+    body_len = sum(d if isinstance(d, int) else memoryview(d).nbytes for d in dests)
     landed: Landed
     if matched and length == got + body_len:
-        for dest in target.dests:
+        for dest in dests:
             if isinstance(dest, int):
                 crc = stream.skip(dest, crc)
             else:
@@ -552,15 +555,25 @@ def _nbytes(buffer: Any) -> int:
     return memoryview(buffer).nbytes
 
 
-def _check_target(target: LoadTarget) -> None:
-    """The argument checks the C code makes before touching the socket."""
+def _store_pages(value: StoreValue) -> Sequence[Any]:
+    """A value's body pieces as a sequence (a :class:`Pages`' views; checked as the C code
+    checks them, before the head)."""
+    if len(value) != 4:
+        raise ValueError("a value is (framing, head, pages, tail)")
+    return value.pages.views() if isinstance(value.pages, Pages) else value.pages
+
+
+def _check_target(target: LoadTarget) -> Sequence[Any]:
+    """The argument checks the C code makes before touching the socket; the target's
+    destinations as a sequence (a :class:`Pages`' views)."""
     if memoryview(target.head).readonly:
         raise TypeError("head must be a writable contiguous buffer")
     if _nbytes(target.head) < PREFIX_BYTES:
         raise ValueError("head must hold at least the 48-byte prefix")
     if target.max_len < 0:
         raise ValueError("max_len must be >= 0")
-    for dest in target.dests:
+    dests = target.dests.views() if isinstance(target.dests, Pages) else target.dests
+    for dest in dests:
         if isinstance(dest, int):
             if not 0 <= dest <= _MAX_VALUE:
                 raise ValueError("bad skip length")
@@ -570,6 +583,7 @@ def _check_target(target: LoadTarget) -> None:
         raise TypeError("staging must be a writable contiguous buffer")
     if target.expected_prefix is not None and _nbytes(target.expected_prefix) > PREFIX_BYTES:
         raise ValueError("expected_prefix must be at most 48 bytes")
+    return dests
 
 
 @contextmanager
@@ -617,8 +631,7 @@ def python_load_values(
         raise ValueError("one command per target")
     if window < 0:
         raise ValueError("window must be >= 0")
-    for target in targets:
-        _check_target(target)
+    dest_lists = [_check_target(target) for target in targets]
     count = len(targets)
     socks = _sockets(sock)
     lanes = len(socks)
@@ -634,7 +647,7 @@ def python_load_values(
             if sent < count:  # command ``sent`` is this socket's next (sent == idx + window * k)
                 _send(socks[lane], [commands[sent]], waits[lane])
                 sent += 1
-            out.append(_load_reply(streams[lane], target, kind, detail))
+            out.append(_load_reply(streams[lane], target, dest_lists[idx], kind, detail))
         _check_drained(streams)
     return out
 
@@ -646,9 +659,14 @@ def _check_drained(streams: Sequence[_Stream]) -> None:
 
 
 def _load_reply(
-    stream: _Stream, target: LoadTarget, kind: str, detail: int | str | None
+    stream: _Stream,
+    target: LoadTarget,
+    dests: Sequence[Any],
+    kind: str,
+    detail: int | str | None,
 ) -> LoadResult:
-    """One GET reply whose first line was read: its value received per ``target``."""
+    """One GET reply whose first line was read: its value received per ``target`` (its
+    body into ``dests``)."""
     if kind == "nil":
         return LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
     if kind == "error":
@@ -661,7 +679,7 @@ def _load_reply(
         stream.skip(detail)
         result = LoadResult(LoadStatus.OVERSIZED, detail, -1, False, None, None)
     else:
-        result = _receive_value(stream, target, detail)
+        result = _receive_value(stream, target, dests, detail)
     stream.crlf()
     return result
 
@@ -674,18 +692,22 @@ def python_store_values(
 ) -> list[StoreResult]:
     """:func:`store_values` in pure Python: the oracle of the native path, and its fallback."""
     _check_budget(budget_s)
-    heads = [_store_head(value) for value in values]
+    bodies: list[Sequence[Any]] = []
+    heads: list[memoryview] = []
+    for value in values:  # each value's pieces, then its head, as the C code parses them
+        bodies.append(_store_pages(value))
+        heads.append(_store_head(value))
     socks = _sockets(sock)
     lanes = len(socks)
     out: list[StoreResult] = []
     with _timeouts(socks, timeout_s, budget_s) as waits:
-        for idx, (value, head) in enumerate(zip(values, heads, strict=True)):
+        for idx, (value, head, pages) in enumerate(zip(values, heads, bodies, strict=True)):
             crc = _crc32c.crc32c(head[PREFIX_BYTES:])
-            for page in value.pages:
+            for page in pages:
                 crc = _crc32c.crc32c(page, crc)
             head[CRC_AT : CRC_AT + 4] = crc.to_bytes(4, "big")
             lane = idx % lanes
-            _send(socks[lane], [value.framing, head, *value.pages, value.tail], waits[lane])
+            _send(socks[lane], [value.framing, head, *pages, value.tail], waits[lane])
         streams = [_Stream(s, w) for s, w in zip(socks, waits, strict=True)]
         for idx in range(len(values)):
             kind, detail = _reply_line(streams[idx % lanes])

@@ -17,6 +17,7 @@ judge them beyond what :class:`LoadTarget` says.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
@@ -31,7 +32,10 @@ __all__ = [
     "LoadResult",
     "LoadStatus",
     "LoadTarget",
+    "PageLayout",
+    "Pages",
     "PutResult",
+    "body_bytes",
 ]
 
 
@@ -48,6 +52,86 @@ class Landed(Enum):
     STAGING = "staging"  # the whole value in staging[0:value_len]
 
 
+@dataclass(frozen=True, slots=True)
+class PageLayout:
+    """Where one KV group's pages live in a CPU KV cache: for each layer, its memory (one
+    row of ``row_bytes[i]`` bytes per block, the page in the row's first ``page_bytes[i]``).
+    Built once per group; every :class:`Pages` of the group shares it, so a job's pages are
+    described by block ids instead of one buffer per page (the native job takes each layer's
+    memory once per job and works out the pages itself)."""
+
+    layers: tuple[Any, ...]  # writable byte buffers, one per layer
+    page_bytes: tuple[int, ...]
+    row_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Pages:
+    """A chunk's body in place: the pages of ``block_ids``, layer by layer (every block's page
+    of layer 0, then of layer 1, ...), as :meth:`views` lists them. A destination of a load
+    (``LoadTarget.dests``) or the pieces of a stored value, in place of a list of buffers.
+    Either path refuses one whose block id puts a page outside its layer's memory
+    (ValueError, before anything is sent)."""
+
+    layout: PageLayout
+    block_ids: Sequence[int]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.block_ids) * sum(self.layout.page_bytes)
+
+    def views(self) -> list[memoryview]:
+        """The pages as views of the layers' memory, in order; consecutive blocks of a layer
+        whose pages fill their rows are one view. The native job makes the same cut, after the
+        same checks in the same order (the layout whole, then the block ids)."""
+        layers = _layer_memory(self.layout)
+        runs = _runs(self.block_ids)
+        views: list[memoryview] = []
+        for memory, page, row in layers:
+            last = (memory.nbytes - page) // row  # the last block whose page fits the layer
+            for first, count in runs:
+                if first < 0 or first + count - 1 > last:
+                    raise ValueError("a block id puts a page outside its layer's memory")
+                if page == row:
+                    views.append(memory[first * row : (first + count) * row])
+                else:
+                    views += [memory[b * row : b * row + page] for b in range(first, first + count)]
+        return views
+
+
+def _layer_memory(layout: PageLayout) -> list[tuple[memoryview, int, int]]:
+    """(memory as bytes, page size, row size) of each layer, checked."""
+    if not len(layout.layers) == len(layout.page_bytes) == len(layout.row_bytes):
+        raise ValueError("a page layout needs one page size and one row size per layer")
+    out = []
+    for layer, page, row in zip(layout.layers, layout.page_bytes, layout.row_bytes, strict=True):
+        memory = memoryview(layer)
+        if memory.readonly or not memory.c_contiguous:
+            raise TypeError("a layer must be a writable contiguous buffer")
+        if not 0 < page <= row:
+            raise ValueError("a page must be 1 to row_bytes bytes")
+        out.append((memory.cast("B"), page, row))
+    return out
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first id, length) of each run of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for block in block_ids:
+        if runs and block == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
+
+
+def body_bytes(body: Pages | Sequence[Any]) -> int:
+    """Bytes of a body given as :class:`Pages` or as a sequence of buffers."""
+    if isinstance(body, Pages):
+        return body.nbytes
+    return sum(memoryview(piece).nbytes for piece in body)
+
+
 class LoadTarget(NamedTuple):
     """Where one value goes. A value whose prefix starts with ``expected_prefix`` (when
     given) and whose header is ``expected_header`` lands with its prefix and header in
@@ -58,7 +142,8 @@ class LoadTarget(NamedTuple):
 
     head: Any  # writable, >= 48 + the largest header expected
     expected_header: bytes | memoryview  # the exact msgpack header bytes a matching value has
-    dests: Sequence[Any]  # writable buffers (or ints: bytes to skip) for the body, in order
+    # The body's destinations in order: writable buffers (or ints: bytes to skip), or Pages.
+    dests: Sequence[Any] | Pages
     staging: Any | None  # writable buffer for values that do not match, or None
     max_len: int  # longer values are drained and reported oversized
     # The first bytes (at most 48) a matching value's prefix must have, or None for any.
@@ -153,18 +238,19 @@ class BlockStore(Protocol):
         self,
         keys: Sequence[str],
         heads: Sequence[Any],
-        bodies: Sequence[Sequence[Any]],
+        bodies: Sequence[Sequence[Any] | Pages],
         *,
         deadline: Deadline | None = None,
         outcome: JobParts | None = None,
         native: bool = True,
     ) -> list[PutResult]:
-        """Store ``heads[i]`` followed by ``bodies[i]``'s pieces under ``keys[i]`` unless the key
-        exists, whole or not at all; one :class:`PutResult` per key in key order, FAILED
-        when the medium fails or ``deadline`` passes (never raises for that). Each head is the
-        codec's prefix and header with every field filled but the CRC32C, which this call
-        computes over header and body and writes into the head. Reads the bodies in place
-        until it returns. ``outcome`` and ``native`` as :meth:`load_values`."""
+        """Store ``heads[i]`` followed by ``bodies[i]`` (buffers, or :class:`Pages`) under
+        ``keys[i]`` unless the key exists, whole or not at all; one :class:`PutResult` per
+        key in key order, FAILED when the medium fails or ``deadline`` passes (never raises
+        for that). Each head is the codec's prefix and header with every field filled but the
+        CRC32C, which this call computes over header and body and writes into the head. Reads
+        the bodies in place until it returns. ``outcome`` and ``native`` as
+        :meth:`load_values`."""
         ...
 
     def job_outcome(self) -> JobParts:

@@ -51,7 +51,9 @@ from hma_redis.core.medium import (
     LoadResult,
     LoadStatus,
     LoadTarget,
+    Pages,
     PutResult,
+    body_bytes,
 )
 from hma_redis.core.memory import (
     MemoryReading,
@@ -485,7 +487,7 @@ class RedisBlockStore:
         self,
         keys: Sequence[str],
         heads: Sequence[Any],
-        bodies: Sequence[Sequence[Any]],
+        bodies: Sequence[Sequence[Any] | Pages],
         ttl_s: int | None = None,
         deadline: Deadline | None = None,
         outcome: JobParts | None = None,
@@ -511,7 +513,7 @@ class RedisBlockStore:
         total = largest = 0
         for key, head, body in zip(keys, heads, bodies, strict=True):
             raw_key = key.encode()
-            size = memoryview(head).nbytes + sum(memoryview(piece).nbytes for piece in body)
+            size = memoryview(head).nbytes + body_bytes(body)
             total += size
             largest = max(largest, size)
             framing = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (

@@ -70,7 +70,10 @@ from hma_redis.core.medium import (
     LoadResult,
     LoadStatus,
     LoadTarget,
+    PageLayout,
+    Pages,
     PutResult,
+    body_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -442,6 +445,14 @@ class TransferEngine:
         )
         # A CPU KV cache is sent to Redis from where it is; other devices go through buffers.
         self._in_place = all(layer.host is not None for group in self._layers for layer in group)
+        # Its pages by group, described (one Pages per chunk, cut by the data path), and
+        # the number of blocks whose pages every layer of the group holds.
+        self._page_layouts = (
+            [_page_layout(group) for group in self._layers] if self._in_place else []
+        )
+        self._page_blocks = (
+            [_blocks_held(group) for group in self._layers] if self._in_place else []
+        )
         self._buffers = _BufferPool(max_inflight_bytes // 4, pinned)
         self._loads = ThreadPoolExecutor(
             io_threads, thread_name_prefix="hma-load", initializer=self._streams.init_thread
@@ -692,9 +703,9 @@ class TransferEngine:
         sizes = [layout.value_bytes for layout in layouts]
         keys = [chunk.redis_key for chunk in chunks]
         if self._in_place:
-            bodies = [self._pages_in_place(chunk) for chunk in chunks]
-            heads = [self._value_head(lay, body) for lay, body in zip(layouts, bodies, strict=True)]
-            results = self._put_in_parts(job, sizes, keys, heads, bodies)
+            pages = [self._pages_of(chunk) for chunk in chunks]
+            heads = [self._value_head(lay, body) for lay, body in zip(layouts, pages, strict=True)]
+            results = self._put_in_parts(job, sizes, keys, heads, pages)
             return self._count_stored(job, sizes, results)
         self._budget.acquire(sum(sizes), load=False)
         taken = [self._buffers.take(size) for size in sizes]
@@ -723,7 +734,7 @@ class TransferEngine:
         sizes: Sequence[int],
         keys: Sequence[str],
         heads: Sequence[memoryview | bytearray],
-        bodies: Sequence[Sequence[memoryview]],
+        bodies: Sequence[Sequence[memoryview] | Pages],
     ) -> list[PutResult]:
         def put(part: slice, outcome: JobParts) -> list[PutResult]:
             return self._store.put_values(
@@ -744,20 +755,21 @@ class TransferEngine:
         packed = header.to_msgpack()
         return _Expected(header, packed, codec.signed_prefix(len(packed), self._mac_key))
 
-    def _value_head(self, layout: _Expected, body: Sequence[memoryview]) -> bytearray:
+    def _value_head(self, layout: _Expected, body: Sequence[memoryview] | Pages) -> bytearray:
         """A value's prefix and header, every field but the CRC32C (zero: the store job
         writes it): magic, version, flags, header length, and with an auth_key the MAC over
         ``body`` (the value's body pieces in order), header and those fields, as the codec
-        computes it. ValueError if the body's size is not the header's (a block id past the
-        end of the KV cache gives a short view), so such a value is never sent."""
-        size = sum(piece.nbytes for piece in body)
+        computes it. ValueError if the body's size is not the header's, so such a value is
+        never sent."""
+        size = body_bytes(body)
         if size != layout.header.body_bytes:
             raise ValueError(
                 f"body pieces hold {size} bytes, the header says {layout.header.body_bytes}"
             )
         mac = None
         if self._mac_key is not None:
-            mac = codec.value_mac(self._mac_key, body, layout.packed, layout.signed)
+            pieces = body.views() if isinstance(body, Pages) else body
+            mac = codec.value_mac(self._mac_key, pieces, layout.packed, layout.signed)
         return codec.head_without_crc(layout.signed, layout.packed, mac)
 
     def _count_stored(self, job: _Job, sizes: Sequence[int], results: list[PutResult]) -> int:
@@ -783,21 +795,14 @@ class TransferEngine:
             kv_cache_layout=self._format.kv_cache_layout,
         )
 
-    def _pages_in_place(self, chunk: ChunkTransfer) -> list[memoryview]:
-        """The chunk's pages of every layer (layer-major), as views of the CPU KV cache. The
-        spans are worked out once per page and row size (a group's layers usually share
-        them): this runs for every chunk of every job."""
-        runs = _block_runs(chunk.block_ids)
-        spans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        views: list[memoryview] = []
-        for layer in self._layers[chunk.group_pos]:
-            host = layer.host
-            assert host is not None
-            shape = (layer.page_bytes, layer.row_bytes)
-            if shape not in spans:
-                spans[shape] = _spans(layer, runs)
-            views += [host[src : src + nbytes] for _, src, nbytes in spans[shape]]
-        return views
+    def _pages_of(self, chunk: ChunkTransfer) -> Pages:
+        """The chunk's pages of every layer (layer-major) in the CPU KV cache, described:
+        the data path cuts them (:class:`Pages`), so a job builds no view per page.
+        ValueError for a block id outside the KV cache, before any byte moves."""
+        ids = chunk.block_ids
+        if ids and (min(ids) < 0 or max(ids) >= self._page_blocks[chunk.group_pos]):
+            raise ValueError(f"{chunk.redis_key}: a block id is outside the KV cache")
+        return Pages(self._page_layouts[chunk.group_pos], ids)
 
     def _gather(self, chunk: ChunkTransfer, body: memoryview) -> None:
         """Copy the chunk's pages of every layer into ``body`` (layer-major)."""
@@ -869,7 +874,7 @@ class TransferEngine:
             return
         try:
             for chunk in plan:
-                for view in self._pages_in_place(chunk):
+                for view in self._pages_of(chunk).views():
                     torch.frombuffer(view, dtype=torch.uint8).zero_()
         except Exception:  # never expected: the views are the KV cache's own memory
             logger.exception("hma_redis: load job %d: clearing its pages failed", job.job_id)
@@ -1029,9 +1034,9 @@ class TransferEngine:
         for chunk, layout, bound in zip(plan, layouts, bounds, strict=True):
             buffer = take(bound)
             head = buffer[: layout.head_bytes]
-            dests: list[memoryview]
+            dests: list[memoryview] | Pages
             if self._land_in_place:
-                dests = self._pages_in_place(chunk)
+                dests = self._pages_of(chunk)
                 bodies.append(None)
             else:
                 body = buffer[layout.head_bytes : layout.value_bytes]
@@ -1115,6 +1120,23 @@ def _describe_failures(got: _Received) -> str:
     return f"{len(got.missing)} chunk(s) missing, {len(got.invalid)} invalid" + (
         f" (first: {first})" if first else ""
     )
+
+
+def _page_layout(group: Sequence[LayerSource]) -> PageLayout:
+    """A CPU group's page layout: each layer's memory, page and row sizes."""
+    return PageLayout(
+        tuple(layer.host for layer in group),
+        tuple(layer.page_bytes for layer in group),
+        tuple(layer.row_bytes for layer in group),
+    )
+
+
+def _blocks_held(group: Sequence[LayerSource]) -> int:
+    """Blocks whose pages every layer of a CPU group holds."""
+    held = [
+        (len(layer.host) - layer.page_bytes) // layer.row_bytes + 1 for layer in group if layer.host
+    ]
+    return max(0, min(held, default=0))
 
 
 def layer_device(layers: Sequence[LayerSource]) -> str:

@@ -22,7 +22,7 @@ from hma_redis.core import _fastpath as native_module
 from hma_redis.core import codec, fastpath
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.fastpath import StoreResult, StoreStatus, StoreValue
-from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
+from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget, PageLayout, Pages
 
 LoadFn = Callable[..., list[LoadResult]]
 StoreFn = Callable[..., list[StoreResult]]
@@ -103,6 +103,14 @@ class Cache:
     def pages(self, block_ids: Sequence[int]) -> list[bytes]:
         return [bytes(view) for view in self.dests(block_ids)]
 
+    def layout(self) -> PageLayout:
+        n = len(self.layers)
+        return PageLayout(tuple(self.layers), (self.page_bytes,) * n, (self.row_bytes,) * n)
+
+    def body(self, block_ids: Sequence[int], form: str) -> list[memoryview] | Pages:
+        """A chunk's body in either form the data path takes: a view per span, or Pages."""
+        return self.dests(block_ids) if form == "views" else Pages(self.layout(), block_ids)
+
 
 def header_for(key: str, num_blocks: int, cache: Cache, group: int = 0) -> BlockHeader:
     return BlockHeader(
@@ -168,10 +176,15 @@ def run_both(
 
 
 def page_job(
-    client: redis.Redis, cache_seed: int, chunks: list[tuple[str, list[int]]], cache: Cache
+    client: redis.Redis,
+    cache_seed: int,
+    chunks: list[tuple[str, list[int]]],
+    cache: Cache,
+    form: str = "views",
 ) -> tuple[Job, dict[str, bytes]]:
     """Store one value per chunk (random body) and build a job that loads them into a copy of
-    ``cache``; returns the job and each key's body."""
+    ``cache`` (destinations in ``form``: "views" or "pages"); returns the job and each key's
+    body."""
     bodies: dict[str, bytes] = {}
     headers: dict[str, BlockHeader] = {}
     for idx, (key, ids) in enumerate(chunks):
@@ -189,7 +202,7 @@ def page_job(
             head = pattern(codec.PREFIX_BYTES + 200, 7 + idx)
             buffers.append(head)
             expected = headers[key].to_msgpack()
-            targets.append(LoadTarget(head, expected, fresh.dests(ids), None, 64 << 20))
+            targets.append(LoadTarget(head, expected, fresh.body(ids, form), None, 64 << 20))
         return targets, buffers
 
     return Job([key for key, _ in chunks], make), bodies
@@ -237,13 +250,20 @@ def test_native_extension_is_built_and_chosen(caplog: pytest.LogCaptureFixture) 
 @pytest.mark.parametrize(("page", "row"), [(4096, 4096), (3000, 4096)], ids=["dense", "padded"])
 @pytest.mark.parametrize("window", [0, 1, 2])
 @pytest.mark.parametrize("lanes", [1, 4], ids=["1-conn", "4-conns"])
+@pytest.mark.parametrize("form", ["views", "pages"])
 def test_values_land_in_their_pages(
-    redis_url: str, redis_client: redis.Redis, page: int, row: int, window: int, lanes: int
+    redis_url: str,
+    redis_client: redis.Redis,
+    page: int,
+    row: int,
+    window: int,
+    lanes: int,
+    form: str,
 ) -> None:
     """Values of several sizes land exactly in their blocks' pages (random block ids, runs and
     padded rows), the rest of the cache untouched, CRC checked, identically on both paths,
     on one connection and on four (value i on connection i mod 4; six values, so two
-    connections carry two)."""
+    connections carry two), the pages given as views or described (Pages)."""
     rng = random.Random(page + window)
     cache = Cache.make(num_layers=8, num_blocks=400, page=page, row=row, seed=1)
     free = list(range(400))
@@ -256,7 +276,7 @@ def test_values_land_in_their_pages(
         if idx % 2:  # some chunks with consecutive ids (runs)
             ids = sorted(ids)
         chunks.append((f"k{idx}", ids))
-    job, bodies = page_job(redis_client, 3, chunks, cache)
+    job, bodies = page_job(redis_client, 3, chunks, cache, form)
     results, buffers = run_both(redis_url, job, window=window, lanes=lanes)
     assert [r.status for r in results] == [LoadStatus.OK] * len(chunks)
     assert all(r.landed is Landed.PAGES and r.crc_ok for r in results)
@@ -514,6 +534,77 @@ def test_a_value_whose_prefix_is_not_the_expected_one_never_reaches_the_pages(
     assert bytes(buffers[1][:2048]) == body[2048:]
 
 
+def test_described_pages_of_several_layouts_land_in_one_job(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """One job whose chunks belong to two groups (a dense and a padded layout, each shared by
+    its chunks, as a hybrid model's groups): every value lands in its own group's pages,
+    identically on both paths."""
+    caches = [
+        Cache.make(num_layers=3, num_blocks=40, page=2048, row=2048, seed=21),
+        Cache.make(num_layers=2, num_blocks=30, page=1000, row=1536, seed=31),
+    ]
+    layouts = [cache.layout() for cache in caches]
+    chunks = [(0, "g0-a", [3, 4, 5]), (1, "g1-a", [29, 0]), (0, "g0-b", [39]), (1, "g1-b", [7, 8])]
+    bodies: dict[str, bytes] = {}
+    for group, key, ids in chunks:
+        header = header_for(key, len(ids), caches[group], group=group)
+        bodies[key] = body_of(header, len(bodies))
+        redis_client.set(key, bytes(codec.encode(header, bodies[key])))
+    outcome: dict[str, tuple[list[LoadResult], list[bytes]]] = {}
+    for name, (load, _) in PATHS.items():
+        fresh = [
+            PageLayout(tuple(bytearray(m) for m in lay.layers), lay.page_bytes, lay.row_bytes)
+            for lay in layouts
+        ]
+        targets = [
+            LoadTarget(
+                bytearray(codec.PREFIX_BYTES + 200),
+                header_for(key, len(ids), caches[group], group=group).to_msgpack(),
+                Pages(fresh[group], ids),
+                None,
+                1 << 20,
+            )
+            for group, key, ids in chunks
+        ]
+        with connections(redis_url, 2) as socks:
+            results = load(socks, [resp("GET", key) for _, key, _ in chunks], targets, TIMEOUT_S)
+        outcome[name] = (results, [bytes(m) for lay in fresh for m in lay.layers])
+    assert outcome["native"] == outcome["python"]
+    assert all(r.status is LoadStatus.OK and r.crc_ok for r in outcome["native"][0])
+    want = []
+    for group, cache in enumerate(caches):
+        mine = [(key, ids) for g, key, ids in chunks if g == group]
+        want += expected_layers(cache, mine, bodies)
+    assert outcome["native"][1] == want
+
+
+@pytest.mark.parametrize(
+    ("layout", "error", "match"),
+    [
+        (PageLayout((bytearray(64),), (16, 16), (16,)), ValueError, "one page size and one row"),
+        (PageLayout((bytearray(64),), (0,), (16,)), ValueError, "a page must be 1 to row_bytes"),
+        (PageLayout((bytearray(64),), (17,), (16,)), ValueError, "a page must be 1 to row_bytes"),
+        (PageLayout((bytes(64),), (16,), (16,)), TypeError, "a layer must be a writable"),
+    ],
+    ids=["lengths", "empty-page", "page-over-row", "read-only"],
+)
+def test_a_bad_page_layout_is_refused_alike(
+    redis_url: str, layout: PageLayout, error: type[Exception], match: str
+) -> None:
+    """Layouts that do not describe pages (sizes that do not match the layers, a page of no
+    bytes or longer than its row, memory that cannot be written) are refused by both paths
+    with the same exception, loads and stores, before anything is sent."""
+    for load, store in PATHS.values():
+        target = LoadTarget(bytearray(256), b"", Pages(layout, [0]), None, 1 << 20)
+        value = StoreValue(b"", bytearray(48), Pages(layout, [0]), b"")
+        with connections(redis_url, 1) as socks:
+            with pytest.raises(error, match=match):
+                load(socks[0], [resp("GET", "x")], [target], TIMEOUT_S)
+            with pytest.raises(error, match=match):
+                store(socks[0], [value], TIMEOUT_S)
+
+
 def test_zero_byte_bodies_land(redis_url: str, redis_client: redis.Redis) -> None:
     """A value with an empty body (no blocks) lands as ``pages`` with nothing to write."""
     cache = Cache.make(num_layers=3, num_blocks=1, page=64, row=64, seed=6)
@@ -530,13 +621,14 @@ def test_zero_byte_bodies_land(redis_url: str, redis_client: redis.Redis) -> Non
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 4])
+@pytest.mark.parametrize("form", ["views", "pages"])
 def test_stores_fill_the_checksum_and_send_pages_in_place(
-    redis_url: str, redis_client: redis.Redis, lanes: int
+    redis_url: str, redis_client: redis.Redis, lanes: int, form: str
 ) -> None:
-    """SET NX of values given as (framing, head, pages, tail): the CRC32C field is filled
-    (header ‖ pages), Redis then holds exactly the codec's encoding, and stored, existed and
-    error replies are reported alike by both paths, each in its value's place whichever
-    connection carried it."""
+    """SET NX of values given as (framing, head, pages, tail), the pages as views or
+    described (Pages): the CRC32C field is filled (header ‖ pages), Redis then holds exactly
+    the codec's encoding, and stored, existed and error replies are reported alike by both
+    paths, each in its value's place whichever connection carried it."""
     cache = Cache.make(num_layers=3, num_blocks=64, page=8192, row=9000, seed=12)
     outcome: dict[str, list[StoreResult]] = {}
     for name, (_, store) in PATHS.items():
@@ -553,7 +645,8 @@ def test_stores_fill_the_checksum_and_send_pages_in_place(
             head[12:16] = b"\xa5" * 4  # the CRC field: to be filled by the job
             size = len(head) + header.body_bytes
             framing = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key.encode(), size)
-            values.append(StoreValue(framing, head, pages, b"\r\n$2\r\nNX\r\n"))
+            body = cache.body(ids, form)
+            values.append(StoreValue(framing, head, body, b"\r\n$2\r\nNX\r\n"))
             expected[key] = b"".join(bytes(p) for p in encoded)
         # A syntax error (NX with XX).
         bad = b"*5\r\n$3\r\nSET\r\n$3\r\nbad\r\n$48\r\n"

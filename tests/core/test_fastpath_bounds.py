@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import crc32c
+import numpy as np
 import pytest
 
 from hma_redis.core import codec, fastpath
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.fastpath import StoreResult, StoreStatus, StoreValue
-from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
+from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget, PageLayout, Pages
 from tests.support.canned_redis import bulk, exact_buffer, load_both, store_both
 
 PREFIX = codec.PREFIX_BYTES
@@ -373,6 +374,112 @@ def test_store_pieces_around_the_iovec_limit(pages: int) -> None:
     outcome = store_both(b"+OK\r\n", make)
     assert outcome.results == [StoreResult(StoreStatus.STORED, None)]
     assert value in outcome.sent
+
+
+# ------------------------------------------------------------------------------ described pages
+
+ROW = 128  # the row of a described layout's block (pages of 128 fill it, of 100 are padded)
+
+
+def _layers(rows: int, page: int, cut: int) -> list[Any]:
+    """Two exact layers of ``rows`` blocks whose last row ends with its page (the end of a KV
+    tensor), the second ``cut`` bytes shorter."""
+    size = (rows - 1) * ROW + page
+    return [exact_buffer(size, 40), exact_buffer(size - cut, 41)]
+
+
+def _layout(layers: Sequence[Any], page: int) -> PageLayout:
+    return PageLayout(tuple(layers), (page,) * len(layers), (ROW,) * len(layers))
+
+
+BLOCK_BOUNDS = [
+    ([9], 0, True),  # the last block: its page ends at the layer's end (bound - 1)
+    ([10], 0, False),  # one past (bound)
+    ([11], 0, False),  # two past (bound + 1)
+    ([7, 8, 9], 0, True),  # a run that ends at the end
+    ([8, 9, 10], 0, False),  # a run that crosses it
+    ([0], 0, True),
+    ([-1], 0, False),
+    ([9], 1, False),  # the second layer one byte short of the last page
+    ([8], 1, True),
+    ([1 << 62], 0, False),  # an offset that overflows 64 bits
+]
+
+
+@pytest.mark.parametrize(("ids", "cut", "fits"), BLOCK_BOUNDS, ids=repr)
+@pytest.mark.parametrize("page", [100, ROW], ids=["padded", "dense"])
+def test_a_load_into_pages_past_a_layers_end_is_refused(
+    ids: list[int], cut: int, fits: bool, page: int
+) -> None:
+    """A load into Pages whose block id puts a page outside its layer (past the end, by one
+    byte too, or before the start) is refused with ValueError by both paths before anything
+    is sent; the bounds themselves land, each page at its block's row."""
+    value, expected = chunk(blocks=len(ids), page=page)
+    body = body_of(value)
+
+    def make() -> tuple[list[LoadTarget], list[Any]]:
+        head, layers = exact_buffer(PREFIX + len(expected), 7), _layers(10, page, cut)
+        target = LoadTarget(head, expected, Pages(_layout(layers, page), ids), None, 1 << 20)
+        return [target], [head, *layers]
+
+    outcome = load_both(bulk(value), [GET], make)
+    if not fits:
+        assert outcome.error is ValueError and outcome.sent == b""
+        return
+    assert outcome.results is not None and outcome.results[0].crc_ok
+    for layer_idx, layer in enumerate(outcome.buffers[1:]):
+        for pos, block in enumerate(ids):
+            at = (layer_idx * len(ids) + pos) * page
+            assert layer[block * ROW : block * ROW + page] == body[at : at + page]
+
+
+@pytest.mark.parametrize(("ids", "cut", "fits"), BLOCK_BOUNDS, ids=repr)
+@pytest.mark.parametrize("page", [100, ROW], ids=["padded", "dense"])
+def test_a_store_of_pages_past_a_layers_end_is_refused(
+    ids: list[int], cut: int, fits: bool, page: int
+) -> None:
+    """A store of Pages whose block id puts a page outside its layer is refused with
+    ValueError by both paths before anything is sent; the bounds are sent whole, each page
+    read from its block's row."""
+    value, _ = chunk(blocks=len(ids), page=page)
+    cut_at = len(value) - len(body_of(value))
+    framing = b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n" % len(value)
+    layers = _layers(10, page, cut)
+
+    def make() -> tuple[list[StoreValue], list[Any]]:
+        head = exact_buffer(cut_at, 9)
+        head[:] = memoryview(value[:cut_at])
+        pages = Pages(_layout([np.copy(layer) for layer in layers], page), ids)
+        return [StoreValue(framing, head, pages, b"\r\n$2\r\nNX\r\n")], [head]
+
+    outcome = store_both(b"+OK\r\n", make)
+    if not fits:
+        assert outcome.error is ValueError and outcome.sent == b""
+        return
+    assert outcome.results == [StoreResult(StoreStatus.STORED, None)]
+    pages = b"".join(bytes(layer[b * ROW : b * ROW + page]) for layer in layers for b in ids)
+    assert outcome.sent.endswith(pages + b"\r\n$2\r\nNX\r\n")
+
+
+@pytest.mark.parametrize("blocks", [MAX_IOV - 1, MAX_IOV, MAX_IOV + 1])
+def test_described_pages_around_the_iovec_limit(blocks: int) -> None:
+    """Padded pages cut from a layout, about as many as one receive or send takes (1024
+    iovecs), land and are sent in order on both paths."""
+    page, rows = 4, MAX_IOV + 8
+    value, expected = chunk(blocks=blocks, page=page)
+    body = body_of(value)
+    ids = list(range(rows - blocks, rows))
+
+    def make() -> tuple[list[LoadTarget], list[Any]]:
+        head = exact_buffer(PREFIX + len(expected), 7)
+        layers = [exact_buffer(rows * 8, 50), exact_buffer(rows * 8, 51)]
+        layout = PageLayout(tuple(layers), (page, page), (8, 8))
+        return [LoadTarget(head, expected, Pages(layout, ids), None, 1 << 20)], [head, *layers]
+
+    outcome = load_both(bulk(value), [GET], make)
+    assert outcome.results is not None and outcome.results[0].crc_ok
+    got = b"".join(layer[b * 8 : b * 8 + page] for layer in outcome.buffers[1:] for b in ids)
+    assert got == body
 
 
 # ----------------------------------------------------------------------------- argument bounds

@@ -1,11 +1,16 @@
-"""Interleaved A/B of ``connections_per_thread``: the same store and load jobs of the tier
-benchmark (``hma-redis bench``: the real worker, 8 layers of 16 KiB pages at random block
-ids, fresh keys, timed from submit until ``get_finished`` reports the job), on two workers
-against one Redis, one built with ``--a`` connections per thread and one with ``--b``, their
-jobs alternated (a, b, b, a, ...) so that both meet the same machine. Prints, per value size
-and operation, the median GB/s of each, their ratio, and in how many pairs b was faster.
+"""Interleaved A/B of the tier benchmark's jobs (``hma-redis bench``: the real worker, 8 layers
+of 16 KiB pages at random block ids, fresh keys, timed from submit until ``get_finished``
+reports the job) on two workers against one Redis, their jobs alternated (a, b, b, a, ...) so
+that both meet the same machine. Prints, per value size and operation, the median GB/s of
+each, their ratio, and in how many pairs b was faster. What differs (``--compare``):
 
-    .venv/bin/python benchmarks/connections_ab.py [--url redis://...] [--pairs 10] [--a 1 --b 2]
+* ``connections``: A runs ``--a`` connections per thread, B ``--b``;
+* ``pages``: A hands the data path every page as a buffer of its own (one view per page and
+  layer, built in Python per chunk: how jobs ran before ``medium.Pages``), B describes each
+  chunk's pages by block ids (``Pages``: the data path cuts them).
+
+    .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
+        [--compare connections --a 1 --b 2 | --compare pages]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -18,6 +23,7 @@ import dataclasses
 import os
 import statistics
 import time
+from typing import Any
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.tools.bench.common import Samples, server_config
@@ -28,9 +34,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="Redis to use (default: a private redis-server)")
     parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--compare", choices=("connections", "pages"), default="connections")
     parser.add_argument("--a", type=int, default=1, help="connections_per_thread of A")
     parser.add_argument("--b", type=int, default=2, help="connections_per_thread of B")
     args = parser.parse_args()
+    if args.compare == "pages":
+        args.a = args.b = RedisTierConfig().connections_per_thread
     cfg = RedisTierConfig.from_extra_config({"redis_url": args.url}, env={}) if args.url else None
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -44,8 +53,10 @@ def main() -> None:
             )
             for name, n in (("a", args.a), ("b", args.b))
         }
+        if args.compare == "pages":
+            _pages_as_views(benches["a"])
         try:
-            print(f"connections_per_thread A={args.a} B={args.b}; {where}; {args.pairs} pairs")
+            print(f"{_describe(args)}; {where}; {args.pairs} pairs")
             print(f"data path: {benches['a'].data_path} / {benches['b'].data_path}")
             print(f"each job moves {FULL.job_bytes >> 20} MiB; GB/s = 10^9 payload bytes/s")
             print(f"{'value':>8} {'op':>6} {'A GB/s':>8} {'B GB/s':>8} {'B/A':>6} {'b>a':>6}")
@@ -75,6 +86,20 @@ def main() -> None:
         f"load average {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
         f"{time.perf_counter() - started:.0f} s"
     )
+
+
+def _describe(args: argparse.Namespace) -> str:
+    if args.compare == "pages":
+        return "A: a view per page, B: Pages (block ids)"
+    return f"connections_per_thread A={args.a} B={args.b}"
+
+
+def _pages_as_views(bench: TierBench) -> None:
+    """Make ``bench``'s workers hand every page to the data path as a view of its own."""
+    for worker in bench.workers.values():
+        engine: Any = worker._engine
+        describe = engine._pages_of
+        engine._pages_of = lambda chunk, describe=describe: describe(chunk).views()
 
 
 if __name__ == "__main__":
