@@ -8,8 +8,8 @@ wraps the worker's and store's own functions with timers, so each line is the ti
 that function, per job (averaged over ``--jobs`` jobs after one warm-up job per size):
 
 - store: ``exists`` (the pre-check), ``_pages_of`` (describing a chunk's pages; the data
-  path cuts them), ``_value_head`` (prefix, header, MAC with an auth_key), ``put_values`` (the store job, C or
-  twin: CRC32C over the pages in place, sending, replies);
+  path cuts them), ``_value_head`` (prefix, header, MAC with an auth_key), ``put_values``
+  (the store job, C or twin: CRC32C over the pages in place, sending, replies);
 - load: ``load_values`` (the load job, C or twin: GETs received into the pages or pooled
   buffers, CRC32C as they arrive), ``_validate`` (``codec.decode`` of values that landed in
   staging), ``_scatter`` (copies from buffers into the KV cache).

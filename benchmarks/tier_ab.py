@@ -7,10 +7,12 @@ each, their ratio, and in how many pairs b was faster. What differs (``--compare
 * ``connections``: A runs ``--a`` connections per thread, B ``--b``;
 * ``pages``: A hands the data path every page as a buffer of its own (one view per page and
   layer, built in Python per chunk: how jobs ran before ``medium.Pages``), B describes each
-  chunk's pages by block ids (``Pages``: the data path cuts them).
+  chunk's pages by block ids (``Pages``: the data path cuts them);
+* ``congestion``: A's value connections run the system's TCP congestion control
+  (``tcp_congestion`` ""), B's ``--congestion`` (default cubic).
 
     .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
-        [--compare connections --a 1 --b 2 | --compare pages]
+        [--compare connections --a 1 --b 2 | --compare pages | --compare congestion]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -34,19 +36,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="Redis to use (default: a private redis-server)")
     parser.add_argument("--pairs", type=int, default=10)
-    parser.add_argument("--compare", choices=("connections", "pages"), default="connections")
+    parser.add_argument(
+        "--compare", choices=("connections", "pages", "congestion"), default="connections"
+    )
+    parser.add_argument("--congestion", default="cubic", help="B's tcp_congestion")
     parser.add_argument("--a", type=int, default=1, help="connections_per_thread of A")
     parser.add_argument("--b", type=int, default=2, help="connections_per_thread of B")
     args = parser.parse_args()
-    if args.compare == "pages":
+    if args.compare != "connections":
         args.a = args.b = RedisTierConfig().connections_per_thread
+    congestion = {"a": "", "b": args.congestion} if args.compare == "congestion" else {}
     cfg = RedisTierConfig.from_extra_config({"redis_url": args.url}, env={}) if args.url else None
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     with server_config(cfg) as (target, where):
         benches = {
             name: TierBench(
-                dataclasses.replace(target, connections_per_thread=n),
+                dataclasses.replace(
+                    target,
+                    connections_per_thread=n,
+                    tcp_congestion=congestion.get(name, target.tcp_congestion),
+                ),
                 FULL,
                 f"ab-{name}-{os.getpid()}",
                 name=name,
@@ -91,6 +101,8 @@ def main() -> None:
 def _describe(args: argparse.Namespace) -> str:
     if args.compare == "pages":
         return "A: a view per page, B: Pages (block ids)"
+    if args.compare == "congestion":
+        return f"A: the system's TCP congestion control, B: {args.congestion}"
     return f"connections_per_thread A={args.a} B={args.b}"
 
 

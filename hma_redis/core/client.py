@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 RedisClient = redis.Redis | RedisCluster
 
 _CLIENT_NUMBERS = itertools.count(1)
+# Linux' TCP_CONGESTION socket option (None where Python does not define it).
+_TCP_CONGESTION: int | None = getattr(socket, "TCP_CONGESTION", None)
 
 
 def new_client_name() -> str:
@@ -67,21 +69,53 @@ def _set_name(connection: AbstractConnection, name: str) -> None:
         logger.debug("hma_redis: CLIENT SETNAME refused (%s); the connection stays unnamed", exc)
 
 
-def _named_connect(name: str) -> Callable[[AbstractConnection], None]:
-    """redis-py's ``redis_connect_func`` for a plain or sentinel connection: its usual
-    handshake (AUTH, SELECT, ...), then the name."""
+_congestion_warned: set[str] = set()
+
+
+def _set_congestion(connection: AbstractConnection, congestion: str) -> None:
+    """The TCP congestion control ``congestion`` on a connection that just connected (TCP
+    only; "" leaves the system's). One warning per name where the kernel refuses it (not
+    built, or not in ``net.ipv4.tcp_allowed_congestion_control``); the connection serves
+    all the same, on the system's."""
+    sock = getattr(connection, "_sock", None)
+    if not congestion or _TCP_CONGESTION is None or sock is None:
+        return
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, congestion.encode())
+    except OSError as exc:
+        if congestion not in _congestion_warned:
+            _congestion_warned.add(congestion)
+            logger.warning(
+                "hma_redis: tcp_congestion %r is not available here (%s); value connections "
+                "keep the system's congestion control",
+                congestion,
+                exc.strerror or exc,
+            )
+
+
+def _named_connect(name: str, congestion: str = "") -> Callable[[AbstractConnection], None]:
+    """redis-py's ``redis_connect_func`` for a plain or sentinel connection: the congestion
+    control, its usual handshake (AUTH, SELECT, ...), then the name."""
 
     def connect(connection: AbstractConnection) -> None:
+        _set_congestion(connection, congestion)
         connection.on_connect()
         _set_name(connection, name)
 
     return connect
 
 
-def _name_only(name: str) -> Callable[[AbstractConnection], None]:
+def _name_only(name: str, congestion: str = "") -> Callable[[AbstractConnection], None]:
     """The same for a cluster node's connection (``RedisCluster`` runs the handshake itself
     and then this)."""
-    return lambda connection: _set_name(connection, name)
+
+    def connect(connection: AbstractConnection) -> None:
+        _set_congestion(connection, congestion)
+        _set_name(connection, name)
+
+    return connect
 
 
 def make_client(
@@ -89,6 +123,7 @@ def make_client(
     zero_copy: bool = False,
     max_connections: int | None = None,
     client_name: str | None = None,
+    congestion: str = "",
 ) -> RedisClient:
     """A redis-py client with bounded timeouts and no hidden retries.
 
@@ -107,7 +142,8 @@ def make_client(
     engine's jobs may each hold several connections (``connections_per_job``).
 
     Every connection it opens (data nodes, sentinels, pub/sub) is named ``client_name``
-    (default: :func:`new_client_name`) with ``CLIENT SETNAME``.
+    (default: :func:`new_client_name`) with ``CLIENT SETNAME``. A data node's TCP connections
+    run the congestion control ``congestion`` ("": the system's).
     """
     name = client_name or new_client_name()
     kwargs: dict[str, Any] = {
@@ -125,9 +161,9 @@ def make_client(
     }
     topo = cfg.endpoint
     if topo.kind is EndpointKind.CLUSTER:
-        kwargs["redis_connect_func"] = _name_only(name)
+        kwargs["redis_connect_func"] = _name_only(name, congestion)
         return _cluster_client(cfg, kwargs, pool_kwargs, zero_copy)
-    kwargs["redis_connect_func"] = _named_connect(name)
+    kwargs["redis_connect_func"] = _named_connect(name, congestion)
     if zero_copy:
         kwargs["command_packer"] = _zero_copy_packer()
     if topo.kind is EndpointKind.SENTINEL:

@@ -50,6 +50,8 @@ _SENTINEL_PORT = 26379
 # Matched whole (fullmatch): a trailing newline or any other control character is refused.
 _SERVICE_RE = re.compile(r"[^\s/\x00-\x1f\x7f-\x9f]{1,256}")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.\-]{1,32}")
+# A Linux congestion control's name (TCP_CA_NAME_MAX is 16 with its NUL), or "".
+_CONGESTION_RE = re.compile(r"[a-z0-9_]{0,15}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # connections_per_job: more connections than this per job only add Redis clients.
 MAX_CONNECTIONS_PER_JOB = 64
@@ -230,6 +232,9 @@ class RedisTierConfig:
     # Worker: connections each of those threads spreads its values over from one call of the
     # fast path (value i on connection i mod N); jobs whose values may exceed 3 MiB use one.
     connections_per_thread: int = 2
+    # Worker: the TCP congestion control of the connections values travel on ("": the
+    # system's). bbr paces each connection below what Redis takes on a LAN or loopback.
+    tcp_congestion: str = "cubic"
     shutdown_timeout_s: float = 30.0
     # Lower Python's GIL switch interval to this in the worker's process (0: leave it).
     gil_switch_interval_ms: float = 0.5
@@ -620,6 +625,12 @@ def _validate(cfg: RedisTierConfig) -> Endpoint:
         raise ValueError(
             "hma_redis: key_prefix must be 1-32 characters of [A-Za-z0-9_.-], "
             f"got {cfg.key_prefix!r}"
+        )
+    if not isinstance(cfg.tcp_congestion, str) or not _CONGESTION_RE.fullmatch(cfg.tcp_congestion):
+        raise ValueError(
+            "hma_redis: tcp_congestion must be a congestion control's name of up to 15 "
+            f'characters of [a-z0-9_] (e.g. "cubic"), or "" for the system\'s, '
+            f"got {cfg.tcp_congestion!r}"
         )
     if cfg.namespace is not None and not _NAMESPACE_RE.fullmatch(cfg.namespace):
         raise ValueError(

@@ -164,6 +164,7 @@ class RedisBlockStore:
                 zero_copy=True,
                 max_connections=bulk_connections(cfg),
                 client_name=self.client_name,
+                congestion=cfg.tcp_congestion,
             )
         )
         self.breaker = CircuitBreaker(cfg.redacted_url, cfg.retry_interval_s)

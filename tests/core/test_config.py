@@ -79,12 +79,24 @@ def test_vllm_owned_keys_are_accepted():
         ({"idle_wait_ms": -0.5}, "idle_wait_ms"),
         ({"idle_wait_ms": 100.5}, "idle_wait_ms"),
         ({"idle_wait_ms": "nan"}, "idle_wait_ms"),
+        ({"tcp_congestion": "Cubic"}, "tcp_congestion"),
+        ({"tcp_congestion": "x" * 16}, "tcp_congestion"),
+        ({"tcp_congestion": "cubic\n"}, "tcp_congestion"),
+        ({"tcp_congestion": "bbr cubic"}, "tcp_congestion"),
+        ({"tcp_congestion": 3}, "tcp_congestion"),
     ],
 )
 def test_bad_values_raise_one_error_naming_the_field(extra, field):
     with pytest.raises(ValueError, match=field) as info:
         RedisTierConfig.from_extra_config(extra, env={})
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["", "cubic", "x" * 15, "dctcp_2"])
+def test_tcp_congestion_takes_a_name_of_up_to_15_characters_or_nothing(name):
+    assert (
+        RedisTierConfig.from_extra_config({"tcp_congestion": name}, env={}).tcp_congestion == name
+    )
 
 
 def test_idle_wait_ms_takes_zero_to_its_bound():

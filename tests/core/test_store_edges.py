@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -16,6 +18,7 @@ from redis.crc import key_slot
 
 from hma_redis.core import codec, fastpath, medium
 from hma_redis.core.breaker import BreakerState
+from hma_redis.core.client import raw_socket
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
@@ -879,6 +882,55 @@ def test_every_connection_of_a_store_carries_its_name(redis_client, redis_url):
     finally:
         first.close()
         second.close()
+
+
+def _congestion_of(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
+def _pool_congestion(client: redis.Redis) -> set[str]:
+    """The congestion controls of a client's open connections."""
+    pool = client.connection_pool
+    return {_congestion_of(raw_socket(conn)) for conn in pool._connections if conn._sock}
+
+
+@pytest.mark.parametrize("setting", ["cubic", "reno", ""])
+def test_value_connections_run_the_configured_congestion_control(redis_url, setting):
+    """``tcp_congestion``: the connections values travel on (the native job's sockets) run
+    it; "" leaves the system's; the lookups' connections keep the system's either way. Values
+    are stored and loaded through them as usual."""
+    system = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    store = _store(redis_url, tcp_congestion=setting)
+    try:
+        assert store.warm_bulk(1) == 2 and store.warm_lookups() == 1
+        assert _pool_congestion(store._bulk) == {setting or system}
+        assert _pool_congestion(store.client) == {system}
+        key = _key(0, 9)
+        head, body, whole = _native_value(key, b"v")
+        assert store.put_values([key], [head], [body]) == [PutResult.STORED]
+        assert store.get([key]) == [whole]
+    finally:
+        store.delete([_key(0, 9)])
+        store.close()
+
+
+def test_a_congestion_control_the_kernel_lacks_is_one_warning_and_the_systems(redis_url, caplog):
+    """A name the kernel has no congestion control for: one warning naming it (however many
+    connections open), the system's congestion control, and a tier that works."""
+    caplog.set_level(logging.WARNING, logger="hma_redis.core.client")
+    system = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    store = _store(redis_url, tcp_congestion="nosuchcc")
+    try:
+        assert store.warm_bulk(2) == 4
+        assert _pool_congestion(store._bulk) == {system}
+        key = _key(0, 10)
+        head, body, _ = _native_value(key, b"v")
+        assert store.put_values([key], [head], [body]) == [PutResult.STORED]
+    finally:
+        store.delete([_key(0, 10)])
+        store.close()
+    lines = [r.getMessage() for r in caplog.records if "tcp_congestion" in r.getMessage()]
+    assert len(lines) == 1 and "'nosuchcc' is not available here" in lines[0], lines
 
 
 def test_close_disconnects_every_connection_it_opened(redis_client, redis_url):

@@ -130,6 +130,7 @@ _CARRIED = (
     "pool_size",
     "connections_per_job",
     "connections_per_thread",
+    "tcp_congestion",
     "io_threads",
     "max_inflight_bytes",
     "tls_ca_file",
