@@ -1134,7 +1134,9 @@ def _page_layout(group: Sequence[LayerSource]) -> PageLayout:
 def _blocks_held(group: Sequence[LayerSource]) -> int:
     """Blocks whose pages every layer of a CPU group holds."""
     held = [
-        (len(layer.host) - layer.page_bytes) // layer.row_bytes + 1 for layer in group if layer.host
+        (len(layer.host) - layer.page_bytes) // layer.row_bytes + 1
+        for layer in group
+        if layer.host is not None
     ]
     return max(0, min(held, default=0))
 
