@@ -37,7 +37,8 @@ unanswered at once per socket) and reads one reply per target: RESP2 ``$len``/``
 3. The header equals ``expected_header`` (and the prefix starts with ``expected_prefix``, when
    one is given: magic, version, flags and header length) and ``len == 48 + H + sum(dests)``:
    the body goes to ``dests`` in order (an ``int`` in ``dests`` is that many bytes checksummed
-   and dropped), ``ok`` / ``pages``.
+   and dropped; a :class:`~hma_redis.core.medium.Pages` is its pages in ``Pages.views``
+   order), ``ok`` / ``pages``.
 4. The header (and prefix) are the expected ones but the length is not: drained,
    ``layout-mismatch``.
 5. Anything else (another header or prefix, a value too short for a prefix, a header that does
@@ -61,7 +62,8 @@ caller must drop every connection of the job. Destination memory may have been w
 :func:`store_values` takes each value as a :class:`StoreValue`: the command's framing up to the
 value (``*4 $3 SET $<keylen> key $<valuelen>``), the head (the codec's prefix and msgpack
 header, every field filled but the CRC), the pages read in place from the KV cache, and the
-tail (``\r\n`` and the ``NX`` / ``EX`` arguments). For each value it writes CRC32C of
+tail (``\r\n`` and the ``NX`` / ``EX`` arguments); the pages may be a
+:class:`~hma_redis.core.medium.Pages`, cut as for a load. For each value it writes CRC32C of
 header ‖ pages into the head's CRC field (bytes 12-16, big-endian), then sends the pieces back
 to back with ``sendmsg`` (no copy of its own); then it reads one reply per value: ``+OK``
 stored, nil existed, an error. One call, one GIL release for the whole job: a per-value checksum
