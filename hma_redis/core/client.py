@@ -77,9 +77,9 @@ def _set_congestion(connection: AbstractConnection, congestion: str) -> None:
     only; "" leaves the system's). One warning per name where the kernel refuses it (not
     built, or not in ``net.ipv4.tcp_allowed_congestion_control``); the connection serves
     all the same, on the system's."""
-    sock = getattr(connection, "_sock", None)
-    if not congestion or _TCP_CONGESTION is None or sock is None:
+    if not congestion or _TCP_CONGESTION is None:
         return
+    sock = raw_socket(connection)
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     try:

@@ -87,7 +87,7 @@ import crc32c as _crc32c
 
 from hma_redis.core.codec import CRC_AT, HEADER_LEN_AT, PREFIX_BYTES
 from hma_redis.core.deadline import Deadline
-from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget, Pages
+from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget, Pages, body_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -562,7 +562,7 @@ def _store_pages(value: StoreValue) -> Sequence[Any]:
     checks them, before the head)."""
     if len(value) != 4:
         raise ValueError("a value is (framing, head, pages, tail)")
-    return value.pages.views() if isinstance(value.pages, Pages) else value.pages
+    return body_pieces(value.pages)
 
 
 def _check_target(target: LoadTarget) -> Sequence[Any]:
@@ -574,7 +574,7 @@ def _check_target(target: LoadTarget) -> Sequence[Any]:
         raise ValueError("head must hold at least the 48-byte prefix")
     if target.max_len < 0:
         raise ValueError("max_len must be >= 0")
-    dests = target.dests.views() if isinstance(target.dests, Pages) else target.dests
+    dests = body_pieces(target.dests)
     for dest in dests:
         if isinstance(dest, int):
             if not 0 <= dest <= _MAX_VALUE:

@@ -35,7 +35,9 @@ __all__ = [
     "PageLayout",
     "Pages",
     "PutResult",
+    "block_runs",
     "body_bytes",
+    "body_pieces",
 ]
 
 
@@ -85,7 +87,7 @@ class Pages:
         whose pages fill their rows are one view. The native job makes the same cut, after the
         same checks in the same order (the layout whole, then the block ids)."""
         layers = _layer_memory(self.layout)
-        runs = _runs(self.block_ids)
+        runs = block_runs(self.block_ids)
         views: list[memoryview] = []
         for memory, page, row in layers:
             last = (memory.nbytes - page) // row  # the last block whose page fits the layer
@@ -114,8 +116,9 @@ def _layer_memory(layout: PageLayout) -> list[tuple[memoryview, int, int]]:
     return out
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """(first id, length) of each run of consecutive ids, in order."""
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first id, length) of each run of consecutive ids, in order (the cut of :class:`Pages`
+    and of the transfer engine's copies between buffers and pages)."""
     runs: list[tuple[int, int]] = []
     for block in block_ids:
         if runs and block == runs[-1][0] + runs[-1][1]:
@@ -130,6 +133,11 @@ def body_bytes(body: Pages | Sequence[Any]) -> int:
     if isinstance(body, Pages):
         return body.nbytes
     return sum(memoryview(piece).nbytes for piece in body)
+
+
+def body_pieces(body: Pages | Sequence[Any]) -> Sequence[Any]:
+    """A body's pieces in order: a :class:`Pages`' views (checked), or the sequence itself."""
+    return body.views() if isinstance(body, Pages) else body
 
 
 class LoadTarget(NamedTuple):

@@ -73,7 +73,9 @@ from hma_redis.core.medium import (
     PageLayout,
     Pages,
     PutResult,
+    block_runs,
     body_bytes,
+    body_pieces,
 )
 
 logger = logging.getLogger(__name__)
@@ -768,8 +770,7 @@ class TransferEngine:
             )
         mac = None
         if self._mac_key is not None:
-            pieces = body.views() if isinstance(body, Pages) else body
-            mac = codec.value_mac(self._mac_key, pieces, layout.packed, layout.signed)
+            mac = codec.value_mac(self._mac_key, body_pieces(body), layout.packed, layout.signed)
         return codec.head_without_crc(layout.signed, layout.packed, mac)
 
     def _count_stored(self, job: _Job, sizes: Sequence[int], results: list[PutResult]) -> int:
@@ -1148,11 +1149,10 @@ def layer_device(layers: Sequence[LayerSource]) -> str:
 def _block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(position in ``block_ids``, first block id, length) of each run of consecutive ids."""
     runs: list[tuple[int, int, int]] = []
-    start = 0
-    for pos in range(1, len(block_ids) + 1):
-        if pos == len(block_ids) or block_ids[pos] != block_ids[pos - 1] + 1:
-            runs.append((start, block_ids[start], pos - start))
-            start = pos
+    pos = 0
+    for first, count in block_runs(block_ids):
+        runs.append((pos, first, count))
+        pos += count
     return runs
 
 
