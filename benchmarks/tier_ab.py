@@ -9,10 +9,14 @@ each, their ratio, and in how many pairs b was faster. What differs (``--compare
   layer, built in Python per chunk: how jobs ran before ``medium.Pages``), B describes each
   chunk's pages by block ids (``Pages``: the data path cuts them);
 * ``congestion``: A's value connections run the system's TCP congestion control
-  (``tcp_congestion`` ""), B's ``--congestion`` (default cubic).
+  (``tcp_congestion`` ""), B's ``--congestion`` (default cubic);
+* ``threads``: A runs each job on one thread with two connections (the defaults,
+  ``connections_per_job`` 1, ``connections_per_thread`` 2), B on two threads with one
+  connection each (``connections_per_job`` 2, ``connections_per_thread`` 1: LMCache's shape).
 
     .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
-        [--compare connections --a 1 --b 2 | --compare pages | --compare congestion]
+        [--compare connections --a 1 --b 2 | --compare pages | --compare congestion
+         | --compare threads]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -37,7 +41,9 @@ def main() -> None:
     parser.add_argument("--url", help="Redis to use (default: a private redis-server)")
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument(
-        "--compare", choices=("connections", "pages", "congestion"), default="connections"
+        "--compare",
+        choices=("connections", "pages", "congestion", "threads"),
+        default="connections",
     )
     parser.add_argument("--congestion", default="cubic", help="B's tcp_congestion")
     parser.add_argument("--a", type=int, default=1, help="connections_per_thread of A")
@@ -46,6 +52,10 @@ def main() -> None:
     if args.compare != "connections":
         args.a = args.b = RedisTierConfig().connections_per_thread
     congestion = {"a": "", "b": args.congestion} if args.compare == "congestion" else {}
+    # connections_per_job by worker (threads: B splits each job over two threads).
+    per_job = {"a": 1, "b": 2} if args.compare == "threads" else {}
+    if args.compare == "threads":
+        args.a, args.b = 2, 1
     cfg = RedisTierConfig.from_extra_config({"redis_url": args.url}, env={}) if args.url else None
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -55,6 +65,7 @@ def main() -> None:
                 dataclasses.replace(
                     target,
                     connections_per_thread=n,
+                    connections_per_job=per_job.get(name, target.connections_per_job),
                     tcp_congestion=congestion.get(name, target.tcp_congestion),
                 ),
                 FULL,
@@ -103,6 +114,8 @@ def _describe(args: argparse.Namespace) -> str:
         return "A: a view per page, B: Pages (block ids)"
     if args.compare == "congestion":
         return f"A: the system's TCP congestion control, B: {args.congestion}"
+    if args.compare == "threads":
+        return "A: one thread, two connections per job; B: two threads, one connection each"
     return f"connections_per_thread A={args.a} B={args.b}"
 
 
