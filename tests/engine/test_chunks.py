@@ -7,7 +7,8 @@ window, so the sliding-window group's blocks before the window are null when vLL
 loads. Engine A stores the prompts; a fresh engine B must load their chunk-aligned prefixes
 from Redis and answer exactly as a run without the tier. Then every value is damaged (random
 bytes over the middle half, a NaN/Inf body, or another key's valid value, in turn by key) and
-another fresh engine must recompute everything, with the same tokens.
+another fresh engine must recompute everything, with the same tokens. Unkeyed, and with an
+``auth_key`` (values MAC'd, loads checked in buffers before any byte reaches a page).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from hma_redis.core import codec
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3
 from tests.engine.test_corruption import nan_payload, random_middle_half
@@ -55,9 +57,11 @@ def _values(client: redis.Redis) -> dict[bytes, bytes]:
     return out
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "auth_key"])
 def test_chunks_of_several_blocks_load_exactly_or_are_recomputed(
-    server: LocalRedis, tmp_path: Path
+    server: LocalRedis, tmp_path: Path, keyed: bool
 ) -> None:
+    env = {"HMA_REDIS_AUTH_KEY": "chunks-key-" + "0123456789" * 3} if keyed else {}
     model = build_gemma3(tmp_path / "gemma3", sliding_window=48, num_hidden_layers=6)
     # Lengths that end inside a chunk, a block past one, and just after one.
     prompts = make_prompts(41, 3, 420, VOCAB_SIZE)
@@ -67,13 +71,14 @@ def test_chunks_of_several_blocks_load_exactly_or_are_recomputed(
     baseline = run_engine(model, prompts, MAX_TOKENS, None, block_size=BLOCK_TOKENS)
     assert baseline.block_size == BLOCK_TOKENS and baseline.num_kv_cache_groups == 2
 
-    stored = run_engine(model, prompts, MAX_TOKENS, config, block_size=BLOCK_TOKENS)
+    stored = run_engine(model, prompts, MAX_TOKENS, config, env, block_size=BLOCK_TOKENS)
     assert stored.token_ids == baseline.token_ids, stored.stderr_tail
     client = redis.Redis(port=server.port, socket_timeout=5)
     values = _values(client)
     assert values, stored.stderr_tail
+    assert all(codec.has_mac(v) == keyed for v in values.values())
 
-    loaded = run_engine(model, prompts, MAX_TOKENS, config, block_size=BLOCK_TOKENS)
+    loaded = run_engine(model, prompts, MAX_TOKENS, config, env, block_size=BLOCK_TOKENS)
     assert loaded.token_ids == baseline.token_ids, loaded.stderr_tail
     for result, prompt in zip(loaded.results, prompts, strict=True):
         # Whole chunks, at least one token left to compute; the sliding-window group hits
@@ -94,7 +99,9 @@ def test_chunks_of_several_blocks_load_exactly_or_are_recomputed(
         else:
             damaged |= (random_middle_half, nan_payload)[idx % 3]({key: values[key]}, rng)
     client.mset(damaged)
-    recomputed = run_engine(model, prompts, MAX_TOKENS, config, block_size=BLOCK_TOKENS)
+    recomputed = run_engine(model, prompts, MAX_TOKENS, config, env, block_size=BLOCK_TOKENS)
     assert recomputed.token_ids == baseline.token_ids, recomputed.stderr_tail
     assert recomputed.num_cached_tokens == [0] * len(prompts), recomputed.stderr_tail
     assert "will be recomputed" in recomputed.stderr, recomputed.stderr_tail
+    for secret in env.values():  # the key never reaches a log line
+        assert all(secret not in run.stderr for run in (stored, loaded, recomputed))
