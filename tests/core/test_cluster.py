@@ -7,9 +7,11 @@ shows that the URL's credentials reach every node, including those found through
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -22,6 +24,12 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.core.medium import PutResult
 from hma_redis.core.store import RedisBlockStore, RedisUnavailableError
 from hma_redis.tools.devkit.local_redis import free_port
+from tests.core.test_transfer import (
+    _nan_payload,
+    _random_middle_half,
+    _truncated,
+    _unchanged_unless_landed,
+)
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
 from tests.support.redis_server import store_connections
@@ -427,3 +435,49 @@ def test_a_cluster_down_at_start_serves_native_loads_and_stores_once_it_is_up() 
         pages.close()
         store.close()
         later.stop()
+
+
+@pytest.mark.parametrize("path", ["native", "twin"])
+@pytest.mark.parametrize(
+    "fault",
+    [_random_middle_half, _nan_payload, _truncated, "other-keys-value", "one-missing"],
+    ids=["random-middle-half", "nan-payload", "truncated", "other-keys-value", "one-missing"],
+)
+def test_a_damaged_value_on_any_node_fails_the_load_and_leaves_its_pages_as_before_or_zero(
+    clean: LocalCluster, path: str, fault: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Faults the way the world makes them, on a Cluster: the job's values spread over the
+    nodes, each damaged in place (random bytes over the middle half, a NaN/Inf body, a cut
+    value, another key's valid value, one deleted). The load fails whole, and every page holds
+    what it held before or zeros: the node-by-node job never leaves a byte of a value that
+    failed on one node in a page, whatever the other nodes answered. Damaged values are
+    deleted, so a recompute's store can heal them."""
+    store = _store(clean.url)
+    if path == "twin":
+        monkeypatch.setenv("HMA_REDIS_NATIVE", "0")
+    pages = make_pages(store)
+    client = RedisCluster(host="127.0.0.1", port=clean.ports[0], username=USER, password=PASSWORD)
+    try:
+        assert pages.store_job(1, chunks(SRC)).ok
+        keys = [c.redis_key for c in chunks(SRC)]
+        assert len(_per_node(clean, keys)) >= 2
+        values = [client.get(k) for k in keys]
+        rng = random.Random(17)
+        if fault == "other-keys-value":
+            for key, value in zip(keys, values[1:] + values[:1], strict=True):
+                client.set(key, value)
+        elif fault == "one-missing":
+            client.delete(keys[-1])
+        else:
+            for key, value in zip(keys, values, strict=True):
+                client.set(key, fault(value, rng))
+
+        before = [t.clone() for t in pages.tensors]
+        assert not pages.load_job(2, chunks(DST)).ok
+        assert _unchanged_unless_landed(before, pages, DST), "a page holds bytes of a failed load"
+        if fault != "one-missing":
+            assert not any(client.exists(k) for k in keys), "a damaged value was kept"
+    finally:
+        client.close()
+        pages.close()
+        store.close()
