@@ -282,6 +282,27 @@ def test_redis_paused_longer_than_the_timeout(
     assert _stats(_client(server))["load_failed_jobs"] >= 1
 
 
+def test_redis_down_when_the_engine_starts_and_for_the_whole_run(
+    gemma: str, prompts: list[list[int]], baselines: dict[str, EngineRun], server: LocalRedis
+) -> None:
+    """The README's configuration pointed at a Redis that is down before the engine starts
+    and stays down: the engine starts, serves every prompt (twice, so the second round would
+    have hit) with the tokens of a run without the tier, each request within the bound, says
+    why the tier is idle and logs no error of the tier's."""
+    server.kill()
+    config = tier_config(server.url, **TIER_OPTIONS)
+    run = run_engine(gemma, prompts + prompts, MAX_TOKENS, config)
+    assert run.token_ids == baselines[gemma].token_ids * 2, run.stderr_tail
+    slowest = max(r.wall_s for r in run.results)
+    assert slowest < REQUEST_BOUND_S, f"a request took {slowest:.1f}s"
+    assert run.num_cached_tokens == [0] * len(run.results), run.stderr_tail
+    tier_lines = [ln for ln in run.stderr.splitlines() if "hma_redis" in ln]
+    assert any("not reachable at start-up" in ln for ln in tier_lines), run.stderr_tail
+    assert not [ln for ln in tier_lines if " ERROR " in ln], run.stderr_tail
+    # The worker counted the stores it could not make, and made none.
+    assert _worker_totals(run).get("store_failed_chunks", 0) > 0, run.stderr_tail
+
+
 # ------------------------------------------------------------------ other transports
 
 
