@@ -24,12 +24,7 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.core.medium import PutResult
 from hma_redis.core.store import RedisBlockStore, RedisUnavailableError
 from hma_redis.tools.devkit.local_redis import free_port
-from tests.core.test_transfer import (
-    _nan_payload,
-    _random_middle_half,
-    _truncated,
-    _unchanged_unless_landed,
-)
+from tests.core.test_transfer import FAULT_IDS, FAULTS, _unchanged_unless_landed, damage
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
 from tests.support.redis_server import store_connections
@@ -438,11 +433,7 @@ def test_a_cluster_down_at_start_serves_native_loads_and_stores_once_it_is_up() 
 
 
 @pytest.mark.parametrize("path", ["native", "twin"])
-@pytest.mark.parametrize(
-    "fault",
-    [_random_middle_half, _nan_payload, _truncated, "other-keys-value", "one-missing"],
-    ids=["random-middle-half", "nan-payload", "truncated", "other-keys-value", "one-missing"],
-)
+@pytest.mark.parametrize("fault", FAULTS, ids=FAULT_IDS)
 def test_a_damaged_value_on_any_node_fails_the_load_and_leaves_its_pages_as_before_or_zero(
     clean: LocalCluster, path: str, fault: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -461,16 +452,7 @@ def test_a_damaged_value_on_any_node_fails_the_load_and_leaves_its_pages_as_befo
         assert pages.store_job(1, chunks(SRC)).ok
         keys = [c.redis_key for c in chunks(SRC)]
         assert len(_per_node(clean, keys)) >= 2
-        values = [client.get(k) for k in keys]
-        rng = random.Random(17)
-        if fault == "other-keys-value":
-            for key, value in zip(keys, values[1:] + values[:1], strict=True):
-                client.set(key, value)
-        elif fault == "one-missing":
-            client.delete(keys[-1])
-        else:
-            for key, value in zip(keys, values, strict=True):
-                client.set(key, fault(value, rng))
+        damage(client, keys, fault, random.Random(17))
 
         before = [t.clone() for t in pages.tensors]
         assert not pages.load_job(2, chunks(DST)).ok

@@ -15,6 +15,7 @@ import random
 import struct
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -190,11 +191,26 @@ def _truncated(value: bytes, rng: random.Random) -> bytes:
     return value[: rng.randrange(1, len(value))]
 
 
-@pytest.mark.parametrize(
-    "fault",
-    [_random_middle_half, _nan_payload, _truncated, "other-keys-value", "one-missing"],
-    ids=["random-middle-half", "nan-payload", "truncated", "other-keys-value", "one-missing"],
-)
+# Faults the way the world makes them, for :func:`damage`.
+FAULTS = [_random_middle_half, _nan_payload, _truncated, "other-keys-value", "one-missing"]
+FAULT_IDS = ["random-middle-half", "nan-payload", "truncated", "other-keys-value", "one-missing"]
+
+
+def damage(client: Any, keys: list[str], fault: Any, rng: random.Random) -> None:
+    """Apply one of :data:`FAULTS` to the values under ``keys``: each value rewritten by the
+    function, each key given the next key's value, or the last key deleted."""
+    values = [client.get(k) for k in keys]
+    if fault == "other-keys-value":
+        for key, value in zip(keys, values[1:] + values[:1], strict=True):
+            client.set(key, value)
+    elif fault == "one-missing":
+        client.delete(keys[-1])
+    else:
+        for key, value in zip(keys, values, strict=True):
+            client.set(key, fault(value, rng))
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=FAULT_IDS)
 def test_a_failed_load_leaves_every_page_as_it_was_or_zero(
     pages: Pages, redis_client, fault
 ) -> None:
@@ -202,17 +218,7 @@ def test_a_failed_load_leaves_every_page_as_it_was_or_zero(
     byte of a value that failed validation (vLLM frees those blocks unwritten, and a later
     request reads a partly filled block under a mask, where NaN or Inf would survive)."""
     assert pages.store_job(1, chunks(SRC)).ok
-    keys = _stored_keys(redis_client)
-    rng = random.Random(11)
-    values = [redis_client.get(k) for k in keys]
-    if fault == "other-keys-value":
-        for key, value in zip(keys, values[1:] + values[:1], strict=True):
-            redis_client.set(key, value)
-    elif fault == "one-missing":
-        redis_client.delete(keys[-1])
-    else:
-        for key, value in zip(keys, values, strict=True):
-            redis_client.set(key, fault(value, rng))
+    damage(redis_client, _stored_keys(redis_client), fault, random.Random(11))
 
     before = [t.clone() for t in pages.tensors]
     assert not pages.load_job(2, chunks(DST)).ok

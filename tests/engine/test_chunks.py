@@ -23,7 +23,7 @@ import redis
 from hma_redis.core import codec
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3
-from tests.engine.test_corruption import nan_payload, random_middle_half
+from tests.engine.test_corruption import _block_values, nan_payload, random_middle_half
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.tier import tier_config
 
@@ -48,15 +48,6 @@ def server() -> Iterator[LocalRedis]:
     srv.stop()
 
 
-def _values(client: redis.Redis) -> dict[bytes, bytes]:
-    out = {}
-    for key in client.scan_iter(match="hma:*:g*", count=1000):
-        value = client.get(key)
-        if value is not None:
-            out[key] = value
-    return out
-
-
 @pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "auth_key"])
 def test_chunks_of_several_blocks_load_exactly_or_are_recomputed(
     server: LocalRedis, tmp_path: Path, keyed: bool
@@ -74,7 +65,7 @@ def test_chunks_of_several_blocks_load_exactly_or_are_recomputed(
     stored = run_engine(model, prompts, MAX_TOKENS, config, env, block_size=BLOCK_TOKENS)
     assert stored.token_ids == baseline.token_ids, stored.stderr_tail
     client = redis.Redis(port=server.port, socket_timeout=5)
-    values = _values(client)
+    values = _block_values(client)
     assert values, stored.stderr_tail
     assert all(codec.has_mac(v) == keyed for v in values.values())
 
