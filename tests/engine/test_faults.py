@@ -24,6 +24,7 @@ import redis
 from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from tests.engine.test_corruption import nan_payload
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine, run_engines
 from tests.support.tier import tier_config
 from tests.support.tls_certs import TlsLocalRedis, make_tls_files
@@ -170,6 +171,24 @@ def _swap_values(client: redis.Redis) -> None:
     for key, value in zip(keys, values[1:] + values[:1], strict=True):
         assert value is not None
         client.set(key, value)
+
+
+def _mixed_faults(client: redis.Redis) -> None:
+    """Each value, by key in turn: random bytes over its middle half, a NaN/Inf body after its
+    first 256 bytes, cut by 100 bytes, or another key's valid value."""
+    rng = random.Random(9)
+    keys = sorted(_block_keys(client))
+    values = [client.get(k) for k in keys]
+    for idx, (key, value) in enumerate(zip(keys, values, strict=True)):
+        assert value is not None
+        quarter = len(value) // 4
+        damaged = (
+            value[:quarter] + rng.randbytes(2 * quarter) + value[3 * quarter :],
+            nan_payload({key: value}, rng)[key],
+            value[: len(value) - 100],
+            values[(idx + 1) % len(values)],
+        )[idx % 4]
+        client.set(key, damaged)
 
 
 @pytest.mark.parametrize(
@@ -343,8 +362,9 @@ def test_over_tls_corrupted_values_are_recomputed(
     baselines: dict[str, EngineRun],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """The Python path (TLS): values corrupted in Redis are refused, the request recomputed
-    with the cold run's tokens, and a third engine loads the good values stored again."""
+    """The Python path (TLS): values damaged in Redis in every way of :func:`_mixed_faults`
+    are refused, the requests recomputed with the cold run's tokens, and a third engine loads
+    the good values stored again."""
     try:
         server = TlsLocalRedis(make_tls_files(tmp_path_factory.mktemp("tls"))).start()
     except RuntimeError as exc:
@@ -360,8 +380,8 @@ def test_over_tls_corrupted_values_are_recomputed(
         )
         run_engine(gemma, prompts, MAX_TOKENS, config)
         with server.tls_client() as client:
-            assert _block_keys(client), "engine A stored nothing"
-            _corrupt_in_place(client)
+            assert len(_block_keys(client)) >= 4, "engine A stored too little to mix faults"
+            _mixed_faults(client)
             run = run_engine(gemma, prompts, MAX_TOKENS, config)
             _assert_served_correctly(run, baselines[gemma])
             assert run.num_cached_tokens == [0, 0]
