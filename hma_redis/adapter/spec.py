@@ -171,7 +171,8 @@ class RedisOffloadingSpec(OffloadingSpec):
             kv_cache_config=context.kv_cache_config,
             auth_key_id=self.tier_config.auth_key_id,
         )
-        namespace = explicit_namespace(self.tier_config) or self.fingerprint.namespace_id()
+        namespace = explicit_namespace(self.tier_config, self.fingerprint)
+        namespace = namespace or self.fingerprint.namespace_id()
         self.keyspace = KeySpace(self.tier_config.key_prefix, namespace, config.parallel.world_size)
         self._store: RedisBlockStore | None = None
 
@@ -442,15 +443,19 @@ def _hub_cached_file(repo_id: str, name: str, revision: str | None) -> str | Non
     return found if isinstance(found, str) else None
 
 
-def explicit_namespace(cfg: RedisTierConfig) -> str | None:
-    """The namespace an operator named, if any, made distinct per ``auth_key``.
+def explicit_namespace(cfg: RedisTierConfig, fingerprint: NamespaceFingerprint) -> str | None:
+    """The namespace an operator named, if any: the name, ``.`` and the fingerprint's id.
 
-    Instances with different shared secrets must never meet in one namespace: each would find the
-    other's values corrupt (wrong MAC) and delete them, erasing each other's cache for ever.
+    A name alone could put two deployments whose KV bytes differ in one namespace, and the
+    values' headers cannot tell them apart where only the weights differ (two fine-tunes of one
+    base model have the same layout): one would load the other's KV and answer wrong. With the
+    id, deployments share a named namespace exactly when they would share a computed one. The
+    fingerprint holds the ``auth_key``'s id, so instances with different shared secrets never
+    meet either (each would find the other's values corrupt and delete them).
     """
-    if cfg.namespace is None or not cfg.auth_key_id:
-        return cfg.namespace
-    return f"{cfg.namespace}.{cfg.auth_key_id[:8]}"
+    if cfg.namespace is None:
+        return None
+    return f"{cfg.namespace}.{fingerprint.namespace_id()}"
 
 
 def _check_hash_seed(hash_algo: str, cfg: RedisTierConfig) -> None:

@@ -99,21 +99,51 @@ def test_info_records_each_groups_attention_kind(model_dir: str) -> None:
     assert json.loads(fields["model_config"])["hf_overrides"] == []
 
 
-def test_an_explicit_namespace_is_split_by_auth_key() -> None:
-    """Instances with different shared secrets never meet in a named namespace (each would find
-    the other's values corrupt and delete them); without a secret the name is used as given."""
+def test_an_explicit_namespace_carries_the_fingerprint_id() -> None:
+    """A named namespace is the name, ``.`` and the fingerprint's id: deployments share it
+    exactly when they would share a computed one. Two models of one layout whose weights
+    differ (another revision, another checkpoint config) never meet under one name, where the
+    values' headers could not tell their KV apart; nor do instances with different shared
+    secrets (each would find the other's values corrupt and delete them)."""
+    from dataclasses import replace
+
     from hma_redis.adapter.spec import explicit_namespace
     from hma_redis.core.config import RedisTierConfig
+    from hma_redis.core.keys import GroupLayout, NamespaceFingerprint
 
-    def named(env: dict[str, str]) -> str | None:
-        return explicit_namespace(
-            RedisTierConfig.from_extra_config({"namespace": "team-a"}, env=env)
+    base = NamespaceFingerprint(
+        model="/models/llama",
+        kv_dtype="bfloat16",
+        groups=(GroupLayout(16, ("layers.0",), (4096,)),),
+    )
+
+    def named(fingerprint: NamespaceFingerprint, env: dict[str, str] | None = None) -> str:
+        cfg = RedisTierConfig.from_extra_config({"namespace": "team-a"}, env=env or {})
+        name = explicit_namespace(cfg, fingerprint)
+        assert name is not None
+        return name
+
+    assert named(base) == f"team-a.{base.namespace_id()}"
+    assert named(base) == named(replace(base))  # the same deployment: the same namespace
+    others = [
+        replace(base, revision="v2"),  # the same layout, other weights
+        replace(base, model_config='{"checkpoint_config":"other"}'),
+        replace(base, model="/models/llama-finetune"),
+    ]
+    secrets = ["first-secret-0123456789", "second-secret-0123456789"]
+    keyed = [
+        named(
+            replace(
+                base,
+                auth_key_id=RedisTierConfig.from_extra_config(
+                    {}, env={"HMA_REDIS_AUTH_KEY": secret}
+                ).auth_key_id,
+            )
         )
-
-    plain = named({})
-    first = named({"HMA_REDIS_AUTH_KEY": "first-secret-0123456789"})
-    second = named({"HMA_REDIS_AUTH_KEY": "second-secret-0123456789"})
-    assert plain == "team-a"
-    assert first is not None and first.startswith("team-a.")
-    assert len({plain, first, second}) == 3
-    assert first == named({"HMA_REDIS_AUTH_KEY": "first-secret-0123456789"})
+        for secret in secrets
+    ]
+    names = [named(base), *(named(f) for f in others), *keyed]
+    assert len(set(names)) == len(names)
+    assert all(n.startswith("team-a.") for n in names)
+    no_name = RedisTierConfig.from_extra_config({}, env={})
+    assert explicit_namespace(no_name, base) is None

@@ -20,7 +20,7 @@ from hma_redis.core import codec
 from hma_redis.core.keys import parse_block_key
 from hma_redis.tools.devkit.engine import RESULT_PREFIX
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
-from tests.support.engine_runner import REPO_ROOT, child_env, make_prompts
+from tests.support.engine_runner import REPO_ROOT, child_env, make_prompts, run_engine
 from tests.support.salt_child import SALT_ENV
 from tests.support.tier import chunk_aligned_prefix, tier_config
 
@@ -173,3 +173,36 @@ def test_auth_key_shares_kv_only_between_instances_with_the_same_key(
     values = [redis_client.get(k) for k in keys if parse_block_key(k.decode()) is not None]
     per_set = aligned // int(a2["block_size"])
     assert sorted(codec.has_mac(v) for v in values) == [False] * per_set + [True] * 2 * per_set
+
+
+# ---------------------------------------------------------------------------------- namespace
+
+
+def test_one_namespace_name_on_two_models_of_one_shape_never_mixes_their_kv(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Two models of the same shape but other weights (as two fine-tunes of one base model),
+    both configured with the same ``namespace`` name: their KV bytes differ while their
+    values' headers would match, so a name alone would let one serve the other's KV. Each
+    answers with its own tokens; the second model loads nothing of the first's, and a second
+    instance of the first still loads its own."""
+    first = build_llama(tmp_path / "first", seed=1)
+    second = build_llama(tmp_path / "second", seed=2)
+    prompts = make_prompts(seed=79, n=2, length=SALT_PROMPT_LEN, vocab=VOCAB_SIZE)
+    tier = tier_config(redis_url, namespace="team-models")
+    base_first = run_engine(first, prompts, 8, None)
+    base_second = run_engine(second, prompts, 8, None)
+    assert base_first.token_ids != base_second.token_ids  # the weights differ where it shows
+
+    stored = run_engine(first, prompts, 8, tier)
+    other = run_engine(second, prompts, 8, tier)
+    again = run_engine(first, prompts, 8, tier)
+    assert stored.token_ids == base_first.token_ids, stored.stderr_tail
+    assert other.token_ids == base_second.token_ids, other.stderr_tail
+    assert other.num_cached_tokens == [0, 0], other.stderr_tail
+    assert again.token_ids == base_first.token_ids, again.stderr_tail
+    aligned = chunk_aligned_prefix(SALT_PROMPT_LEN, again.block_size)
+    assert again.num_cached_tokens == [aligned, aligned], again.stderr_tail
+    # Both namespaces carry the operator's name.
+    infos = {k.decode() for k in redis_client.scan_iter(match="hma:team-models.*:info")}
+    assert len(infos) == 2, infos

@@ -48,7 +48,8 @@ def test_tier_namespace_differs_from_the_direct_specs(
     assert "tiering(" in tier.fingerprint.info_fields()["kv_cache_layout"]
 
     named = instance(namespace="shared").tier
-    assert named.keyspace.namespace == "shared" + TIERING_NAMESPACE_SUFFIX
+    fingerprint_id = named.fingerprint.namespace_id()
+    assert named.keyspace.namespace == f"shared.{fingerprint_id}{TIERING_NAMESPACE_SUFFIX}"
 
 
 @pytest.mark.parametrize(

@@ -122,7 +122,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._warned_pin = False
 
     def _namespace(self) -> str:
-        named = explicit_namespace(self.config)
+        named = explicit_namespace(self.config, self.fingerprint)
         if named is not None:
             return named + TIERING_NAMESPACE_SUFFIX
         return self.fingerprint.namespace_id()
