@@ -25,9 +25,10 @@ import statistics
 import time
 from typing import Any
 
-from hma_redis.core.config import RedisTierConfig
-from hma_redis.tools.bench.common import Samples, server_config
-from hma_redis.tools.bench.tier import QUICK, TierBench
+# The same worker and stored values as load_loop.py.
+from load_loop import free_blocks, stored_job, submit_load
+
+from hma_redis.tools.bench.tier import QUICK
 
 PHASES = ("submit", "to the job's thread", "Python before", "data path call", "Python after")
 
@@ -47,66 +48,39 @@ def _timed(marks: dict[str, float], start: str, end: str, fn: Any) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="Redis to use (default: a private redis-server)")
-    parser.add_argument("--size", type=int, default=512 * 1024, choices=QUICK.sizes)
     parser.add_argument("--jobs", type=int, default=300)
-    args = parser.parse_args()
-    cfg = RedisTierConfig.from_extra_config({"redis_url": args.url}, env={}) if args.url else None
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-    from hma_redis.adapter.types import RedisLoadStoreSpec
-
-    with server_config(cfg) as (target, where):
-        bench = TierBench(target, QUICK, f"phases-{time.monotonic_ns()}")
-        try:
-            worker = bench.workers[args.size]
-            bench.run(args.size, Samples())  # untimed: connections, first touch of the pages
-            keys = bench._keys.take(bench.blocks // bench.blocks_per_chunk(args.size))
-            bench._job_id += 1
-            worker.submit_store(
-                bench._job_id,
-                GPULoadStoreSpec(list(range(bench.blocks)), [bench.blocks], [0]),
-                RedisLoadStoreSpec(keys, known_absent=keys),  # type: ignore[arg-type]
-            )
+    with stored_job(parser, "phases") as (args, bench, worker, keys, where):
+        marks: dict[str, float] = {}
+        store: Any = bench.store
+        engine: Any = worker._engine
+        store.load_values = _timed(marks, "call", "called", store.load_values)
+        engine._run_load = _timed(marks, "job", "job done", engine._run_load)
+        rows: list[tuple[float, ...]] = []
+        for _ in range(args.jobs):
+            blocks = free_blocks(bench)
+            t0 = time.perf_counter()
+            submit_load(bench, worker, keys, blocks)
+            t1 = time.perf_counter()
             bench._wait(worker, bench._job_id)
-            marks: dict[str, float] = {}
-            store: Any = bench.store
-            engine: Any = worker._engine
-            store.load_values = _timed(marks, "call", "called", store.load_values)
-            engine._run_load = _timed(marks, "job", "job done", engine._run_load)
-            rows: list[tuple[float, ...]] = []
-            for _ in range(args.jobs):
-                blocks = bench.rng.sample(range(bench.blocks, 2 * bench.blocks), bench.blocks)
-                bench._job_id += 1
-                t0 = time.perf_counter()
-                worker.submit_load(
-                    bench._job_id,
-                    RedisLoadStoreSpec(keys),  # type: ignore[arg-type]
-                    GPULoadStoreSpec(blocks, [bench.blocks], [0]),
+            t2 = time.perf_counter()
+            rows.append(
+                (
+                    t1 - t0,
+                    marks["job"] - t1,
+                    marks["call"] - marks["job"],
+                    marks["called"] - marks["call"],
+                    marks["job done"] - marks["called"],
+                    t2 - marks["job done"],
+                    t2 - t0,
                 )
-                t1 = time.perf_counter()
-                bench._wait(worker, bench._job_id)
-                t2 = time.perf_counter()
-                rows.append(
-                    (
-                        t1 - t0,
-                        marks["job"] - t1,
-                        marks["call"] - marks["job"],
-                        marks["called"] - marks["call"],
-                        marks["job done"] - marks["called"],
-                        t2 - marks["job done"],
-                        t2 - t0,
-                    )
-                )
-            mib = QUICK.job_bytes >> 20
-            print(f"{where}; {args.jobs} loads of {mib} MiB, {args.size} B values")
-            names = (*PHASES, "until get_finished", "whole job")
-            for name, column in zip(names, zip(*rows, strict=True), strict=True):
-                print(f"  {name:<22} {statistics.median(column) * 1e3:8.3f} ms (median)")
-            whole = statistics.median(row[-1] for row in rows)
-            print(f"  {QUICK.job_bytes / whole / 1e9:.2f} GB/s by the median whole job")
-        finally:
-            bench.close()
+            )
+        mib = QUICK.job_bytes >> 20
+        print(f"{where}; {args.jobs} loads of {mib} MiB, {args.size} B values")
+        names = (*PHASES, "until get_finished", "whole job")
+        for name, column in zip(names, zip(*rows, strict=True), strict=True):
+            print(f"  {name:<22} {statistics.median(column) * 1e3:8.3f} ms (median)")
+        whole = statistics.median(row[-1] for row in rows)
+        print(f"  {QUICK.job_bytes / whole / 1e9:.2f} GB/s by the median whole job")
 
 
 if __name__ == "__main__":
