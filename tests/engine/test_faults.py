@@ -24,7 +24,7 @@ import redis
 from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
-from tests.engine.test_corruption import nan_payload
+from tests.engine.test_corruption import nan_payload, random_middle_half
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine, run_engines
 from tests.support.tier import tier_config
 from tests.support.tls_certs import TlsLocalRedis, make_tls_files
@@ -181,9 +181,8 @@ def _mixed_faults(client: redis.Redis) -> None:
     values = [client.get(k) for k in keys]
     for idx, (key, value) in enumerate(zip(keys, values, strict=True)):
         assert value is not None
-        quarter = len(value) // 4
         damaged = (
-            value[:quarter] + rng.randbytes(2 * quarter) + value[3 * quarter :],
+            random_middle_half({key: value}, rng)[key],
             nan_payload({key: value}, rng)[key],
             value[: len(value) - 100],
             values[(idx + 1) % len(values)],
