@@ -612,3 +612,87 @@ def test_store_replies(reply: bytes, want: Any) -> None:
         assert outcome.results == [want]
     else:
         assert outcome.error is want
+
+
+# -------------------------------------------------------------------- bodies after their head
+
+# Destinations one receive takes: MAX_IOV iovecs, one of them kept for the read buffer.
+IOV_DESTS = MAX_IOV - 1
+AFTER_HEAD_COUNTS = [
+    IOV_DESTS - 1,
+    IOV_DESTS,
+    IOV_DESTS + 1,
+    IOV_DESTS + 2,
+    2 * IOV_DESTS - 1,
+    2 * IOV_DESTS,
+    2 * IOV_DESTS + 1,
+]
+
+
+def _head_bytes(value: bytes, expected: bytes) -> int:
+    """The bytes of ``value``'s reply up to the end of its header: its length line, prefix and
+    header."""
+    return len(b"$%d\r\n" % len(value)) + PREFIX + len(expected)
+
+
+@pytest.mark.parametrize("count", AFTER_HEAD_COUNTS)
+@pytest.mark.parametrize("skip_at", [None, IOV_DESTS - 1], ids=["buffers", "skip-at-the-limit"])
+def test_destinations_around_the_iovec_limit_arriving_after_the_head(
+    count: int, skip_at: int | None
+) -> None:
+    """The server sends a value's length line, prefix and header, then (a pause later) its
+    body and the next reply: nothing of the body is buffered when its destinations are
+    received, so the C job receives straight into them, at most 1023 per receive with the read
+    buffer as the 1024th once the list reaches the value's end. Around those bounds (and with
+    a skipped destination, which ends a receive's list, at the limit), both paths land every
+    byte in order, leave the skipped bytes out, and stay in step for the next value."""
+    page = 8
+    value, expected = chunk(blocks=count, page=page // 2)
+    body = body_of(value)
+    assert len(body) == count * page
+    after, after_expected = chunk(blocks=1, page=page, key="next", seed=2)
+
+    def make() -> tuple[list[LoadTarget], list[Any]]:
+        head = exact_buffer(PREFIX + len(expected), 7)
+        dests = [page if i == skip_at else exact_buffer(page, 100 + i) for i in range(count)]
+        next_head = exact_buffer(PREFIX + len(after_expected), 8)
+        next_dest = exact_buffer(len(body_of(after)), 9)
+        targets = [
+            LoadTarget(head, expected, dests, None, 1 << 20),
+            LoadTarget(next_head, after_expected, [next_dest], None, 1 << 20),
+        ]
+        buffers = [head, *(d for d in dests if not isinstance(d, int)), next_head, next_dest]
+        return targets, buffers
+
+    outcome = load_both(
+        bulk(value) + bulk(after), [GET, GET], make, pieces=[_head_bytes(value, expected)]
+    )
+    assert outcome.results is not None
+    assert [landed(r) for r in outcome.results] == [(LoadStatus.OK, Landed.PAGES)] * 2
+    assert all(r.crc_ok for r in outcome.results)
+    kept = [body[i * page : (i + 1) * page] for i in range(count) if i != skip_at]
+    assert b"".join(outcome.buffers[1 : 1 + len(kept)]) == b"".join(kept)
+    assert outcome.buffers[-1] == body_of(after)
+
+
+@pytest.mark.parametrize("blocks", [IOV_DESTS // 2, IOV_DESTS // 2 + 1, IOV_DESTS])
+def test_described_pages_around_the_iovec_limit_arriving_after_the_head(blocks: int) -> None:
+    """Padded pages cut from a layout (one piece per block and layer: 1022, 1024 and 2046
+    pieces) whose body arrives after the head land in order on both paths."""
+    page, rows = 4, 2 * MAX_IOV
+    value, expected = chunk(blocks=blocks, page=page)
+    body = body_of(value)
+    ids = list(range(rows - blocks, rows))
+
+    def make() -> tuple[list[LoadTarget], list[Any]]:
+        head = exact_buffer(PREFIX + len(expected), 7)
+        layers = [exact_buffer(rows * 8, 50), exact_buffer(rows * 8, 51)]
+        layout = PageLayout(tuple(layers), (page, page), (8, 8))
+        return [LoadTarget(head, expected, Pages(layout, ids), None, 1 << 20)], [head, *layers]
+
+    outcome = load_both(bulk(value), [GET], make, pieces=[_head_bytes(value, expected)])
+    assert outcome.results is not None
+    assert landed(outcome.results[0]) == (LoadStatus.OK, Landed.PAGES)
+    assert outcome.results[0].crc_ok
+    got = b"".join(layer[b * 8 : b * 8 + page] for layer in outcome.buffers[1:] for b in ids)
+    assert got == body
