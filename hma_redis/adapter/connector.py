@@ -130,7 +130,8 @@ class RedisOffloadingConnector(OffloadingConnector):
             if not isinstance(connector_worker.worker, RedisOffloadingWorker) or not isinstance(
                 spec, RedisOffloadingSpec
             ):
-                return None
+                # Another spec's worker (vLLM's TieringOffloadingSpec): its own stats.
+                return super().get_kv_connector_stats()
             self._worker_metrics = WorkerMetrics(spec.store.counters, spec.store.latency)
         return self._worker_metrics.collect()
 

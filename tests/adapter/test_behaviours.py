@@ -27,16 +27,8 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 
 from hma_redis.adapter.manager import RedisOffloadingManager
-from hma_redis.adapter.spec import build_fingerprint
 from hma_redis.adapter.types import RedisLoadStoreSpec
 from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core import codec
@@ -376,48 +368,6 @@ def _fail_a_load_on_a_dead_redis(server: LocalRedis, worker: RedisOffloadingWork
     totals = worker.counters.totals  # type: ignore[attr-defined]
     assert totals.get("load_failed_jobs") == 1
     assert totals.get("load_failed_chunks") == 1
-
-
-# ----------------------------------------------------------------------------- namespace
-
-
-def _offloading_config(kv_cache_layout: str | None) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("model.layers.0.attn",), 0),),
-        worker_kv_bytes_per_block=8192,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="e0",
-        model=OffloadingModelConfig("tiny", "float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-        kv_cache_layout=kv_cache_layout,
-    )
-
-
-def test_namespace_separates_kv_cache_layouts() -> None:
-    """Bug pinned: the fingerprint losing ``kv_cache_layout`` (instances whose pages are laid
-    out differently would load each other's bytes as their own)."""
-    fingerprints = {
-        layout: build_fingerprint(_offloading_config(layout), "sha256")
-        for layout in ("NHD", "HND", None)
-    }
-    assert fingerprints["NHD"].info_fields()["kv_cache_layout"] == "NHD"
-    ids = {fp.namespace_id() for fp in fingerprints.values()}
-    assert len(ids) == 3
-    same = build_fingerprint(_offloading_config("NHD"), "sha256")
-    assert same.namespace_id() == fingerprints["NHD"].namespace_id()
 
 
 # ----------------------------------------------------------------------------- ACL

@@ -107,7 +107,7 @@ def test_an_explicit_namespace_carries_the_fingerprint_id() -> None:
     secrets (each would find the other's values corrupt and delete them)."""
     from dataclasses import replace
 
-    from hma_redis.adapter.spec import explicit_namespace
+    from hma_redis.adapter.namespace import Mode, namespace_name
     from hma_redis.core.config import RedisTierConfig
     from hma_redis.core.keys import GroupLayout, NamespaceFingerprint
 
@@ -119,9 +119,7 @@ def test_an_explicit_namespace_carries_the_fingerprint_id() -> None:
 
     def named(fingerprint: NamespaceFingerprint, env: dict[str, str] | None = None) -> str:
         cfg = RedisTierConfig.from_extra_config({"namespace": "team-a"}, env=env or {})
-        name = explicit_namespace(cfg, fingerprint)
-        assert name is not None
-        return name
+        return namespace_name(cfg, fingerprint, Mode.DIRECT)
 
     assert named(base) == f"team-a.{base.namespace_id()}"
     assert named(base) == named(replace(base))  # the same deployment: the same namespace
@@ -146,4 +144,5 @@ def test_an_explicit_namespace_carries_the_fingerprint_id() -> None:
     assert len(set(names)) == len(names)
     assert all(n.startswith("team-a.") for n in names)
     no_name = RedisTierConfig.from_extra_config({}, env={})
-    assert explicit_namespace(no_name, base) is None
+    assert namespace_name(no_name, base, Mode.DIRECT) == base.namespace_id()
+    assert namespace_name(no_name, base, Mode.TIERING) == f"{base.namespace_id()}.tiering"

@@ -312,8 +312,10 @@ class SchedulerHarness:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, token_ids: Sequence[int], max_tokens: int = 4) -> Request:
-        req = make_request(token_ids, max_tokens, self._block_hasher)
+    def add_request(
+        self, token_ids: Sequence[int], max_tokens: int = 4, cache_salt: str | None = None
+    ) -> Request:
+        req = make_request(token_ids, max_tokens, self._block_hasher, cache_salt)
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         return req
@@ -418,8 +420,11 @@ class SchedulerHarness:
         self.scheduler.shutdown()
 
 
-def make_request(token_ids: Sequence[int], max_tokens: int, block_hasher: Any) -> Request:
-    """A greedy request with a fresh id, hashed the way the harness's scheduler hashes."""
+def make_request(
+    token_ids: Sequence[int], max_tokens: int, block_hasher: Any, cache_salt: str | None = None
+) -> Request:
+    """A greedy request with a fresh id (and vLLM's ``cache_salt``, which enters its first
+    block's hash), hashed the way the harness's scheduler hashes."""
     params = SamplingParams(max_tokens=max_tokens)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     return Request(
@@ -428,4 +433,5 @@ def make_request(token_ids: Sequence[int], max_tokens: int, block_hasher: Any) -
         sampling_params=params,
         pooling_params=None,
         block_hasher=block_hasher,
+        cache_salt=cache_salt,
     )

@@ -1,11 +1,11 @@
 """vLLM's real ``TieringOffloadingManager`` with hma_redis' Redis tier, without a model.
 
-Built the way vLLM builds it: ``OffloadingSpecFactory.create_spec`` of a ``TieringOffloadingSpec``
-from the scheduler harness' config (``kv_connector`` ``OffloadingConnector``), then
-``spec.get_manager()``. The GPU half is simulated at the primary tier's edge: a "GPU store"
-writes known bytes into the primary rows vLLM's ``prepare_store`` hands out and completes the
-store (which cascades to Redis); a "GPU load" reads the rows ``prepare_load`` names. Each
-instance has its own engine id, hence its own primary buffer in ``/dev/shm``.
+Built the way vLLM builds it: the scheduler side of the documented connector
+(``RedisOffloadingConnector``) creates a ``TieringOffloadingSpec`` from the scheduler harness'
+config and asks it for its manager. The GPU half is simulated at the primary tier's edge: a
+"GPU store" writes known bytes into the primary rows vLLM's ``prepare_store`` hands out and
+completes the store (which cascades to Redis); a "GPU load" reads the rows ``prepare_load``
+names. Each instance has its own engine id, hence its own primary buffer in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from vllm.config import KVEventsConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
-    build_offloading_config,
-)
+from vllm.config import KVEventsConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
@@ -27,9 +26,9 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
+from hma_redis.adapter.connector import RedisOffloadingConnector
 from hma_redis.adapter.tiering.tier import RedisSecondaryTier
 from tests.support.scheduler_harness import make_vllm_config, three_group_kv_cache_config
 
@@ -131,31 +130,37 @@ def make_instance(
     *,
     cpu_chunks: int = PRIMARY_CHUNKS,
     kv_events: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
     **options: Any,
 ) -> TieringInstance:
     """A fresh instance (own engine id, own primary buffer) with the Redis tier; ``kv_events``
-    turns vLLM's KV cache events on."""
+    turns vLLM's KV cache events on; ``model_kwargs`` go to vLLM's ``ModelConfig``
+    (``revision``, ``hf_overrides``, ...)."""
     vllm_config = make_vllm_config(
         model_dir,
         redis_url,
-        kv_connector="OffloadingConnector",
-        kv_connector_module_path=None,
         extra_config=tiering_extra_config(redis_url, cpu_chunks, **options),
+        model_kwargs=model_kwargs,
     )
     if kv_events:
         vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
     vllm_config.kv_transfer_config.engine_id = f"hma-tier-test-{uuid.uuid4().hex[:12]}"
-    offloading_config = build_offloading_config(
-        vllm_config, three_group_kv_cache_config(16, 1000, 3)
-    )
-    spec = OffloadingSpecFactory.create_spec(offloading_config)
-    manager = spec.get_manager()
+    manager = tiering_manager(vllm_config, three_group_kv_cache_config(16, 1000, 3))
     assert isinstance(manager, TieringOffloadingManager), type(manager)
     (tier,) = manager.secondary_tiers
     assert isinstance(tier, RedisSecondaryTier), type(tier)
     view = manager.primary_tier.get_kv_memoryview()
     rows = np.asarray(view).view(np.uint8)
     return TieringInstance(manager, tier, rows, tier.row.payload_bytes)
+
+
+def tiering_manager(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Any:
+    """The scheduler side's manager as vLLM builds it in an engine: the connector
+    (RedisOffloadingConnector, as documented for this mode) builds ``TieringOffloadingSpec``
+    from ``build_offloading_config`` and asks it for its manager."""
+    connector = RedisOffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    assert connector.connector_scheduler is not None
+    return connector.connector_scheduler.manager
 
 
 def chunk_keys(seed: int, count: int, group: int = 0) -> list[OffloadKey]:

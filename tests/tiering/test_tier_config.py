@@ -10,7 +10,7 @@ import pytest
 import redis
 from vllm.v1.kv_offload.base import LookupResult, Medium, get_offload_block_hash
 
-from hma_redis.adapter.tiering.tier import TIERING_NAMESPACE_SUFFIX
+from hma_redis.adapter.namespace import Mode
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.scheduler_harness import (
     make_vllm_config,
@@ -49,7 +49,8 @@ def test_tier_namespace_differs_from_the_direct_specs(
 
     named = instance(namespace="shared").tier
     fingerprint_id = named.fingerprint.namespace_id()
-    assert named.keyspace.namespace == f"shared.{fingerprint_id}{TIERING_NAMESPACE_SUFFIX}"
+    assert named.keyspace.namespace == f"shared.{fingerprint_id}{Mode.TIERING.value}"
+    assert tier.keyspace.namespace == f"{tier.fingerprint.namespace_id()}.tiering"
 
 
 @pytest.mark.parametrize(

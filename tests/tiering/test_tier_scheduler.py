@@ -20,8 +20,6 @@ def scheduler(redis_url: str, model_dir: str) -> Iterator[SchedulerHarness]:
     harness = SchedulerHarness(
         redis_url,
         model_dir,
-        kv_connector="OffloadingConnector",
-        kv_connector_module_path=None,
         extra_config=tiering_extra_config(redis_url),
     )
     yield harness

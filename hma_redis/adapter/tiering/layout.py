@@ -1,21 +1,19 @@
-"""What a chunk looks like in vLLM's primary tier, and the namespace of its bytes.
+"""What a chunk looks like in vLLM's primary tier.
 
 The primary tier (``TieringOffloadingSpec``) holds one row per chunk in a shared host-memory
 region: every worker's pages of the chunk side by side (one copy with the replicated MLA
 layout), padded to the region's alignment. A secondary tier stores the row's payload (the
 padding left out) as one Redis value. Those bytes differ from the direct spec's values (one
-value per worker there), so the namespace says "tiering" and the row's layout: the two modes
-never read each other's values.
+value per worker there), so the tier's namespace is derived with the row's layout in place of
+the KV-cache layout and ends in ``.tiering`` (:mod:`hma_redis.adapter.namespace`): the two
+modes never read each other's values.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import OffloadingSpec
-
-from hma_redis.adapter.spec import build_fingerprint
-from hma_redis.core.keys import NamespaceFingerprint
 
 
 @dataclass(frozen=True)
@@ -56,18 +54,3 @@ class PrimaryRowLayout:
             f"replicated={int(self.replicated)},canonical={int(self.canonical)},"
             f"kv_cache_layout={self.kv_cache_layout})"
         )
-
-
-def tier_fingerprint(
-    spec: OffloadingSpec, row: PrimaryRowLayout, auth_key_id: str
-) -> NamespaceFingerprint:
-    """The direct spec's fingerprint fields that vLLM's offloading config carries (model name,
-    KV dtype, groups, parallel layout), with the row layout in place of the KV-cache layout.
-
-    vLLM builds the tiering manager outside its config context, so the model's revision,
-    quantization and checkpoint config are not known here (docs/configuration.md: use
-    ``namespace`` to keep revisions of one model name apart), nor the prefix-hash algorithm
-    (harmless: different algorithms never give the same block hashes).
-    """
-    base = build_fingerprint(spec.config, "", auth_key_id=auth_key_id)
-    return replace(base, kv_cache_layout=row.describe())

@@ -40,8 +40,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hma_redis.adapter.metrics import metric_definitions
-from hma_redis.adapter.spec import explicit_namespace, lookup_manager
-from hma_redis.adapter.tiering.layout import PrimaryRowLayout, tier_fingerprint
+from hma_redis.adapter.namespace import Mode, deployment_fingerprint, namespace_name
+from hma_redis.adapter.spec import (
+    SECONDARY_TIER,
+    check_hash_seed,
+    connector_context,
+    lookup_manager,
+)
+from hma_redis.adapter.tiering.layout import PrimaryRowLayout
 from hma_redis.core import transfer
 from hma_redis.core.config import VLLM_OWNED_KEYS, RedisTierConfig
 from hma_redis.core.keys import KeySpace
@@ -61,9 +67,6 @@ logger = init_logger(__name__)
 # Options of the direct spec that mean nothing here: vLLM's connector keys (they belong in
 # kv_connector_extra_config itself) and the worker's step-loop knobs (no worker of ours runs).
 _REFUSED_OPTIONS = VLLM_OWNED_KEYS | {"idle_wait_ms", "gil_switch_interval_ms"}
-# Appended to an explicit ``namespace``: the two modes' values differ in bytes and must never
-# meet (each would find the other's values invalid and delete them).
-TIERING_NAMESPACE_SUFFIX = ".tiering"
 
 
 @dataclass
@@ -100,8 +103,11 @@ class RedisSecondaryTier(SecondaryTierManager):
         **options: Any,
     ) -> None:
         """``options``: the direct spec's options (:class:`RedisTierConfig`), validated the
-        same way (an unknown or meaningless one raises ``ValueError`` naming it). Connects to
-        Redis once to write the namespace's info hash (a Redis that is down only warns)."""
+        same way (an unknown or meaningless one raises ``ValueError`` naming it). Built by
+        vLLM inside :class:`~hma_redis.adapter.connector.RedisOffloadingConnector` (which
+        hands it vLLM's config, the namespace's inputs); under any other connector it refuses
+        to start with one line saying so. Connects to Redis once to write the namespace's info
+        hash (a Redis that is down only warns)."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else Locality.REMOTE
         refused = sorted(_REFUSED_OPTIONS & options.keys())
@@ -109,10 +115,19 @@ class RedisSecondaryTier(SecondaryTierManager):
             raise ValueError(
                 f"hma_redis: option(s) {refused} do not apply to the Redis secondary tier"
             )
+        context = connector_context(SECONDARY_TIER)
         self.config = RedisTierConfig.from_extra_config(options)
+        check_hash_seed(context.vllm_config, self.config)
         self.row = PrimaryRowLayout.of(offloading_spec)
-        self.fingerprint = tier_fingerprint(offloading_spec, self.row, self.config.auth_key_id)
-        self.keyspace = KeySpace(self.config.key_prefix, self._namespace(), 1)
+        self.fingerprint = deployment_fingerprint(
+            offloading_spec.config,
+            context.vllm_config,
+            context.kv_cache_config,
+            kv_cache_layout=self.row.describe(),
+            auth_key_id=self.config.auth_key_id,
+        )
+        namespace = namespace_name(self.config, self.fingerprint, Mode.TIERING)
+        self.keyspace = KeySpace(self.config.key_prefix, namespace, 1)
         self._store = RedisBlockStore(self.config, stats_key=self.keyspace.stats_key())
         self._announce()
         self._lookups = lookup_manager(offloading_spec, self._store, self.keyspace, self.config)
@@ -120,12 +135,6 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._jobs: dict[int, _Job] = {}
         self._done: list[JobResult] = []
         self._warned_pin = False
-
-    def _namespace(self) -> str:
-        named = explicit_namespace(self.config, self.fingerprint)
-        if named is not None:
-            return named + TIERING_NAMESPACE_SUFFIX
-        return self.fingerprint.namespace_id()
 
     def _announce(self) -> None:
         if not self._store.write_info(self.keyspace.info_key(), self.fingerprint.info_fields()):

@@ -85,7 +85,7 @@ class _Tier:
         self.size = size
         entry = _tier_entry(cfg)
         spec = TieringOffloadingSpec(_offloading_config(job_bytes, size, layer_bytes, entry))
-        with _password_in_env(cfg):
+        with _password_in_env(cfg), _connector_context():
             self.manager = spec.get_manager()
         (tier,) = self.manager.secondary_tiers  # type: ignore[attr-defined]
         assert isinstance(tier, RedisSecondaryTier)
@@ -168,6 +168,33 @@ def _password_in_env(cfg: RedisTierConfig) -> Iterator[None]:
             os.environ.pop(PASSWORD_ENV, None)
         else:
             os.environ[PASSWORD_ENV] = before
+
+
+@contextlib.contextmanager
+def _connector_context() -> Iterator[None]:
+    """What ``RedisOffloadingConnector`` gives the tier in an engine (vLLM's config, the
+    namespace's inputs), here for a config-only tiny model of one full-attention group."""
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from hma_redis.adapter.spec import failure_reporting_connector
+
+    with tempfile.TemporaryDirectory(prefix="hma-bench-model-") as model_dir:
+        LlamaConfig(
+            vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=1
+        ).save_pretrained(model_dir)
+        vllm_config = VllmConfig(
+            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True),
+            device_config=DeviceConfig("cpu"),
+        )
+        group = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.int8)
+        kv_cache_config = KVCacheConfig(0, [], [KVCacheGroupSpec(["layers"], group)])
+        with failure_reporting_connector(vllm_config, kv_cache_config):
+            yield
 
 
 def _offloading_config(job_bytes: int, size: int, layer_bytes: int, entry: dict[str, Any]) -> Any:
