@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+import struct
 import time
 from collections.abc import Callable
 
@@ -42,8 +45,17 @@ def _truncated(value: bytes, other: bytes) -> bytes:
     return value[: len(value) - 100]
 
 
+def _nan_payload(value: bytes, other: bytes) -> bytes:
+    """The body past the first 256 bytes (prefix and header) as float32 NaN / Inf words."""
+    words = (len(value) - 256) // 4
+    specials = random.Random(5).choices([math.nan, math.inf, -math.inf], k=words)
+    return value[:256] + struct.pack(f"<{words}f", *specials) + value[256 + 4 * words :]
+
+
 @pytest.mark.parametrize("path", ["native", "python"])
-@pytest.mark.parametrize("corrupt", [_random_over_half, _other_keys_value, _truncated])
+@pytest.mark.parametrize(
+    "corrupt", [_random_over_half, _nan_payload, _other_keys_value, _truncated]
+)
 def test_corrupt_value_is_a_miss_and_its_neighbours_still_load(
     instance: Callable[..., TieringInstance],
     redis_client: redis.Redis,
@@ -65,7 +77,7 @@ def test_corrupt_value_is_a_miss_and_its_neighbours_still_load(
     assert answers == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT, LookupResult.HIT]
     good = [keys[0], keys[2], keys[3]]
     assert reader.gpu_load(good, ctx) == [data[0], data[2], data[3]]
-    if corrupt is _random_over_half:
+    if corrupt in (_random_over_half, _nan_payload):
         garbage = bytes(reader.rows[:, : reader.payload_bytes].tobytes())
         assert corrupt(value, other)[-1000:] not in garbage  # never left in the primary
     assert redis_client.exists(bad) == 0  # deleted, so the next cascade heals it
