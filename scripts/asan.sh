@@ -67,7 +67,9 @@ assert "libasan" in needed and "libubsan" in needed, f"asan.sh: {path} lacks the
 print(f"+ ASan/UBSan build: {path}")
 EOF
 status=0
-"$VENV_PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" || status=$?
+# --capture=sys: pytest captures Python's own output only, so a report the sanitizers write to
+# file descriptor 2 (UBSan's, alongside ASan, ignores log_path) reaches the log before the abort.
+"$VENV_PYTHON" -m pytest -q -p no:cacheprovider --capture=sys "${TESTS[@]}" || status=$?
 if compgen -G "$WORK/sanitizer/*" > /dev/null; then
     echo "asan.sh: the sanitizers reported:" >&2
     head -n 60 "$WORK"/sanitizer/* >&2
