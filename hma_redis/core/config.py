@@ -25,6 +25,8 @@ from urllib.parse import SplitResult, parse_qs, unquote, urlsplit, urlunsplit
 
 import blake3
 
+from hma_redis.core.deadline import MAX_READ_TIMEOUT_S, MIN_WAIT_S
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -59,7 +61,8 @@ MAX_CONNECTIONS_PER_JOB = 64
 MAX_CONNECTIONS_PER_THREAD = 8
 MAX_IDLE_WAIT_MS = 100.0
 # Every timeout and interval: the native path's poll() takes at most a day (int milliseconds),
-# and a longer wait is a hang, not a timeout.
+# and a longer wait is a hang, not a timeout. read_timeout_s, which the data paths wait with
+# and budget their jobs from, has the narrower range they take (hma_redis.core.deadline).
 MAX_TIMEOUT_S = 86400.0
 # ttl_s and admission_window_s go to Redis as SET ... EX: 100 years, far below Redis' own
 # limit (an EX whose milliseconds overflow is refused, and then nothing is ever stored).
@@ -678,7 +681,7 @@ def _finite(value: object, name: str) -> None:
 NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "db": (0, 10_000, True),
     "connect_timeout_s": (0.0, MAX_TIMEOUT_S, False),
-    "read_timeout_s": (0.0, MAX_TIMEOUT_S, False),
+    "read_timeout_s": (MIN_WAIT_S, MAX_READ_TIMEOUT_S, True),
     "retry_interval_s": (0.0, MAX_TIMEOUT_S, False),
     "shutdown_timeout_s": (0.0, MAX_TIMEOUT_S, True),
     "store_pending_timeout_s": (0.0, MAX_TIMEOUT_S, False),

@@ -11,6 +11,11 @@ bytes at :data:`MIN_RATE_BYTES_S`; a transfer job (an EXISTS and the SETs of a s
 and the second pass of its odd values) gets one read timeout more, counted from when it was
 submitted. Past its deadline an operation fails like a timeout (``TimeoutError``): a lookup is
 a miss, a load is recomputed, a store is dropped, and the circuit breaker opens.
+
+The data paths (:mod:`hma_redis.core.fastpath`, C and Python) take a wait and a budget of at
+most :data:`MAX_WAIT_S` and count waits in whole milliseconds (:data:`MIN_WAIT_S`): a budget is
+capped at the former, and ``read_timeout_s`` is accepted only where its operations' budgets fit
+(:data:`MAX_READ_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -22,12 +27,25 @@ from dataclasses import dataclass
 # KV cache tier is slower than recomputing the KV cache on any accelerator vLLM runs on, and a
 # server that slow is treated as failing. Loopback and LAN Redis move 1 GiB/s and more.
 MIN_RATE_BYTES_S = 16 << 20
+# The longest wait, and the longest budget, the data paths take: the C job's poll() takes int
+# milliseconds, and a wait of more than a day is a hang, not a timeout.
+MAX_WAIT_S = 86400.0
+# The shortest wait they tell apart from none: the C job waits whole milliseconds (a shorter
+# timeout rounds to 0 below a microsecond: poll() returns at once and every job fails).
+MIN_WAIT_S = 0.001
+# Round trips of one operation, the data paths' call (see budget_s).
+OPERATION_ROUND_TRIPS = 1
+# The longest read_timeout_s whose operations' budgets fit MAX_WAIT_S before their bytes.
+MAX_READ_TIMEOUT_S = MAX_WAIT_S / (OPERATION_ROUND_TRIPS + 1)
 
 
-def budget_s(read_timeout_s: float, nbytes: int = 0, round_trips: int = 1) -> float:
+def budget_s(
+    read_timeout_s: float, nbytes: int = 0, round_trips: int = OPERATION_ROUND_TRIPS
+) -> float:
     """The most seconds an operation of ``round_trips`` round trips moving ``nbytes`` may take
-    (see the module docstring)."""
-    return (round_trips + 1) * read_timeout_s + max(0, nbytes) / MIN_RATE_BYTES_S
+    (see the module docstring), at most :data:`MAX_WAIT_S` (what the data paths take)."""
+    seconds = (round_trips + 1) * read_timeout_s + max(0, nbytes) / MIN_RATE_BYTES_S
+    return min(seconds, MAX_WAIT_S)
 
 
 @dataclass(frozen=True)

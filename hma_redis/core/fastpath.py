@@ -86,7 +86,7 @@ from typing import Any, NamedTuple, TypeAlias
 import crc32c as _crc32c
 
 from hma_redis.core.codec import CRC_AT, HEADER_LEN_AT, PREFIX_BYTES
-from hma_redis.core.deadline import Deadline
+from hma_redis.core.deadline import MAX_WAIT_S, Deadline
 from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget, Pages, body_pieces
 
 logger = logging.getLogger(__name__)
@@ -594,9 +594,9 @@ def _timeouts(
 ) -> Iterator[list[_Waits]]:
     """Bound every wait on each of ``socks`` by ``timeout_s``, and the block by ``budget_s``
     from now when given, one deadline for them all (as the C code's poll)."""
-    if not 0 < timeout_s <= 86400:
+    if not 0 < timeout_s <= MAX_WAIT_S:
         raise ValueError("timeout_s must be > 0 and at most a day")
-    if budget_s is not None and not 0 <= budget_s <= 86400:
+    if budget_s is not None and not 0 <= budget_s <= MAX_WAIT_S:
         raise ValueError("budget_s must be >= 0 and at most a day")
     _check_sockets(socks)
     deadline = Deadline.after(budget_s) if budget_s else None
