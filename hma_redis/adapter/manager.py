@@ -17,10 +17,13 @@ Three more duties ride on the same calls, never on a round trip of their own:
 * admission (``admission: second_sighting``): the lookup round trip also sets a sighting
   marker per missing chunk, and only a chunk seen before is stored.
 
-Pins (a request's ``kv_transfer_params`` ``{"hma_redis_pin_s": N}``): every chunk of the
-request's prefix, the ones it hit and the ones it stored, is kept from eviction for N seconds
-(:mod:`hma_redis.core.pins`). The manager only queues the chunks; a
-:class:`~hma_redis.core.pins.PinKeeper` pins them, and sweeps ended pins, on its own thread.
+Pins (a request's ``kv_transfer_params`` ``{"hma_redis_pin_s": N}``, with the option
+``pinning`` on): every chunk of the request's prefix, the ones it hit and the ones it stored, is
+kept from eviction for N seconds, at most ``pin_max_s``, while the namespace's pins hold at most
+``pin_budget_bytes`` (:mod:`hma_redis.core.pins`). Any API client can send
+``kv_transfer_params``, so every pin refused, shortened or left over the budget is counted. The
+manager only queues the chunks; a :class:`~hma_redis.core.pins.PinKeeper` pins them, and sweeps
+ended pins, on its own thread.
 """
 
 from __future__ import annotations
@@ -55,9 +58,8 @@ from vllm.v1.kv_offload.base import (
 
 from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics
 from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
-from hma_redis.core.breaker import BreakerState
+from hma_redis.core.breaker import BreakerState, RateLimitedLog
 from hma_redis.core.codec import FORMAT_VERSION
-from hma_redis.core.config import MAX_EXPIRE_S
 from hma_redis.core.keys import KeySpace, parse_block_key
 from hma_redis.core.memory import MEMORY_POLL_INTERVAL_S, MemoryPoller
 from hma_redis.core.notifications import RemovalWatcher
@@ -65,10 +67,11 @@ from hma_redis.core.pins import (
     PIN_PARAM,
     PIN_SWEEP_INTERVAL_S,
     PinKeeper,
+    PinResult,
     SweepResult,
     parse_pin_seconds,
 )
-from hma_redis.core.store import RedisBlockStore, Sighting
+from hma_redis.core.store import REFUSAL_LOG_INTERVAL_S, RedisBlockStore, Sighting
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -172,7 +175,9 @@ class RedisOffloadingManager(OffloadingManager):
         ``memory_poll_interval_s``: Redis' memory figures (gauges) are asked at most this
         often, on a thread of their own, only when vLLM collects stats.
         ``pin_sweep_interval_s``: ended pins get their TTL back at most this often (only with
-        the store's ``ttl_s`` set: pinning needs it)."""
+        the store's ``ttl_s`` set: pinning needs it). Whether requests may pin, for how long
+        and how many bytes: the store's config (``pinning``, ``pin_max_s``,
+        ``pin_budget_bytes``)."""
         self._store = store
         self._keyspace = keyspace
         self._answer_ttl_s = answer_ttl_s
@@ -215,7 +220,9 @@ class RedisOffloadingManager(OffloadingManager):
         # Chunks a pinned request waits for a store of (its own or another's): pinned once
         # the store lands, with the latest deadline asked for.
         self._pin_after_store: dict[OffloadKey, float] = {}
-        self._warned_pin_without_ttl = False
+        # Pins refused or over the budget repeat with every request that asks: one line per
+        # kind and interval.
+        self._pin_log = RateLimitedLog(REFUSAL_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------------ lookups
 
@@ -508,37 +515,55 @@ class RedisOffloadingManager(OffloadingManager):
 
     def _parse_pin(self, req_context: ReqContext) -> _PinRequest | None:
         """The request's pin from its ``kv_transfer_params`` (kept in its state), or None: not
-        asked for, refused (one WARNING naming the field), or no ``ttl_s`` (WARNING once)."""
+        asked for, pinning off, or not a positive integer of seconds (counted; one WARNING per
+        kind and interval). A pin longer than ``pin_max_s`` is shortened to it (counted):
+        the client asked for the prefix to stay, and gets the longest stay the operator
+        allows (a later request renews it)."""
         params = req_context.kv_transfer_params
         if not params or PIN_PARAM not in params:
             return None
-        raw = params[PIN_PARAM]
-        seconds = parse_pin_seconds(raw, MAX_EXPIRE_S)
-        if seconds is None:
-            logger.warning(
-                "hma_redis: request %s: kv_transfer_params %s must be a positive integer of "
-                "seconds up to %d, got %.80r; served unpinned",
+        cfg = self._store.cfg
+        if not cfg.pinning:
+            self._store.counters.add(pin_off_requests=1)
+            self._say_pin(
+                "off",
+                "request %s asks for a pin (kv_transfer_params %s) but pinning is off (the "
+                "operator's option pinning); served unpinned",
                 req_context.req_id,
                 PIN_PARAM,
-                MAX_EXPIRE_S,
+            )
+            return None
+        raw = params[PIN_PARAM]
+        seconds = parse_pin_seconds(raw)
+        if seconds is None:
+            self._store.counters.add(pin_invalid_requests=1)
+            self._say_pin(
+                "invalid",
+                "request %s: kv_transfer_params %s must be a positive integer of seconds, got "
+                "%.80r; served unpinned",
+                req_context.req_id,
+                PIN_PARAM,
                 raw,
             )
             return None
-        if self._ttl_s is None:
-            if not self._warned_pin_without_ttl:
-                self._warned_pin_without_ttl = True
-                logger.warning(
-                    "hma_redis: request %s asks for a pin (kv_transfer_params %s) but ttl_s is "
-                    "not set: pinning needs ttl_s and maxmemory-policy volatile-lru or "
-                    "volatile-lfu (docs/operations.md); requests are served unpinned (logged "
-                    "once)",
-                    req_context.req_id,
-                    PIN_PARAM,
-                )
-            return None
+        if seconds > cfg.pin_max_s:
+            self._store.counters.add(pin_clamped_requests=1)
+            seconds = cfg.pin_max_s
         pin = _PinRequest(time.time() + seconds)
         req_context.set_state(pin)
         return pin
+
+    def _say_pin(self, kind: str, message: str, *args: object) -> None:
+        """One WARNING per ``kind`` and interval, with how many were held back since."""
+        held = self._pin_log.admit(kind)
+        if held is None:
+            return
+        logger.warning(
+            "hma_redis: " + message + " (%d more since the last report; at most one per %.0fs)",
+            *args,
+            held,
+            self._pin_log.interval_s,
+        )
 
     def _pin_now(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Queue ``keys`` (in Redis) for the request's pin, if it has one."""
@@ -561,8 +586,24 @@ class RedisOffloadingManager(OffloadingManager):
             )
         )
 
-    def _pin(self, deadlines: Mapping[str, float]) -> bool:
-        return self._store.pin(self._keyspace.pins_key(), deadlines)
+    def _pin(self, deadlines: Mapping[str, float]) -> PinResult | None:
+        """Pin queued chunks within the namespace's budget (the keeper's thread); chunks left
+        over it are counted and said (one WARNING per interval)."""
+        budget = self._store.cfg.pin_budget_bytes
+        result = self._store.pin(self._keyspace.pins_key(), deadlines, budget)
+        if result is None:
+            return None
+        self._store.counters.add(
+            pin_chunks=result.pinned, pin_over_budget_chunks=result.over_budget
+        )
+        if result.over_budget:
+            self._say_pin(
+                "budget",
+                "%d chunks served unpinned: the namespace's pins hold pin_budget_bytes (%d)",
+                result.over_budget,
+                budget,
+            )
+        return result
 
     def _sweep(self) -> SweepResult | None:
         if self._ttl_s is None:

@@ -25,6 +25,11 @@ scheduler side (the manager's :class:`~hma_redis.adapter.types.ManagerStats`, vi
     ``vllm:kv_offload_redis_removed_chunks``   chunks Redis evicted, expired or deleted (from its
                                                keyspace notifications; one per KV group)
     ``vllm:kv_offload_redis_admission_deferred``  chunks not stored: seen once (second_sighting)
+    ``vllm:kv_offload_redis_pin_*``            pins: requests that asked while pinning is off,
+                                               with an invalid value, or for more than
+                                               pin_max_s; chunks pinned, and left unpinned over
+                                               pin_budget_bytes (the scheduler store's
+                                               counters, PIN_COUNTERS)
     ``vllm:kv_offload_redis_group_hit_chunks{group="g<N>"}``     per finished request, the
                                                chunks of group N its hits in Redis reached
     ``vllm:kv_offload_redis_usable_hit_chunks{group="g<N>"}``    ... of those, the chunks
@@ -107,6 +112,11 @@ class RedisMetricName:
     ADMISSION_DEFERRED = PREFIX + "admission_deferred"
     GROUP_HIT_CHUNKS = PREFIX + "group_hit_chunks"
     USABLE_HIT_CHUNKS = PREFIX + "usable_hit_chunks"
+    PIN_OFF_REQUESTS = PREFIX + "pin_off_requests"
+    PIN_INVALID_REQUESTS = PREFIX + "pin_invalid_requests"
+    PIN_CLAMPED_REQUESTS = PREFIX + "pin_clamped_requests"
+    PIN_CHUNKS = PREFIX + "pin_chunks"
+    PIN_OVER_BUDGET_CHUNKS = PREFIX + "pin_over_budget_chunks"
 
 
 @dataclass
@@ -145,6 +155,34 @@ GROUP_COUNTERS: dict[str, tuple[str, str]] = {
         RedisMetricName.USABLE_HIT_CHUNKS,
         "Per finished request: the chunks of this KV group that every group's hits reached "
         "(the intersection vLLM can load).",
+    ),
+}
+
+
+# PendingCounters field (scheduler process) -> counter, with its help text: what became of the
+# pins requests asked for (the manager counts them; they reach the stats hash too).
+PIN_COUNTERS: dict[str, tuple[str, str]] = {
+    "pin_off_requests": (
+        RedisMetricName.PIN_OFF_REQUESTS,
+        "Requests that asked for a pin (kv_transfer_params hma_redis_pin_s) while pinning is "
+        "off; served unpinned.",
+    ),
+    "pin_invalid_requests": (
+        RedisMetricName.PIN_INVALID_REQUESTS,
+        "Requests whose hma_redis_pin_s is not a positive integer of seconds; served unpinned.",
+    ),
+    "pin_clamped_requests": (
+        RedisMetricName.PIN_CLAMPED_REQUESTS,
+        "Requests that asked for a pin longer than pin_max_s; pinned for pin_max_s.",
+    ),
+    "pin_chunks": (
+        RedisMetricName.PIN_CHUNKS,
+        "KV chunks pinned, or their pin renewed, for a request.",
+    ),
+    "pin_over_budget_chunks": (
+        RedisMetricName.PIN_OVER_BUDGET_CHUNKS,
+        "KV chunks a request asked to pin that were served unpinned: the namespace's pins "
+        "held pin_budget_bytes.",
     ),
 }
 
@@ -252,7 +290,11 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Every metric hma_redis emits (vLLM registers them from the spec class at start-up)."""
     definitions: dict[str, OffloadingMetricMetadata] = {
         name: OffloadingCounterMetadata(documentation=doc)
-        for name, doc in (*MANAGER_COUNTERS.values(), *WORKER_COUNTERS.values())
+        for name, doc in (
+            *MANAGER_COUNTERS.values(),
+            *WORKER_COUNTERS.values(),
+            *PIN_COUNTERS.values(),
+        )
     }
     definitions[RedisMetricName.REFUSED] = OffloadingCounterMetadata(
         documentation=_REFUSED_HELP, labelnames=("kind",)
@@ -334,7 +376,8 @@ class ManagerMetrics:
 
         ``errors`` is the scheduler store's cumulative count of failed Redis calls, ``available``
         whether it reaches Redis now, ``refusals`` its counters' totals
-        (:meth:`~hma_redis.core.counters.PendingCounters.snapshot`; the ``refused_*`` ones count),
+        (:meth:`~hma_redis.core.counters.PendingCounters.snapshot`; the ``refused_*`` and
+        :data:`PIN_COUNTERS` ones count),
         ``latency`` its call times (drained here), ``memory`` Redis' figures when a new
         reading came in (the used/max memory gauges are set from it; never set otherwise).
         """
@@ -342,6 +385,7 @@ class ManagerMetrics:
         totals[RedisMetricName.ERRORS] = errors
         if detail is not None:
             totals.update({name: getattr(detail, f) for f, (name, _) in DETAIL_COUNTERS.items()})
+        totals.update(_named(refusals or {}, PIN_COUNTERS))
         out = OffloadingConnectorStats()
         for name, delta in _deltas(totals, self._reported).items():
             out.increase_counter(name, delta)
@@ -407,6 +451,7 @@ INFO_COUNTER_OF: dict[str, str] = {
     RedisMetricName.GROUP_HIT_CHUNKS: "g<N>_hit_chunks",
     RedisMetricName.USABLE_HIT_CHUNKS: "g<N>_usable_chunks",
     **{name: field for field, (name, _) in WORKER_COUNTERS.items()},
+    **{name: field for field, (name, _) in PIN_COUNTERS.items()},
 }
 # ``hma-redis info`` counters no hma_redis metric counts, and what does instead.
 INFO_ONLY_COUNTERS: dict[str, str] = {

@@ -75,6 +75,7 @@ MAX_GIL_SWITCH_INTERVAL_MS = 1000.0
 MAX_POOL_SIZE = 1024
 MAX_IO_THREADS = 256
 MAX_INFLIGHT_BYTES = 1 << 40
+MAX_PIN_BUDGET_BYTES = 1 << 40
 # Admission policies (option ``admission``): store every computed chunk, or only one that some
 # instance of the deployment already looked up (the second sighting).
 ADMISSION_POLICIES = ("always", "second_sighting")
@@ -266,8 +267,15 @@ class RedisTierConfig:
     # instance of the deployment already looked up within admission_window_s).
     admission: str = "always"
     admission_window_s: int = 3600
-    # Scheduler: how often pins whose deadline passed get their TTL back (requests pin their
-    # prefix with kv_transfer_params {"hma_redis_pin_s": N}; see hma_redis.core.pins).
+    # Pins (a request's kv_transfer_params {"hma_redis_pin_s": N}; see hma_redis.core.pins):
+    # vLLM's OpenAI server passes kv_transfer_params from any API client, so pinning is the
+    # operator's decision, off unless turned on (it needs ttl_s); a pin asking for more than
+    # pin_max_s gets pin_max_s, and a namespace's pins hold at most pin_budget_bytes (chunks
+    # beyond it are served unpinned).
+    pinning: bool = False
+    pin_max_s: int = 86400
+    pin_budget_bytes: int = 1 << 30
+    # Scheduler: how often pins whose deadline passed get their TTL back.
     pin_sweep_interval_s: float = 60.0
     # Where to connect: parsed once from ``url`` when the config is built (never passed in).
     endpoint: Endpoint = field(init=False, repr=False, compare=False)
@@ -651,6 +659,11 @@ def _validate(cfg: RedisTierConfig) -> Endpoint:
     if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
         raise ValueError("hma_redis: tls_cert_file and tls_key_file must be given together")
     _validate_auth_key(cfg.auth_key)
+    if cfg.pinning and cfg.ttl_s is None:
+        raise ValueError(
+            "hma_redis: pinning needs ttl_s: a pin keeps a chunk without a TTL among chunks "
+            "that have one, which maxmemory-policy volatile-lru / volatile-lfu never evicts"
+        )
     if cfg.admission not in ADMISSION_POLICIES:
         raise ValueError(
             f"hma_redis: admission must be one of {list(ADMISSION_POLICIES)}, got {cfg.admission!r}"
@@ -695,6 +708,8 @@ NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "ttl_s": (1, MAX_EXPIRE_S, True),
     "admission_window_s": (1, MAX_EXPIRE_S, True),
     "pin_sweep_interval_s": (0.0, MAX_TIMEOUT_S, False),
+    "pin_max_s": (1, MAX_EXPIRE_S, True),
+    "pin_budget_bytes": (1, MAX_PIN_BUDGET_BYTES, True),
 }
 # Options for which 0 also means something ("leave Python's interval alone").
 _ZERO_ALSO = frozenset({"gil_switch_interval_ms"})

@@ -35,6 +35,14 @@ FIELDS = (
     # admission "second_sighting": chunks left unstored (first sighting) and stored.
     "admission_deferred",
     "admission_admitted",
+    # Pins (kv_transfer_params hma_redis_pin_s): requests that asked while pinning is off, or
+    # with a value that is not a positive integer (both served unpinned), or for longer than
+    # pin_max_s (shortened); chunks pinned, and left unpinned over pin_budget_bytes.
+    "pin_off_requests",
+    "pin_invalid_requests",
+    "pin_clamped_requests",
+    "pin_chunks",
+    "pin_over_budget_chunks",
     # Per KV group N (not listed): g<N>_hit_chunks, g<N>_usable_chunks (see adapter/metrics).
 )
 

@@ -13,8 +13,10 @@ deployments can share one Redis only where their bytes are interchangeable.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, NewType
 
@@ -126,6 +128,14 @@ class KeySpace:
             key += f":r{rank}"
         return RedisKey(key)
 
+    def is_block_key(self, key: bytes | str) -> bool:
+        """Whether ``key`` is a chunk key of this namespace as :meth:`block_key` writes it (any
+        group, block hash and rank): not another namespace's, not its ``info``, ``stats``,
+        ``pins`` or sighting keys, not a key of anyone else's (bytes that are not text
+        included)."""
+        raw = key.encode() if isinstance(key, str) else key
+        return _block_key_re(self.base).fullmatch(raw) is not None
+
     def block_keys_all_ranks(self, group: int, block_hash: bytes) -> list[RedisKey]:
         """The keys every rank stores for one chunk (a chunk is a hit only if all exist)."""
         return [self.block_key(group, block_hash, r) for r in range(self.world_size)]
@@ -138,6 +148,17 @@ class KeySpace:
     def block_pattern(self, group: int | None = None) -> str:
         """A SCAN MATCH pattern for this namespace's block keys (all groups or one)."""
         return f"{self.base}:g{'*' if group is None else group}:*"
+
+
+@functools.lru_cache(maxsize=64)
+def _block_key_re(base: str) -> re.Pattern[bytes]:
+    """What :meth:`KeySpace.block_key` writes under ``base``, whole: ``:g<group>:<hash hex>``
+    and ``:r<rank>`` for a worker of several (numbers without leading zeros, hex as
+    ``bytes.hex()`` writes it)."""
+    number = rb"(?:0|[1-9][0-9]*)"
+    return re.compile(
+        re.escape(base.encode()) + rb":g" + number + rb":(?:[0-9a-f]{2})+(?::r" + number + rb")?"
+    )
 
 
 class BlockKeyParts(NamedTuple):

@@ -19,6 +19,16 @@ A renewal whose ``ZADD`` came before the script is returned by it and persisted 
 ``EXPIRE``; one whose ``ZADD`` came after the script ``PERSIST``\\ s after it, so after the
 ``EXPIRE`` too. Either way the chunk ends without a TTL while its pin lasts.
 
+Only chunk keys of the set's own namespace are ever made persistent or given a TTL
+(:meth:`~hma_redis.core.keys.KeySpace.is_block_key`): a member naming another namespace's chunk,
+its ``info`` hash or any other key (one that is not even text included) is removed from the set
+untouched, and counted (:attr:`SweepResult.dropped`).
+
+Any API client can ask for a pin (vLLM's OpenAI server passes ``kv_transfer_params`` on), so a
+pin may come with a budget: the set holds at most ``budget_bytes`` // (the largest chunk of the
+batch, ``STRLEN``) members, checked and added in one script on the set's slot; chunks beyond it
+stay unpinned (:attr:`PinResult.over_budget`), renewals of pins the set holds always pass.
+
 These functions speak to a redis-py client directly and raise its errors: the tier calls them
 through :class:`~hma_redis.core.store.RedisBlockStore` (its one guard), the CLI directly.
 :class:`PinKeeper` does the tier's pins and sweeps on a thread of its own.
@@ -32,6 +42,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
+
+from hma_redis.core.breaker import RateLimitedLog
+from hma_redis.core.keys import KeySpace
 
 logger = logging.getLogger(__name__)
 
@@ -62,29 +75,92 @@ end
 return renewed
 """
 
+# KEYS[1]: the pins set. ARGV[1]: the most members it may hold (-1: no limit). ARGV[2..]:
+# member, deadline pairs. A member the set holds is renewed (a later deadline wins); another is
+# added while the set holds fewer than the limit. Returns the members left out.
+_ADD_WITHIN_BUDGET_SCRIPT = """
+local limit = tonumber(ARGV[1])
+local held = redis.call('ZCARD', KEYS[1])
+local over = {}
+for i = 2, #ARGV, 2 do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], 'GT', ARGV[i + 1], ARGV[i])
+  elseif limit < 0 or held < limit then
+    redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
+    held = held + 1
+  else
+    over[#over + 1] = ARGV[i]
+  end
+end
+return over
+"""
+
 # ``unpin --all``: every pin is due before this (year 5138).
 EVERY_PIN = 1e11
+# A job of the keeper that failed in a way no guard caught is logged at most this often.
+_FAILED_JOB_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
 class SweepResult:
-    """What one sweep did: chunks given their TTL back, pins found renewed meanwhile."""
+    """What one sweep did: chunks given their TTL back, pins found renewed meanwhile, members
+    removed untouched because they are not chunk keys of the set's namespace."""
 
     expired: int
     renewed: int
+    dropped: int = 0
 
 
-def pin(client: Any, pins_key: str, deadlines: Mapping[str, float]) -> None:
+@dataclass(frozen=True)
+class PinResult:
+    """What one :func:`pin` did: chunks pinned (or their pin renewed), chunks left unpinned
+    because the namespace's budget is full, chunks not pinned because Redis holds no such
+    chunk of the namespace (evicted, never stored, another key)."""
+
+    pinned: int
+    over_budget: int = 0
+    missing: int = 0
+
+
+def namespace_of(pins_key: str) -> KeySpace:
+    """The namespace whose pins ``pins_key`` (``<prefix>:<ns>:pins``) records."""
+    prefix, _, rest = pins_key.partition(":")
+    namespace, _, tail = rest.rpartition(":")
+    if not prefix or not namespace or tail != "pins" or ":" in namespace:
+        raise ValueError(f"not a pins key: {pins_key!r}")
+    return KeySpace(prefix, namespace)
+
+
+def pin(
+    client: Any, pins_key: str, deadlines: Mapping[str, float], budget_bytes: int | None = None
+) -> PinResult:
     """Record ``deadlines`` (chunk key -> unix seconds) in ``pins_key``, a later deadline
-    winning, then make the chunks persistent. A chunk that does not exist yet stays listed
-    until its deadline (the next sweep re-persists nothing for it: it is simply dropped)."""
-    if not deadlines:
-        return
-    client.zadd(pins_key, dict(deadlines), gt=True)
+    winning, then make the chunks persistent: only chunks of the set's namespace that Redis
+    holds (``STRLEN``), and with ``budget_bytes`` only while the set holds at most
+    ``budget_bytes`` of them (each counted as the batch's largest chunk). Renewals always
+    pass; new pins beyond the budget are left out (and keep their TTL)."""
+    keyspace = namespace_of(pins_key)
+    keys = [key for key in deadlines if keyspace.is_block_key(key)]
+    if not keys:
+        return PinResult(0, missing=len(deadlines))
     pipe = client.pipeline(transaction=False)
-    for key in deadlines:
+    for key in keys:
+        pipe.strlen(key)
+    sizes = [_size(reply) for reply in pipe.execute(raise_on_error=False)]
+    held = {key: size for key, size in zip(keys, sizes, strict=True) if size > 0}
+    missing = len(deadlines) - len(held)
+    # The same round trips whether or not Redis holds the chunks (the order above holds).
+    largest = max(held.values(), default=1)
+    limit = -1 if budget_bytes is None else budget_bytes // largest
+    args = [arg for key in held for arg in (key, repr(deadlines[key]))]
+    left_out = client.eval(_ADD_WITHIN_BUDGET_SCRIPT, 1, pins_key, limit, *args)
+    over = {_text(m) for m in left_out}
+    pinned = [key for key in held if key not in over]
+    pipe = client.pipeline(transaction=False)
+    for key in pinned:
         pipe.persist(key)
     pipe.execute()
+    return PinResult(len(pinned), over_budget=len(held) - len(pinned), missing=missing)
 
 
 def sweep(
@@ -98,37 +174,62 @@ def sweep(
     """Give every chunk of ``pins_key`` whose deadline is ``now`` or earlier (default: the
     clock) its TTL (``EXPIRE ttl_s``) back and unlist it; pins renewed meanwhile stay (their
     chunks persistent). ``now=EVERY_PIN`` ends every pin. Raises redis-py's errors."""
+    keyspace = namespace_of(pins_key)
     until = time.time() if now is None else now
-    expired = renewed = 0
+    expired = renewed = dropped = 0
     for _ in range(max_rounds):
-        due = [_text(m) for m in client.zrangebyscore(pins_key, "-inf", until, start=0, num=batch)]
+        due = list(client.zrangebyscore(pins_key, "-inf", until, start=0, num=batch))
         if not due:
             break
-        pipe = client.pipeline(transaction=False)
-        for key in due:
-            pipe.expire(key, ttl_s)
-        pipe.execute()
-        back = [_text(m) for m in client.eval(_REMOVE_DUE_SCRIPT, 1, pins_key, repr(until), *due)]
-        if back:
-            pipe = client.pipeline(transaction=False)
-            for key in back:
-                pipe.persist(key)
-            pipe.execute()
-        expired += len(due) - len(back)
+        chunks = [m for m in due if keyspace.is_block_key(m)]
+        foreign = [m for m in due if not keyspace.is_block_key(m)]
+        if foreign:  # never given a TTL or made persistent: only unlisted
+            client.zrem(pins_key, *foreign)
+        back = _expire_due(client, pins_key, ttl_s, until, chunks) if chunks else []
+        expired += len(chunks) - len(back)
         renewed += len(back)
-        if len(due) < batch or len(back) == len(due):
+        dropped += len(foreign)
+        if len(due) < batch or (not foreign and len(back) == len(chunks)):
             break
-    return SweepResult(expired, renewed)
+    return SweepResult(expired, renewed, dropped)
+
+
+def _expire_due(
+    client: Any, pins_key: str, ttl_s: int, until: float, chunks: Sequence[bytes | str]
+) -> list[bytes | str]:
+    """Give ``chunks`` (due, of the set's namespace) their TTL back and unlist those still
+    due; persist again, and return, those renewed meanwhile."""
+    pipe = client.pipeline(transaction=False)
+    for key in chunks:
+        pipe.expire(key, ttl_s)
+    pipe.execute()
+    kept = client.eval(_REMOVE_DUE_SCRIPT, 1, pins_key, repr(until), *chunks)
+    given = set(chunks)
+    # The script returns only members it was given: anything else is not persisted.
+    back = [m for m in kept if m in given]
+    if back:
+        pipe = client.pipeline(transaction=False)
+        for key in back:
+            pipe.persist(key)
+        pipe.execute()
+    return back
 
 
 def list_pins(client: Any, pins_key: str) -> list[tuple[str, float]]:
-    """Every pin of ``pins_key`` as (chunk key, deadline), earliest deadline first."""
-    return [(_text(m), float(s)) for m, s in client.zrange(pins_key, 0, -1, withscores=True)]
+    """Every pin of ``pins_key`` as (chunk key, deadline), earliest deadline first; members
+    that are not chunk keys of its namespace are left out (the next sweep removes them)."""
+    keyspace = namespace_of(pins_key)
+    return [
+        (_text(m), float(s))
+        for m, s in client.zrange(pins_key, 0, -1, withscores=True)
+        if keyspace.is_block_key(m)
+    ]
 
 
-def parse_pin_seconds(value: object, max_s: int) -> int | None:
-    """A request's pin in seconds, or None when it is not a positive int up to ``max_s``."""
-    if type(value) is not int or value <= 0 or value > max_s:
+def parse_pin_seconds(value: object) -> int | None:
+    """A request's pin in seconds: a positive int (of any size: the caller shortens it to
+    its longest pin), or None for anything else."""
+    if type(value) is not int or value <= 0:
         return None
     return value
 
@@ -140,11 +241,12 @@ class PinKeeper:
     per scheduler step, starts the next job when none runs: the queued pins, then a sweep when
     the last one started ``sweep_interval_s`` ago or more. ``pin_fn`` and ``sweep_fn`` are the
     store's guarded calls, which never raise for Redis' errors (an outage drops the batch: a
-    pin is best effort, and the next sweep comes at its interval)."""
+    pin is best effort, and the next sweep comes at its interval); a job that raises all the
+    same is logged (rate-limited) at the next :meth:`tick`, never lost silently."""
 
     def __init__(
         self,
-        pin_fn: Callable[[Mapping[str, float]], bool],
+        pin_fn: Callable[[Mapping[str, float]], PinResult | None],
         sweep_fn: Callable[[], SweepResult | None],
         sweep_interval_s: float = PIN_SWEEP_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -158,8 +260,11 @@ class PinKeeper:
         self._inflight: Future[None] | None = None
         self._swept_at: float | None = None
         self._said_full = False
+        self._said_foreign = False
+        self._failed_log = RateLimitedLog(_FAILED_JOB_LOG_INTERVAL_S)
         self.pinned = 0  # chunks whose pin Redis took
         self.dropped = 0  # chunks whose pin was dropped (queue full, Redis unreachable)
+        self.over_budget = 0  # chunks left unpinned: the namespace's pin budget was full
 
     def add(self, keys: Iterable[str], deadline: float) -> None:
         """Pin ``keys`` until ``deadline`` (unix seconds) at the next :meth:`tick`."""
@@ -175,6 +280,7 @@ class PinKeeper:
         Never blocks."""
         if self._inflight is not None and not self._inflight.done():
             return
+        self._report_failure()
         sweep_due = self._swept_at is None or self._clock() - self._swept_at >= self._interval_s
         if not self._pending and not sweep_due:
             return
@@ -205,14 +311,43 @@ class PinKeeper:
 
     def _run(self, batch: Mapping[str, float], sweep_due: bool) -> None:
         if batch:
-            if self._pin_fn(batch):
-                self.pinned += len(batch)
-            else:
+            pinned = self._pin_fn(batch)
+            if pinned is None:
                 self.dropped += len(batch)
+            else:
+                self.pinned += pinned.pinned
+                self.over_budget += pinned.over_budget
         if sweep_due:
             result = self._sweep_fn()
             if result is not None and result.expired:
                 logger.debug("hma_redis: %d pins ended (TTL given back)", result.expired)
+            if result is not None and result.dropped:
+                self._say_foreign(result.dropped)
+
+    def _report_failure(self) -> None:
+        """Log the last job's exception, if it raised one (at most once per interval)."""
+        done = self._inflight
+        if done is None or done.cancelled() or done.exception() is None:
+            return
+        self._inflight = None
+        held = self._failed_log.admit("job")
+        if held is not None:
+            logger.warning(
+                "hma_redis: a pin or sweep job failed (%d more since the last report; pins "
+                "may outlive their deadline until one succeeds)",
+                held,
+                exc_info=done.exception(),
+            )
+
+    def _say_foreign(self, count: int) -> None:
+        if self._said_foreign:
+            return
+        self._said_foreign = True
+        logger.warning(
+            "hma_redis: %d members of the namespace's pins set were not chunk keys of the "
+            "namespace; removed from the set without touching the keys they name (logged once)",
+            count,
+        )
 
     def _say_full(self) -> None:
         if self._said_full:
@@ -226,7 +361,13 @@ class PinKeeper:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else value
+
+
+def _size(reply: object) -> int:
+    """``STRLEN``'s reply as a size: 0 for anything but a positive integer (an error reply for
+    a key of another type, say)."""
+    return reply if type(reply) is int and reply > 0 else 0
 
 
 __all__: Sequence[str] = (
@@ -234,8 +375,10 @@ __all__: Sequence[str] = (
     "PIN_PARAM",
     "PIN_SWEEP_INTERVAL_S",
     "PinKeeper",
+    "PinResult",
     "SweepResult",
     "list_pins",
+    "namespace_of",
     "parse_pin_seconds",
     "pin",
     "sweep",

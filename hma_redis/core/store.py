@@ -585,18 +585,20 @@ class RedisBlockStore:
         # of the whole call (e.g. an ACL without SELECT), which the guard turns into None.
         return self.breaker.state is BreakerState.CLOSED
 
-    def pin(self, pins_key: str, deadlines: Mapping[str, float]) -> bool:
-        """Pin chunks (chunk key -> deadline, unix seconds) in ``pins_key``: see
-        :func:`hma_redis.core.pins.pin`. False when Redis failed or refused (nothing raised)."""
+    def pin(
+        self, pins_key: str, deadlines: Mapping[str, float], budget_bytes: int | None = None
+    ) -> pins.PinResult | None:
+        """Pin chunks (chunk key -> deadline, unix seconds) in ``pins_key``, within
+        ``budget_bytes`` when given: see :func:`hma_redis.core.pins.pin`. None when Redis
+        failed or refused (nothing raised)."""
         if not deadlines:
-            return True
+            return pins.PinResult(0)
 
-        def call() -> bool:
+        def call() -> pins.PinResult:
             self._count_round_trip()
-            pins.pin(self.client, pins_key, deadlines)
-            return True
+            return pins.pin(self.client, pins_key, deadlines, budget_bytes)
 
-        return self._guard("ZADD", call, False)
+        return self._guard("ZADD", call, None)
 
     def sweep_pins(
         self, pins_key: str, ttl_s: int, max_rounds: int = 100
@@ -605,7 +607,7 @@ class RedisBlockStore:
         sweep`), one round of at most ``pins.SWEEP_BATCH`` pins per guarded call (each within
         the guard's deadline); None when Redis failed or refused (the next sweep tries
         again)."""
-        expired = renewed = 0
+        expired = renewed = dropped = 0
         for _ in range(max_rounds):
 
             def call() -> pins.SweepResult:
@@ -617,9 +619,10 @@ class RedisBlockStore:
                 return None
             expired += result.expired
             renewed += result.renewed
-            if result.expired + result.renewed < pins.SWEEP_BATCH:
+            dropped += result.dropped
+            if result.expired + result.renewed + result.dropped < pins.SWEEP_BATCH:
                 break
-        return pins.SweepResult(expired, renewed)
+        return pins.SweepResult(expired, renewed, dropped)
 
     def memory(self) -> MemoryReading:
         """``used_memory`` and ``maxmemory`` of every data node (each Cluster master, in turn;

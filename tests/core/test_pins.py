@@ -1,10 +1,12 @@
 """Pins in a real Redis (one server and a 3-master Cluster): pinned chunks lose their TTL and
 are listed with their deadline, a later deadline wins, the sweep gives ended pins their TTL
-back (and keeps a pin renewed while it runs), and an unreachable Redis never blocks or raises
-into the caller."""
+back (and keeps a pin renewed while it runs), only chunk keys of the set's namespace are ever
+touched, a namespace's pins stay within their byte budget, and an unreachable Redis never
+blocks or raises into the caller."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -163,12 +165,124 @@ def test_an_unreachable_redis_never_blocks_or_raises_into_the_caller(
         assert keeper.dropped == 1 and keeper.pinned == 0
         # The breaker is open now: the next pins fail at once, without a round trip.
         started = time.monotonic()
-        assert store.pin(PINS, {"hma:pintest:g0:01": time.time()}) is False
+        assert store.pin(PINS, {"hma:pintest:g0:01": time.time()}) is None
         assert store.sweep_pins(PINS, TTL_S) is None
         assert time.monotonic() - started < 1.0
     finally:
         local_redis.resume()
         keeper.close()
+
+
+# A key of another namespace, the namespace's own info hash, an application's key: what a pins
+# set may hold that the tier never wrote there.
+FOREIGN_CHUNK = KeySpace("hma", "another").block_key(0, b"\x07" * 32)
+APP_KEY = "app:session:42"
+
+
+def _foreign_members(client: Any) -> list[bytes]:
+    """Keys a pins set must never touch, each set without a TTL (and the info hash)."""
+    client.set(FOREIGN_CHUNK, b"theirs")
+    client.set(APP_KEY, b"session")
+    client.hset(KEYSPACE.info_key(), "model", "m")
+    return [FOREIGN_CHUNK.encode(), APP_KEY.encode(), KEYSPACE.info_key().encode()]
+
+
+def test_the_sweep_touches_only_chunks_of_its_namespace_and_unlists_every_other_member(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    (chunk,) = _chunks(redis_client, 1)
+    foreign = _foreign_members(redis_client)
+    redis_client.set(APP_KEY, b"session", ex=500)  # one with a TTL: PERSIST must not take it
+    store = _store(redis_url)
+    store.pin(PINS, {chunk: time.time() - 1})
+    redis_client.zadd(PINS, dict.fromkeys(foreign, time.time() - 1))
+    result = store.sweep_pins(PINS, 60)
+    assert 0 < redis_client.ttl(chunk) <= 60
+    assert redis_client.ttl(FOREIGN_CHUNK) == -1
+    assert redis_client.ttl(KEYSPACE.info_key()) == -1
+    assert 500 - 5 < redis_client.ttl(APP_KEY) <= 500
+    assert redis_client.zcard(PINS) == 0
+    assert result == pins.SweepResult(expired=1, renewed=0, dropped=3)
+
+
+def test_unpinning_every_pin_never_touches_another_namespaces_or_an_applications_key(
+    redis_client: redis.Redis,
+) -> None:
+    (chunk,) = _chunks(redis_client, 1)
+    foreign = _foreign_members(redis_client)
+    pins.pin(redis_client, PINS, {chunk: time.time() + 600})
+    redis_client.zadd(PINS, dict.fromkeys(foreign, time.time() + 600))
+    result = pins.sweep(redis_client, PINS, 60, now=pins.EVERY_PIN)
+    assert [redis_client.ttl(k) for k in (FOREIGN_CHUNK, APP_KEY, KEYSPACE.info_key())] == [-1] * 3
+    assert 0 < redis_client.ttl(chunk) <= 60
+    assert result == pins.SweepResult(expired=1, renewed=0, dropped=3)
+
+
+def test_a_pin_never_makes_a_key_persistent_that_is_not_a_chunk_of_its_namespace(
+    redis_client: redis.Redis,
+) -> None:
+    redis_client.set(APP_KEY, b"session", ex=500)
+    redis_client.set(FOREIGN_CHUNK, b"theirs", ex=500)
+    result = pins.pin(redis_client, PINS, dict.fromkeys([APP_KEY, FOREIGN_CHUNK], time.time() + 60))
+    assert redis_client.ttl(APP_KEY) > 0 and redis_client.ttl(FOREIGN_CHUNK) > 0
+    assert redis_client.zcard(PINS) == 0
+    assert result == pins.PinResult(pinned=0, over_budget=0, missing=2)
+
+
+def test_a_member_that_is_not_text_is_unlisted_and_the_sweep_and_the_listing_go_on(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    ended, lasting = _chunks(redis_client, 1), _chunks(redis_client, 1, start=10)
+    store = _store(redis_url)
+    store.pin(PINS, {ended[0]: time.time() - 1, lasting[0]: time.time() + 600})
+    redis_client.zadd(PINS, {b"\xff\xfe": time.time() - 1, b"\xc3(": time.time() + 600})
+    assert [k for k, _ in pins.list_pins(redis_client, PINS)] == ended + lasting
+    result = store.sweep_pins(PINS, 60)
+    assert 0 < redis_client.ttl(ended[0]) <= 60
+    assert redis_client.ttl(lasting[0]) == -1
+    assert result == pins.SweepResult(expired=1, renewed=0, dropped=1)
+
+
+def test_a_keeper_job_that_raises_is_logged_not_lost(caplog: pytest.LogCaptureFixture) -> None:
+    def failing_sweep() -> pins.SweepResult | None:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    keeper = PinKeeper(lambda d: pins.PinResult(len(d)), failing_sweep, sweep_interval_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="hma_redis.core.pins"):
+        for _ in range(3):
+            keeper.tick()
+            assert keeper.wait(5.0)
+        keeper.tick()
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "sweep job failed" in lines[0].getMessage(), lines
+    assert lines[0].exc_info is not None and lines[0].exc_info[0] is UnicodeDecodeError
+    keeper.close()
+
+
+def test_pins_beyond_the_byte_budget_are_left_unpinned_and_renewals_still_pass(
+    redis_client: redis.Redis,
+) -> None:
+    keys = _chunks(redis_client, 5)  # one byte each: a budget of 3 bytes holds 3 of them
+    deadline = time.time() + 600
+    pins.pin(redis_client, PINS, dict.fromkeys(keys[:2], deadline), 3)
+    over = pins.pin(redis_client, PINS, dict.fromkeys(keys[2:], deadline), 3)
+    assert [redis_client.ttl(k) == -1 for k in keys] == [True, True, True, False, False]
+    assert over == pins.PinResult(pinned=1, over_budget=2, missing=0)
+    later = deadline + 600  # a renewal takes no more of the budget
+    assert pins.pin(redis_client, PINS, dict.fromkeys(keys[:3], later), 3) == pins.PinResult(3)
+    assert _deadline(redis_client, keys[0]) == pytest.approx(later, abs=0.01)
+    assert redis_client.zcard(PINS) == 3
+
+
+def test_the_budget_counts_each_pin_as_the_largest_chunk_of_its_batch(
+    redis_client: redis.Redis,
+) -> None:
+    small = KEYSPACE.block_key(0, b"\x01" * 32)
+    large = KEYSPACE.block_key(1, b"\x01" * 32)
+    redis_client.set(small, b"x" * 100, ex=TTL_S)
+    redis_client.set(large, b"x" * 1000, ex=TTL_S)
+    result = pins.pin(redis_client, PINS, {small: time.time() + 60, large: time.time() + 60}, 1999)
+    assert result == pins.PinResult(pinned=1, over_budget=1, missing=0)
 
 
 # --------------------------------------------------------------------------------- Cluster

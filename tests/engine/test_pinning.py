@@ -58,7 +58,7 @@ def test_a_pinned_system_prompt_survives_a_flood_that_evicts_everything_else(
     system, control, *flood = make_prompts(
         seed=27, n=2 + FLOOD, length=PROMPT_LEN, vocab=VOCAB_SIZE
     )
-    tier = tier_config(small_redis.url, ttl_s=3600)
+    tier = tier_config(small_redis.url, ttl_s=3600, pinning=True)
     client = redis.Redis.from_url(small_redis.url)
 
     run_a = run_engine(
@@ -107,7 +107,7 @@ def test_a_pinned_prompt_on_a_hybrid_model_is_exact_and_loads_in_a_fresh_engine(
     without the tier, and its chunks are pinned."""
     model = build_gemma3(tmp_path_factory.mktemp("gemma3"))
     system, other = make_prompts(seed=31, n=2, length=PROMPT_LEN, vocab=VOCAB_SIZE)
-    tier = tier_config(redis_url, ttl_s=3600)
+    tier = tier_config(redis_url, ttl_s=3600, pinning=True)
     baseline = run_engine(model, [system, other], MAX_TOKENS, None)
     run_a = run_engine(
         model,

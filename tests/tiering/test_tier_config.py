@@ -55,7 +55,14 @@ def test_tier_namespace_differs_from_the_direct_specs(
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("no_such_option", 1), ("idle_wait_ms", 1.0), ("blocks_per_chunk", 2), ("ttl_s", -1)],
+    [
+        ("no_such_option", 1),
+        ("idle_wait_ms", 1.0),
+        ("blocks_per_chunk", 2),
+        ("ttl_s", -1),
+        ("pinning", True),
+        ("pin_budget_bytes", 1 << 20),
+    ],
 )
 def test_bad_tier_option_fails_at_start_up_naming_it(
     instance: Callable[..., TieringInstance], option: str, value: object

@@ -71,7 +71,7 @@ def test_info_counts_the_pinned_chunks(cli, pinned):
 
 def test_unpin_ends_only_pins_past_their_deadline(cli, pinned, redis_client):
     data = _valid("unpin", cli("--json", "unpin", "--ttl", str(TTL_S)))
-    assert data["namespaces"] == {NS: {"unpinned": 2, "renewed": 0}}
+    assert data["namespaces"] == {NS: {"unpinned": 2, "renewed": 0, "dropped": 0}}
     for key in pinned["ended"]:
         assert 0 < redis_client.ttl(key) <= TTL_S
     assert redis_client.ttl(pinned["lasting"][0]) == -1
@@ -90,3 +90,32 @@ def test_unpin_all_needs_yes_off_a_terminal_and_then_ends_every_pin(cli, pinned,
 def test_unpin_of_a_namespace_without_pins_exits_non_zero(cli, redis_client):
     run = cli("unpin", "--namespace", "nothing-here", "--ttl", "60")
     assert run.code == 1 and "no pins in namespace" in run.err
+
+
+def test_unpin_all_leaves_every_key_but_the_namespaces_chunks_alone_and_says_so(
+    cli, pinned, redis_client
+):
+    other_chunk = KeySpace("hma", "another-ns").block_key(0, b"\x09" * 32)
+    redis_client.set(other_chunk, b"theirs")
+    redis_client.set("app:session:42", b"session")
+    redis_client.hset(KEYSPACE.info_key(), "model", "m")
+    foreign = [other_chunk, "app:session:42", KEYSPACE.info_key()]
+    redis_client.zadd(KEYSPACE.pins_key(), dict.fromkeys(foreign, time.time() + 600))
+    listed = _valid("pins", cli("--json", "pins", "--namespace", NS))
+    assert {p["key"] for p in listed["pins"]} == {*pinned["ended"], *pinned["lasting"]}
+    run = cli("unpin", "--all", "--yes", "--namespace", NS, "--ttl", "60")
+    assert run.code == 0, run
+    assert [redis_client.ttl(k) for k in foreign] == [-1, -1, -1]
+    assert all(0 < redis_client.ttl(k) <= 60 for k in pinned["lasting"])
+    assert "3 members of the pins set were not chunk keys" in run.out
+    assert redis_client.zcard(KEYSPACE.pins_key()) == 0
+
+
+def test_a_pins_member_that_is_not_text_fails_neither_pins_nor_unpin_all(cli, pinned, redis_client):
+    redis_client.zadd(KEYSPACE.pins_key(), {b"\xff\xfe": time.time() + 600})
+    listed = cli("--json", "pins")
+    assert listed.code == 0, listed
+    assert len(_valid("pins", listed)["pins"]) == 3
+    data = _valid("unpin", cli("--json", "unpin", "--all", "--yes", "--ttl", "60"))
+    assert data["namespaces"] == {NS: {"unpinned": 3, "renewed": 0, "dropped": 1}}
+    assert redis_client.zcard(KEYSPACE.pins_key()) == 0

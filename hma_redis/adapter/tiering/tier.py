@@ -65,8 +65,15 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 # Options of the direct spec that mean nothing here: vLLM's connector keys (they belong in
-# kv_connector_extra_config itself) and the worker's step-loop knobs (no worker of ours runs).
-_REFUSED_OPTIONS = VLLM_OWNED_KEYS | {"idle_wait_ms", "gil_switch_interval_ms"}
+# kv_connector_extra_config itself), the worker's step-loop knobs (no worker of ours runs) and
+# pinning (this tier never pins: see on_new_request).
+_REFUSED_OPTIONS = VLLM_OWNED_KEYS | {
+    "idle_wait_ms",
+    "gil_switch_interval_ms",
+    "pinning",
+    "pin_max_s",
+    "pin_budget_bytes",
+}
 
 
 @dataclass
@@ -281,8 +288,11 @@ class RedisSecondaryTier(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """A request asking for a pin is served unpinned: vLLM's tiering manager stores chunks
-        into this tier by cascades from its CPU tier, not per request (WARNING once)."""
+        into this tier by cascades from its CPU tier, not per request (counted as a pin asked
+        for while pinning is off; WARNING once)."""
         params = req_context.kv_transfer_params
+        if params and PIN_PARAM in params:
+            self._store.counters.add(pin_off_requests=1)
         if params and PIN_PARAM in params and not self._warned_pin:
             self._warned_pin = True
             logger.warning(

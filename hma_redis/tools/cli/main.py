@@ -915,13 +915,19 @@ def cmd_unpin(admin: RedisAdmin, args: argparse.Namespace) -> int:
             {
                 "all": bool(args.all),
                 "namespaces": {
-                    ns: {"unpinned": r.expired, "renewed": r.renewed} for ns, r in results.items()
+                    ns: {"unpinned": r.expired, "renewed": r.renewed, "dropped": r.dropped}
+                    for ns, r in results.items()
                 },
             }
         )
     else:
         for ns, r in results.items():
             _emit(f"{ns}: {r.expired} chunks unpinned (TTL {args.ttl}s), {r.renewed} renewed")
+            if r.dropped:
+                _emit(
+                    f"{ns}: {r.dropped} members of the pins set were not chunk keys of the "
+                    "namespace: removed from the set, the keys they name left alone"
+                )
         if not results:
             _emit("no pinned chunks")
     if namespace is not None and not namespaces:

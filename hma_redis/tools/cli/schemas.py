@@ -159,8 +159,14 @@ PINS = _object(
     }
 )
 
-# Per namespace: chunks given their TTL back, and pins found renewed meanwhile (kept).
-UNPIN = _object({"all": _BOOL, "namespaces": _map(_object({"unpinned": _INT, "renewed": _INT}))})
+# Per namespace: chunks given their TTL back, pins found renewed meanwhile (kept), and members
+# that were not chunk keys of the namespace (removed from the set, the keys untouched).
+UNPIN = _object(
+    {
+        "all": _BOOL,
+        "namespaces": _map(_object({"unpinned": _INT, "renewed": _INT, "dropped": _INT})),
+    }
+)
 
 DOCTOR = _object(
     {
