@@ -6,7 +6,8 @@ control prompt without a pin, then a flood of other prompts several times larger
 memory. Engine B, a fresh process, then finds the pinned prompt in Redis (a hit in the tier's
 counters, its tokens identical to an engine without the tier), while the control prompt was
 evicted and is recomputed. On a hybrid (Gemma-3-shaped) model a pinned request, stored at vLLM's
-request level, is exact and loads in a fresh engine."""
+request level, is exact and loads in a fresh engine. Without the operator's ``pinning`` a pin
+asked for is served unpinned and counted."""
 
 from __future__ import annotations
 
@@ -124,3 +125,25 @@ def test_a_pinned_prompt_on_a_hybrid_model_is_exact_and_loads_in_a_fresh_engine(
     run_b = run_engine(model, [system], MAX_TOKENS, tier)
     assert run_b.results[0].num_cached_tokens > 0, run_b.stderr_tail
     assert run_b.results[0].token_ids == baseline.results[0].token_ids
+
+
+def test_an_engine_without_pinning_serves_a_pin_asked_for_unpinned_and_counts_it(
+    redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = build_llama(tmp_path_factory.mktemp("llama"))
+    (prompt,) = make_prompts(seed=41, n=1, length=PROMPT_LEN, vocab=VOCAB_SIZE)
+    run = run_engine(
+        model,
+        [prompt],
+        MAX_TOKENS,
+        tier_config(redis_url, ttl_s=3600),
+        kv_transfer_params=[{"hma_redis_pin_s": 3153600000}],
+    )
+    chunks = _chunks_of(redis_client)
+    assert chunks and all(ttl > 0 for ttl in chunks.values()), run.stderr_tail
+    assert not list(redis_client.scan_iter("hma:*:pins"))
+    counted = sum(
+        int(redis_client.hget(k, "pin_off_requests") or 0)
+        for k in redis_client.scan_iter("hma:*:stats")
+    )
+    assert counted == 1, run.stderr_tail
