@@ -11,7 +11,9 @@ here, so nothing else reaches into redis-py.
 ``read_timeout_s``, not a whole call, so a server that sends a byte just before every timeout
 kept a lookup alive for seconds. Every connection the call takes from a pool made here (its
 handshake included) is shut down when the deadline passes; the call then fails with
-``redis.TimeoutError``.
+``redis.TimeoutError``. A bounded call may also bound the bytes of each reply it reads
+(``max_reply_bytes``): a longer reply fails as unreadable as it arrives, before more of it is
+held.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ from typing import Any, cast
 
 import redis
 from redis._parsers.encoders import Encoder
+from redis._parsers.hiredis import _HiredisParser
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import InvalidResponse, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from hma_redis.core import reply_shapes
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.deadline import Deadline
 
@@ -64,9 +68,13 @@ def _set_name(connection: AbstractConnection, name: str) -> None:
     ``CLIENT``, a proxy) leaves it unnamed rather than unusable."""
     connection.send_command("CLIENT", "SETNAME", name, check_health=False)
     try:
-        connection.read_response()
+        reply = connection.read_response()
     except ResponseError as exc:
         logger.debug("hma_redis: CLIENT SETNAME refused (%s); the connection stays unnamed", exc)
+        return
+    # Anything but OK is not a Redis answering (and the stream may be off by a reply): the
+    # connection fails, as one that could not connect.
+    reply_shapes.is_ok("CLIENT SETNAME", reply)
 
 
 _congestion_warned: set[str] = set()
@@ -101,7 +109,9 @@ def _named_connect(name: str, congestion: str = "") -> Callable[[AbstractConnect
 
     def connect(connection: AbstractConnection) -> None:
         _set_congestion(connection, congestion)
-        connection.on_connect()
+        # redis-py's handshake reads HELLO's map (and AUTH's status) without looking at its
+        # shape: a reply of another one fails the connection, as an unreadable reply does.
+        reply_shapes.parsed("HELLO", connection.on_connect)
         _set_name(connection, name)
 
     return connect
@@ -353,14 +363,16 @@ def _sentinel_client(
 
 
 class _Call:
-    """One bounded call: the connections it has taken, shut down if it outlives its deadline.
+    """One bounded call: the connections it has taken, shut down if it outlives its deadline,
+    and the most bytes one reply it reads may take (None: no bound).
 
     The lock orders the watchdog against the calling thread: a connection is either given
     back before the deadline (untouched) or shut down and then, when given back, dropped, so
     a pooled connection is never shut down under its next user."""
 
-    def __init__(self, deadline: Deadline) -> None:
+    def __init__(self, deadline: Deadline, max_reply_bytes: int | None = None) -> None:
         self.deadline = deadline
+        self.max_reply_bytes = max_reply_bytes
         self._lock = threading.Lock()
         self._connections: set[Any] = set()
         self.expired = False
@@ -456,11 +468,15 @@ _current = threading.local()
 
 
 @contextlib.contextmanager
-def bounded(deadline: Deadline) -> Iterator[None]:
+def bounded(deadline: Deadline, max_reply_bytes: int | None = None) -> Iterator[None]:
     """Run the block as one call that must end by ``deadline``: connections it takes from the
     tier's pools are shut down then, and a Redis or socket error after that is raised as
-    ``redis.TimeoutError``. Calls nest (the inner one's connections follow its deadline)."""
-    call = _Call(deadline)
+    ``redis.TimeoutError``. Calls nest (the inner one's connections follow its deadline).
+
+    With ``max_reply_bytes``, a reply (read on the calling thread from a connection of those
+    pools) that has taken more than that many bytes and is not complete fails the call with
+    ``redis.exceptions.InvalidResponse`` (an outage), having held at most one more receive."""
+    call = _Call(deadline, max_reply_bytes)
     outer = getattr(_current, "call", None)
     _current.call = call
     _WATCHDOG.watch(call, deadline.at)
@@ -475,12 +491,39 @@ def bounded(deadline: Deadline) -> Iterator[None]:
         _current.call = outer
 
 
+class _ReplyBoundParser(_HiredisParser):
+    """redis-py's hiredis parser, counting the bytes received for the reply being read: past
+    the calling thread's bounded call's ``max_reply_bytes`` (see :func:`bounded`), an
+    incomplete reply fails instead of being received further."""
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        self._reply_bytes = 0
+        return super().read_response(*args, **kwargs)
+
+    def read_from_socket(self, *args: Any, **kwargs: Any) -> Any:
+        call = getattr(_current, "call", None)
+        bound = call.max_reply_bytes if call is not None else None
+        received = getattr(self, "_reply_bytes", 0)
+        if bound is not None and received > bound:
+            # Every byte of this read_response so far belongs to the reply still incomplete.
+            raise InvalidResponse(f"a reply of more than {bound} bytes")
+        reader = self._reader
+        before = reader.len() if reader is not None else 0
+        got = super().read_from_socket(*args, **kwargs)
+        if reader is not None:  # hiredis appends what it is fed (it compacts only in gets)
+            self._reply_bytes = received + reader.len() - before
+        return got
+
+
 class _BoundedPoolMixin:
     """Pool behaviour for :func:`bounded`: each connection joins the calling thread's bounded
-    call when it connects (before its handshake) and leaves it when given back."""
+    call when it connects (before its handshake) and leaves it when given back; its replies
+    are read by :class:`_ReplyBoundParser` (where redis-py reads them with hiredis)."""
 
     def make_connection(self) -> Any:
         conn = super().make_connection()  # type: ignore[misc]
+        if type(conn._parser) is _HiredisParser:
+            conn.set_parser(_ReplyBoundParser)
         connect = conn.connect
 
         def connect_within_call() -> None:

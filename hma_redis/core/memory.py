@@ -16,6 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from hma_redis.core.reply_shapes import WrongReply
+
 logger = logging.getLogger(__name__)
 
 # The scheduler asks Redis for its memory figures at most this often.
@@ -30,9 +32,22 @@ class NodeMemory(NamedTuple):
     max_bytes: int  # INFO memory's maxmemory; 0: no limit
 
 
-def node_memory(node: str, info: Mapping[str, Any]) -> NodeMemory:
-    """``INFO memory`` of ``node`` (as redis-py parses it) as :class:`NodeMemory`."""
-    return NodeMemory(node, int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)))
+def node_memory(node: str, info: Any) -> NodeMemory:
+    """``INFO memory`` of ``node`` (as redis-py parses it) as :class:`NodeMemory`; figures
+    Redis never writes (``used_memory:12GB``, a negative one, a reply that is no section of
+    fields) are :class:`~hma_redis.core.reply_shapes.WrongReply`."""
+    if not isinstance(info, Mapping):
+        raise WrongReply(f"INFO memory of {node} answered {type(info).__name__}, not fields")
+    used = _bytes_field(node, info, "used_memory")
+    return NodeMemory(node, used, _bytes_field(node, info, "maxmemory"))
+
+
+def _bytes_field(node: str, info: Mapping[str, Any], name: str) -> int:
+    """A field of bytes (redis-py parses Redis' digits to int); 0 when absent."""
+    value = info.get(name, 0)
+    if type(value) is not int or value < 0:
+        raise WrongReply(f"INFO memory of {node}: {name} is {value!r:.40}, not bytes")
+    return value
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from hma_redis.core import reply_shapes
 from hma_redis.core.breaker import ErrorKind, classify
 from hma_redis.core.client import RedisClient, make_client
 from hma_redis.core.config import RedisTierConfig
@@ -90,28 +91,43 @@ def ensure_flags(client: redis.Redis, allow_config_set: bool = True) -> FlagsOut
     """Make ``client``'s server publish what :class:`RemovalWatcher` needs, keeping every
     flag already set (other subscribers may rely on them). A refusal (an ACL without CONFIG,
     a managed Redis) is returned in :attr:`FlagsOutcome.error` (the message carries no
-    credentials); an outage (connection error, timeout) raises, so the caller retries."""
+    credentials); an outage (connection error, timeout, a reply of the wrong shape) raises, so
+    the caller retries."""
     try:
-        before = str(client.config_get("notify-keyspace-events").get("notify-keyspace-events", ""))
+        found = reply_shapes.parsed(
+            "CONFIG GET", lambda: client.config_get("notify-keyspace-events")
+        )
     except RedisError as exc:
         _raise_outage(exc)
         return FlagsOutcome(None, None, f"CONFIG GET refused: {exc}")
+    before = reply_shapes.text_map("CONFIG GET", found).get("notify-keyspace-events", "")
     missing = missing_flags(before)
     if not missing:
         return FlagsOutcome(before, before)
     if not allow_config_set:
         return FlagsOutcome(before, before, f"flags {missing!r} missing")
     try:
-        client.config_set("notify-keyspace-events", before + missing)
+        done = client.config_set("notify-keyspace-events", before + missing)
     except RedisError as exc:
         _raise_outage(exc)
         return FlagsOutcome(before, before, f"CONFIG SET refused: {exc}")
+    reply_shapes.is_ok("CONFIG SET", done)
     return FlagsOutcome(before, before + missing)
 
 
 def _raise_outage(exc: RedisError) -> None:
     if classify(exc) is ErrorKind.OUTAGE:
         raise exc
+
+
+def _next_message(pubsub: Any) -> dict[str, Any] | None:
+    """The pub/sub connection's next message (waiting up to ``_POLL_S``), or None; one that is
+    no message of Redis' shape (redis-py cannot parse it) is
+    :class:`~hma_redis.core.reply_shapes.WrongReply`."""
+    message = reply_shapes.parsed("PSUBSCRIBE", lambda: pubsub.get_message(timeout=_POLL_S))
+    if message is not None and not isinstance(message, dict):
+        raise reply_shapes.WrongReply(f"a pub/sub message {message!r:.60}")
+    return message
 
 
 def data_nodes(client: RedisClient) -> dict[str, redis.Redis]:
@@ -345,7 +361,7 @@ class RemovalWatcher:
         while True:
             if self._stopped(watch):
                 return
-            message = pubsub.get_message(timeout=_POLL_S)
+            message = _next_message(pubsub)
             if message is not None and message["type"] == "psubscribe":
                 break
         watch.subscribed = True
@@ -359,7 +375,7 @@ class RemovalWatcher:
         operator may have reset them)."""
         next_check = time.monotonic() + _FLAGS_RECHECK_S
         while not self._stopped(watch):
-            message = pubsub.get_message(timeout=_POLL_S)
+            message = _next_message(pubsub)
             if message is not None and message["type"] == "pmessage":
                 self._on_message(message["channel"], message["data"])
             if time.monotonic() >= next_check:
@@ -436,11 +452,18 @@ class RemovalWatcher:
         else:
             logger.info("hma_redis: removal notifications %s (%s)", state.value, detail)
 
-    def _on_message(self, channel: bytes | str, event: bytes | str) -> None:
-        name = event.decode() if isinstance(event, bytes) else event
+    def _on_message(self, channel: Any, event: Any) -> None:
+        """Queue the key of a removal event; a message that is no keyspace event of the
+        pattern (its channel without the key, not text) is
+        :class:`~hma_redis.core.reply_shapes.WrongReply`, as a lost connection for the node."""
+        if not isinstance(channel, bytes | str) or not isinstance(event, bytes | str):
+            raise reply_shapes.WrongReply(f"a pmessage of {channel!r:.40}: {event!r:.40}")
+        name = event.decode(errors="replace") if isinstance(event, bytes) else event
         if name not in REMOVAL_EVENTS:
             return
-        text = channel.decode() if isinstance(channel, bytes) else channel
+        text = channel.decode(errors="replace") if isinstance(channel, bytes) else channel
+        if ":" not in text:
+            raise reply_shapes.WrongReply(f"a pmessage on channel {text!r:.60}")
         key = text.split(":", 1)[1]
         with self._lock:
             if len(self._pending) == self._pending.maxlen:

@@ -43,6 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+from hma_redis.core import reply_shapes
 from hma_redis.core.breaker import RateLimitedLog
 from hma_redis.core.keys import KeySpace
 
@@ -154,7 +155,7 @@ def pin(
     limit = -1 if budget_bytes is None else budget_bytes // largest
     args = [arg for key in held for arg in (key, repr(deadlines[key]))]
     left_out = client.eval(_ADD_WITHIN_BUDGET_SCRIPT, 1, pins_key, limit, *args)
-    over = {_text(m) for m in left_out}
+    over = {_text(m) for m in reply_shapes.members("EVAL", left_out)}
     pinned = [key for key in held if key not in over]
     pipe = client.pipeline(transaction=False)
     for key in pinned:
@@ -178,7 +179,8 @@ def sweep(
     until = time.time() if now is None else now
     expired = renewed = dropped = 0
     for _ in range(max_rounds):
-        due = list(client.zrangebyscore(pins_key, "-inf", until, start=0, num=batch))
+        found = client.zrangebyscore(pins_key, "-inf", until, start=0, num=batch)
+        due = reply_shapes.members("ZRANGEBYSCORE", found)
         if not due:
             break
         chunks = [m for m in due if keyspace.is_block_key(m)]
@@ -206,7 +208,7 @@ def _expire_due(
     kept = client.eval(_REMOVE_DUE_SCRIPT, 1, pins_key, repr(until), *chunks)
     given = set(chunks)
     # The script returns only members it was given: anything else is not persisted.
-    back = [m for m in kept if m in given]
+    back = [m for m in reply_shapes.members("EVAL", kept) if m in given]
     if back:
         pipe = client.pipeline(transaction=False)
         for key in back:
@@ -219,9 +221,10 @@ def list_pins(client: Any, pins_key: str) -> list[tuple[str, float]]:
     """Every pin of ``pins_key`` as (chunk key, deadline), earliest deadline first; members
     that are not chunk keys of its namespace are left out (the next sweep removes them)."""
     keyspace = namespace_of(pins_key)
+    found = reply_shapes.parsed("ZRANGE", lambda: client.zrange(pins_key, 0, -1, withscores=True))
     return [
-        (_text(m), float(s))
-        for m, s in client.zrange(pins_key, 0, -1, withscores=True)
+        (_text(m), s)
+        for m, s in reply_shapes.scored_members("ZRANGE", found)
         if keyspace.is_block_key(m)
     ]
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol, TypeVar
 
+import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import (
     RedisClusterException,
@@ -29,7 +30,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from hma_redis.core import fastpath, pins
+from hma_redis.core import fastpath, pins, reply_shapes
 from hma_redis.core.breaker import (
     BreakerState,
     CircuitBreaker,
@@ -102,6 +103,10 @@ for c = 1, #KEYS / (ranks + 1) do
 end
 return out
 """
+# The most bytes one reply to a lookup may take, as a reply line of the data path: a lookup's
+# longest reply (one script's 4096 flags) is 16 KiB, so a longer one is not Redis answering,
+# and a line without end is refused here instead of buffered until the call's deadline.
+MAX_LOOKUP_REPLY = fastpath.MAX_REPLY_LINE
 # A refusal of each kind is logged at most once per this many seconds (the rest are counted).
 REFUSAL_LOG_INTERVAL_S = 60.0
 
@@ -228,18 +233,24 @@ class RedisBlockStore:
                 return [self._exists_flag(reply) for reply in replies]
             flags: list[bool] = []
             for idx, reply in enumerate(replies):
+                size = len(batch[idx * _EXISTS_BATCH : (idx + 1) * _EXISTS_BATCH])
                 if self._refusal("EVAL", reply):
                     # Refused (e.g. an ACL without these keys): misses, Redis itself is fine.
-                    flags.extend(
-                        [False] * len(batch[idx * _EXISTS_BATCH : (idx + 1) * _EXISTS_BATCH])
-                    )
+                    flags.extend([False] * size)
                 else:
-                    flags.extend(bool(v) for v in reply)
+                    flags.extend(v == 1 for v in reply_shapes.flags("EVAL", reply, size, (0, 1)))
             return flags
 
         within = self._deadline(0, deadline)
         return self._guarded(
-            "EXISTS", keys, run, collect, default=False, deadline=within, operation=operation
+            "EXISTS",
+            keys,
+            run,
+            collect,
+            default=False,
+            deadline=within,
+            operation=operation,
+            max_reply_bytes=MAX_LOOKUP_REPLY,
         )
 
     def exists_and_mark(
@@ -284,27 +295,37 @@ class RedisBlockStore:
                 out = []
                 for idx, reply in enumerate(sets):
                     there = all(found[idx * ranks : (idx + 1) * ranks])
-                    first = self._refusal("SET", reply) or bool(reply)
+                    refused = self._refusal("SET", reply)
+                    first = refused or reply_shapes.is_ok("SET", reply, nil=True)
                     out.append(Sighting.PRESENT if there else _first_or_again(first))
                 return out
             codes: list[Sighting] = []
             step = max(1, _EXISTS_BATCH // (ranks + 1))
             for idx, reply in enumerate(replies):
+                size = len(chunks[idx * step : (idx + 1) * step])
                 if self._refusal("EVAL", reply):
-                    size = len(chunks[idx * step : (idx + 1) * step])
                     codes.extend([Sighting.FIRST] * size)
                 else:
-                    codes.extend(_SIGHTINGS[int(v)] for v in reply)
+                    codes.extend(
+                        _SIGHTINGS[v] for v in reply_shapes.flags("EVAL", reply, size, _SIGHTINGS)
+                    )
             return codes
 
         # The guard's default is per key of ``batch``: pass one pseudo-key per chunk.
         return self._guarded(
-            "EVAL", markers, run, collect, default=Sighting.FIRST, operation=Operation.LOOKUP
+            "EVAL",
+            markers,
+            run,
+            collect,
+            default=Sighting.FIRST,
+            operation=Operation.LOOKUP,
+            max_reply_bytes=MAX_LOOKUP_REPLY,
         )
 
     def _exists_flag(self, reply: Any) -> bool:
-        """One cluster EXISTS reply as a flag (refusals are misses, outages raise)."""
-        return False if self._refusal("EXISTS", reply) else bool(reply)
+        """One cluster EXISTS reply as a flag (refusals are misses, outages and replies of
+        another shape raise)."""
+        return False if self._refusal("EXISTS", reply) else reply_shapes.flag("EXISTS", reply)
 
     def put_if_absent(
         self,
@@ -377,7 +398,10 @@ class RedisBlockStore:
             for key in keys:
                 pipe.unlink(key)
             replies = pipe.execute(raise_on_error=False)
-            return sum(0 if self._refusal("UNLINK", n) else int(n) for n in replies)
+            return sum(
+                0 if self._refusal("UNLINK", n) else reply_shapes.integer("UNLINK", n, (0, 1))
+                for n in replies
+            )
 
         return self._guard("UNLINK", unlink, 0)
 
@@ -430,12 +454,16 @@ class RedisBlockStore:
         (of each Cluster primary's pool) ahead of the first job, so that a fresh engine's first
         load does not wait for them (connect, HELLO, AUTH, SELECT). Best effort, outside the
         breaker: an error stops it quietly and the jobs open what they need, as they always
-        could. Returns how many connections it opened or found open."""
-        return _warm(self._bulk, connections * self.cfg.connections_per_thread)
+        could. Returns how many connections it opened or found open. Bounded like every call
+        (by :meth:`_deadline`: a server that drips its handshake holds it no longer), so
+        whatever queues behind it waits at most that."""
+        with bounded(self._deadline()):
+            return _warm(self._bulk, connections * self.cfg.connections_per_thread)
 
     def warm_lookups(self) -> int:
         """:meth:`warm_bulk` for the connection lookups use (one per pool)."""
-        return _warm(self.client, 1)
+        with bounded(self._deadline()):
+            return _warm(self.client, 1)
 
     def load_values(
         self,
@@ -636,6 +664,10 @@ class RedisBlockStore:
         def info() -> TierMemory | MemoryRefused:
             try:
                 return TierMemory(tuple(self._node_memory()))
+            except reply_shapes.WrongReply as exc:
+                # Figures Redis does not write (a proxy's ``used_memory:12GB``): none, as
+                # when refused; the server answers, and lookups need not stop for it.
+                return MemoryRefused(str(exc))
             except ResponseError as exc:
                 if classify(exc) is ErrorKind.OUTAGE:
                     raise
@@ -646,17 +678,26 @@ class RedisBlockStore:
     def _node_memory(self) -> list[NodeMemory]:
         if not isinstance(self.client, RedisCluster):
             self._count_round_trip()
-            return [node_memory(self.cfg.redacted_url, self.client.info("memory"))]
+            reply = reply_shapes.parsed("INFO", lambda: self.client.info("memory"))
+            return [node_memory(self.cfg.redacted_url, reply)]
         out = []
         for node in sorted(self.client.get_primaries(), key=lambda n: (n.host, int(n.port))):
             self._count_round_trip()
-            reply = self.client.get_redis_connection(node).info("memory")
+            client = self.client.get_redis_connection(node)
+
+            def info(on: redis.Redis = client) -> Any:
+                return on.info("memory")
+
+            reply = reply_shapes.parsed("INFO", info)
             out.append(node_memory(f"{node.host}:{node.port}", reply))
         return out
 
     def read_hash(self, key: str) -> dict[str, str]:
-        raw = self.client.hgetall(key)
-        return {_text(k): _text(v) for k, v in raw.items()}
+        """The fields of the hash ``key`` (``HGETALL``; e.g. a namespace's info hash). Redis'
+        errors raise, as does a reply that is no map of UTF-8 strings
+        (:class:`~hma_redis.core.reply_shapes.WrongReply`)."""
+        raw = reply_shapes.parsed("HGETALL", lambda: self.client.hgetall(key))
+        return reply_shapes.text_map("HGETALL", raw)
 
     def flush_counters(self) -> None:
         """Deliver pending counter deltas now (one round trip); kept for later if Redis fails
@@ -686,7 +727,8 @@ class RedisBlockStore:
         """Counter increments that rode along: an outage raises; a refusal is logged, not
         counted (counting it would make the next round trip carry a counter to refuse)."""
         for reply in replies:
-            self._refusal("HINCRBY", reply, count=False)
+            if not self._refusal("HINCRBY", reply, count=False):
+                reply_shapes.integer("HINCRBY", reply)
 
     # ------------------------------------------------------------------ the guard
 
@@ -703,11 +745,17 @@ class RedisBlockStore:
         deadline: Deadline | None = None,
         outcome: JobOutcome | None = None,
         operation: Operation | None = None,
+        max_reply_bytes: int | None = None,
     ) -> _T:
         """Run ``call`` (one Redis round trip) under the breaker; every Redis call goes here.
         It must end by ``deadline`` (default: :meth:`_deadline` of no bytes): past it, its
         connections are shut down (:func:`~hma_redis.core.client.bounded`) and it counts as
-        an outage (a timeout).
+        an outage (a timeout). With ``max_reply_bytes``, a reply longer than that is refused
+        as it arrives (an outage too), before more of it is held.
+
+        A reply of a shape the command never has in Redis
+        (:class:`~hma_redis.core.reply_shapes.WrongReply`) is an outage like an unreadable
+        one: the call yields ``default`` and the breaker opens (it logs that once).
 
         While the breaker is open ``default`` at once, except for one probe per interval. An
         outage (see :func:`~hma_redis.core.breaker.classify`) opens the breaker and yields
@@ -726,7 +774,7 @@ class RedisBlockStore:
             return default
         started = time.perf_counter()
         try:
-            with bounded(deadline or self._deadline()):
+            with bounded(deadline or self._deadline(), max_reply_bytes):
                 out = call()
         except (RedisError, OSError) as exc:
             out = default
@@ -935,16 +983,18 @@ class RedisBlockStore:
         client: RedisClient | None = None,
         deadline: Deadline | None = None,
         operation: Operation | None = None,
+        max_reply_bytes: int | None = None,
     ) -> list[_T]:
         """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``,
-        under :meth:`_guard` (an outage, or no answer by the deadline, yields ``default`` for
-        every key)."""
+        under :meth:`_guard` (an outage, no answer by the deadline, or a reply of the wrong
+        shape, yields ``default`` for every key)."""
         return self._guard(
             command,
             lambda: self._execute(client or self.client, keys, run, collect),
             [default] * len(keys),
             deadline,
             operation=operation,
+            max_reply_bytes=max_reply_bytes,
         )
 
     def _execute(
@@ -1040,7 +1090,3 @@ def _reply_of(conn: Any) -> Any:
 def _get_command(key: str) -> bytes:
     raw = key.encode()
     return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

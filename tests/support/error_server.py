@@ -35,7 +35,7 @@ class ErrorServer(LoopbackServer):
     def _serve(self, conn: socket.socket) -> None:
         stream = conn.makefile("rb")
         with contextlib.suppress(OSError, ValueError):
-            while command := _read_command(stream):
+            while command := read_command(stream):
                 conn.sendall(self._answer(command))
 
     def _answer(self, command: list[bytes]) -> bytes:
@@ -54,7 +54,7 @@ class ErrorServer(LoopbackServer):
         return _EMPTY.get(name, b"+OK\r\n")
 
 
-def _read_command(stream: object) -> list[bytes] | None:
+def read_command(stream: object) -> list[bytes] | None:
     """One RESP array of bulk strings (a client's command), or None at EOF."""
     readline = stream.readline  # type: ignore[attr-defined]
     read = stream.read  # type: ignore[attr-defined]
