@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from vllm.v1.kv_offload.base import LookupResult, Medium, get_offload_block_hash
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, get_offload_block_hash
 
 from hma_redis.adapter.namespace import Mode
 from hma_redis.tools.devkit.local_redis import LocalRedis
@@ -69,6 +69,22 @@ def test_bad_tier_option_fails_at_start_up_naming_it(
 ) -> None:
     with pytest.raises(ValueError, match=option):
         instance(**{option: value})
+
+
+def test_a_pin_asked_of_the_tier_is_served_unpinned_counted_and_said_once(
+    instance: Callable[..., TieringInstance],
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    inst = instance()
+    with caplog.at_level(logging.WARNING):
+        for i in range(3):
+            ctx = ReqContext(req_id=f"pin-{i}", kv_transfer_params={"hma_redis_pin_s": 600})
+            inst.manager.on_new_request(ctx)
+    lines = [r.getMessage() for r in caplog.records if "hma_redis_pin_s" in r.getMessage()]
+    assert len(lines) == 1 and "served unpinned" in lines[0], lines
+    assert inst.tier._store.counters.snapshot().get("pin_off_requests") == 3
+    assert not list(redis_client.scan_iter("hma:*:pins"))
 
 
 def test_password_from_the_environment_reaches_redis_and_no_log_line(
