@@ -72,9 +72,11 @@ class TierMemory:
 
 @dataclass(frozen=True)
 class MemoryRefused:
-    """Redis answered ``INFO`` with an error (NOPERM under the tier's ACL): no figures."""
+    """No figures: Redis answered ``INFO`` with an error (NOPERM under the tier's ACL), or,
+    with ``unreadable``, with figures Redis never writes (a proxy's ``used_memory:12GB``)."""
 
     reason: str
+    unreadable: bool = False
 
 
 MemoryReading = TierMemory | MemoryRefused | None  # None: Redis not reached (an outage)
@@ -141,6 +143,13 @@ class MemoryPoller:
         if self._said_refused:
             return
         self._said_refused = True
+        if refused.unreadable:
+            logger.info(
+                "hma_redis: the server's INFO memory is not Redis' (%s): the used/max memory "
+                "gauges are not reported",
+                refused.reason,
+            )
+            return
         logger.info(
             "hma_redis: Redis refused INFO (%s): the used/max memory gauges are not reported; "
             "grant the tier's ACL user +info to have them (docs/security.md)",

@@ -667,7 +667,7 @@ class RedisBlockStore:
             except reply_shapes.WrongReply as exc:
                 # Figures Redis does not write (a proxy's ``used_memory:12GB``): none, as
                 # when refused; the server answers, and lookups need not stop for it.
-                return MemoryRefused(str(exc))
+                return MemoryRefused(str(exc), unreadable=True)
             except ResponseError as exc:
                 if classify(exc) is ErrorKind.OUTAGE:
                     raise

@@ -7,6 +7,8 @@ gauges and ``get_stats()`` goes on."""
 
 from __future__ import annotations
 
+import logging
+
 import time
 from collections.abc import Iterator
 
@@ -90,19 +92,24 @@ def test_the_same_lookup_answered_like_redis_hits(server: ShapeServer) -> None:
     "field", [b"used_memory:12GB", b"used_memory:-5", b"maxmemory:1.5", b"used_memory:4mb"]
 )
 def test_info_memory_with_figures_redis_never_writes_gives_no_gauges_and_the_stats_go_on(
-    server: ShapeServer, field: bytes
+    server: ShapeServer, field: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A proxy's ``used_memory:12GB``: no memory gauges, ``get_stats()`` (vLLM calls it on the
-    engine core's thread every step) never raises, and lookups are not turned off for it."""
+    engine core's thread every step) never raises, and lookups are not turned off for it. One
+    line says the figures are not Redis' (not that INFO was refused, nor to grant +info)."""
     body = b"# Memory\r\n" + field + b"\r\n"
     server.fixed[b"INFO"] = b"$%d\r\n%s\r\n" % (len(body), body)
     manager = _manager(server.url)
     try:
-        for _ in range(3):
-            stats = manager.get_stats()
-            manager._memory.wait(10.0)
-            reduced = {} if stats is None else stats.reduce()
-            assert RedisMetricName.USED_MEMORY_BYTES not in reduced
+        with caplog.at_level(logging.INFO, logger="hma_redis"):
+            for _ in range(3):
+                stats = manager.get_stats()
+                manager._memory.wait(10.0)
+                reduced = {} if stats is None else stats.reduce()
+                assert RedisMetricName.USED_MEMORY_BYTES not in reduced
+        said = [r.getMessage() for r in caplog.records if "INFO" in r.getMessage()]
+        assert len(said) == 1 and "is not Redis'" in said[0], said
+        assert "+info" not in said[0] and "refused" not in said[0]
         assert server.counts[b"INFO"] >= 2
         assert manager._store.breaker.state is BreakerState.CLOSED
         ctx = ReqContext(req_id="r")

@@ -64,9 +64,12 @@ class BreakingProxy(LoopbackServer):
                     time.sleep(self.reply_delay_s)
                 self._forward(dst, data, replies)
                 sent += len(data)
-            if mode == "close" or limit is None:
-                src.close()
-                dst.close()
+        # Also when a socket failed: a server that closed a connection and then got a request on
+        # it answers with RST, so recv raises instead of returning b"". A real network passes that
+        # on as a close; this proxy left the client to wait out its read timeout instead.
+        if mode == "close" or limit is None:
+            src.close()
+            dst.close()
         # "stall": keep both sockets open and forward nothing more.
 
     def _forward(self, dst: socket.socket, data: bytes, replies: bool) -> None:
