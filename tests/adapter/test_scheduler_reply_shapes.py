@@ -8,7 +8,6 @@ gauges and ``get_stats()`` goes on."""
 from __future__ import annotations
 
 import logging
-
 import time
 from collections.abc import Iterator
 
