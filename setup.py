@@ -1,8 +1,8 @@
 """Build of the optional native fast path; every other setting lives in pyproject.toml.
 
-``hma_redis.core._fastpath`` is plain C built with the system compiler (no downloads at build
+``hma_redis.core.redis._wire`` is plain C built with the system compiler (no downloads at build
 time). It is optional: where it cannot be built (no compiler, no Python headers) the install
-still succeeds and hma_redis runs its pure-Python data path (``hma_redis.core.fastpath`` logs
+still succeeds and hma_redis runs its pure-Python data path (``hma_redis.core.redis.wire`` logs
 which path runs). The SSE4.2 CRC code is compiled for that target per function and chosen at
 run time from cpuid, so the module runs on any x86-64 (and elsewhere with the portable CRC).
 """
@@ -12,8 +12,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "hma_redis.core._fastpath",
-            sources=["hma_redis/core/_fastpath.c"],
+            "hma_redis.core.redis._wire",
+            sources=["hma_redis/core/redis/_wire.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )

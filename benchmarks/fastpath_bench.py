@@ -1,8 +1,8 @@
 """Loads and stores of one 32 MiB job through the two data paths, quiet and with a thread that
 holds the GIL.
 
-Paths: ``native`` (hma_redis.core._fastpath, GIL released for the whole job) and ``python`` (its
-pure-Python twin in hma_redis.core.fastpath, the fallback for TLS and ``HMA_REDIS_NATIVE=0``).
+Paths: ``native`` (hma_redis.core.redis._wire, GIL released for the whole job) and ``python`` (its
+pure-Python twin in hma_redis.core.redis.wire, the fallback for TLS and ``HMA_REDIS_NATIVE=0``).
 Every load lands the values in the pages of a CPU "KV cache" (8 layers,
 16 KiB pages, random block ids: one destination span per page) and checks them (CRC32C and the
 header); every store sends the pages in place.
@@ -33,10 +33,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from hma_redis.core import codec, fastpath, medium
+from hma_redis.core import codec, medium
 from hma_redis.core.codec import FORMAT_VERSION, BlockHeader
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis import wire
+from hma_redis.core.redis.store import RedisBlockStore
 
 try:
     from hma_redis.local_redis import LocalRedis
@@ -108,8 +109,8 @@ class Setup:
 # ------------------------------------------------------------------------------------- loads
 
 
-def load_fast(setup: Setup, sock: fastpath.Sockets, native: bool, window: int) -> None:
-    load = fastpath.native_load_values if native else fastpath.python_load_values
+def load_fast(setup: Setup, sock: wire.Sockets, native: bool, window: int) -> None:
+    load = wire.native_load_values if native else wire.python_load_values
     heads = [bytearray(codec.PREFIX_BYTES + 256) for _ in setup.chunks]
     targets = [
         medium.LoadTarget(head, header.to_msgpack(), setup.dests(ids), None, 64 * MiB)
@@ -133,16 +134,16 @@ def value_head(header: BlockHeader) -> bytearray:
     return bytearray(prefix + packed)
 
 
-def store_fast(setup: Setup, sock: fastpath.Sockets, native: bool) -> None:
-    store = fastpath.native_store_values if native else fastpath.python_store_values
+def store_fast(setup: Setup, sock: wire.Sockets, native: bool) -> None:
+    store = wire.native_store_values if native else wire.python_store_values
     values = []
     for (key, ids), header in zip(setup.chunks, setup.headers, strict=True):
         head = value_head(header)
         size = len(head) + header.body_bytes
         framing = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key.encode(), size)
-        values.append(fastpath.StoreValue(framing, head, setup.dests(ids), b"\r\n$2\r\nNX\r\n"))
+        values.append(wire.StoreValue(framing, head, setup.dests(ids), b"\r\n$2\r\nNX\r\n"))
     results = store(sock, values, 10.0)
-    if any(r.status is not fastpath.StoreStatus.STORED for r in results):
+    if any(r.status is not wire.StoreStatus.STORED for r in results):
         raise RuntimeError(f"store failed: {results[:3]}")
 
 
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace, url: str) -> None:
         f"{args.connections} connection(s) per job; "
         f"switch interval {args.switch_interval_ms} ms"
     )
-    print(f"# data path: {fastpath.describe()}")
+    print(f"# data path: {wire.describe()}")
     for spinning in (False, True):
         rows = []
         for size in sizes:
@@ -282,8 +283,8 @@ def main() -> None:
     )
     parser.add_argument("--smoke", action="store_true", help="tiny run, bytes checked")
     args = parser.parse_args()
-    if not fastpath.available():
-        raise SystemExit(f"native fast path unavailable: {fastpath.unavailable_reason()}")
+    if not wire.available():
+        raise SystemExit(f"native fast path unavailable: {wire.unavailable_reason()}")
     if args.url:
         run(args, args.url)
         return

@@ -25,14 +25,10 @@ import torch
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import (
-    ChunkTransfer,
-    JobResult,
-    LayerSource,
-    TransferEngine,
-    ValueFormat,
-)
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.transfer.engine import TransferEngine
+from hma_redis.core.transfer.jobs import ChunkTransfer, JobResult, ValueFormat
+from hma_redis.core.transfer.pages import LayerSource
 from hma_redis.tools.devkit.local_redis import LocalRedis
 
 LAYERS = 8

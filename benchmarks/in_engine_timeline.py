@@ -68,8 +68,8 @@ def install() -> None:
 
     from hma_redis.adapter.manager import RedisOffloadingManager
     from hma_redis.adapter.worker import RedisOffloadingWorker
-    from hma_redis.core import fastpath
-    from hma_redis.core.transfer import TransferEngine
+    from hma_redis.core.redis import wire
+    from hma_redis.core.transfer.engine import TransferEngine
 
     lookups: dict[str, int] = {}
 
@@ -111,7 +111,7 @@ def install() -> None:
         "_run_load",
         lambda a, k, r, ms: f"transfer job (thread) {ms:6.2f} ms",
     )
-    original = fastpath.native_load_values
+    original = wire.native_load_values
 
     @functools.wraps(original)
     def native_load(*args: Any, **kwargs: Any) -> Any:
@@ -130,7 +130,7 @@ def install() -> None:
         )
         return result
 
-    fastpath.native_load_values = native_load  # type: ignore[assignment]
+    wire.native_load_values = native_load  # type: ignore[assignment]
     wrap(
         UniProcExecutor,
         "execute_model",

@@ -43,7 +43,7 @@ from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis
 
 VALUE = 2 << 20

@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import TransferEngine
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.transfer.engine import TransferEngine
 from hma_redis.tools.bench import tier as bench_tier
 from hma_redis.tools.bench.common import MIB, Samples
 from hma_redis.tools.devkit.local_redis import LocalRedis

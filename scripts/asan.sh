@@ -2,7 +2,7 @@
 # The native extension under AddressSanitizer and UndefinedBehaviorSanitizer (a stage of
 # scripts/test.sh, so CI runs it): the extension is built with -fsanitize=address,undefined in a
 # copy of the work tree (the checkout's own build is never touched) and the fast-path and
-# transfer tests run against that build, with the RESP-reply fuzz (tests/core/test_resp_fuzz.py:
+# transfer tests run against that build, with the RESP-reply fuzz (tests/core/redis/test_resp_fuzz.py:
 # a hostile server over a real socket). Any read or write outside a buffer, or undefined
 # behaviour, aborts the run and fails the stage.
 #
@@ -23,13 +23,13 @@ VENV_PYTHON=${HMA_VENV_PYTHON:-$REPO/.venv/bin/python}
 source scripts/native_copy.sh
 
 TESTS=(
-    tests/core/test_fastpath.py
-    tests/core/test_fastpath_bounds.py
-    tests/core/test_resp_fuzz.py
-    tests/core/test_transfer.py
-    tests/core/test_transfer_checks.py
-    tests/core/test_transfer_parts.py
-    tests/core/test_transfer_paths.py
+    tests/core/redis/test_wire.py
+    tests/core/redis/test_wire_bounds.py
+    tests/core/redis/test_resp_fuzz.py
+    tests/core/transfer/test_cpu_pages.py
+    tests/core/transfer/test_value_checks.py
+    tests/core/transfer/test_job_parts.py
+    tests/core/transfer/test_data_paths.py
 )
 
 if [[ -n "${HMA_ASAN_DIR:-}" ]]; then
@@ -59,7 +59,7 @@ export PYTHONMALLOC=malloc VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 PYTHONHASHS
 # The build under test is the one loaded: the copy's, linked against the sanitizers.
 "$VENV_PYTHON" - "$WORK" <<'EOF'
 import subprocess, sys
-from hma_redis.core import _fastpath
+from hma_redis.core.redis import _wire
 path = _fastpath.__file__
 assert path.startswith(sys.argv[1]), f"asan.sh: loaded {path}, not the ASan build"
 needed = subprocess.run(["ldd", path], capture_output=True, text=True).stdout

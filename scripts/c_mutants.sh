@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Mutation testing of the native extension (a habit, not a CI gate): each hand-made mutant of
-# hma_redis/core/_fastpath.c in scripts/c_mutants.txt (an off-by-one in a length check, a check
+# hma_redis/core/redis/_wire.c in scripts/c_mutants.txt (an off-by-one in a length check, a check
 # left out, ...) is built in a copy of the work tree and the fast-path tests run against it; a
 # mutant the tests do not notice "survived". Prints one line per mutant and the score.
 #
 #   bash scripts/c_mutants.sh                          # every mutant
 #   bash scripts/c_mutants.sh --only oversized-off-by-one,staging-one-byte-short
 #   bash scripts/c_mutants.sh --asan                   # survivors again, under scripts/asan.sh
-#   bash scripts/c_mutants.sh --tests "tests/core/test_fastpath.py"   # other tests
+#   bash scripts/c_mutants.sh --tests "tests/core/redis/test_wire.py"   # other tests
 #
 # A mutant is killed when the tests fail, hang past the limit or crash; one that does not
 # compile is "stillborn" (left out of the score). --asan runs each survivor once more through
@@ -23,7 +23,7 @@ source scripts/native_copy.sh
 
 ONLY=""
 ASAN=0
-TESTS=(tests/core/test_fastpath.py tests/core/test_fastpath_bounds.py tests/core/test_resp_fuzz.py)
+TESTS=(tests/core/redis/test_wire.py tests/core/redis/test_wire_bounds.py tests/core/redis/test_resp_fuzz.py)
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --only) ONLY="$2"; shift 2 ;;
@@ -39,7 +39,7 @@ export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 
 # apply NAME: write the mutant NAME of the checkout's C file to $WORK/mutant.c.
 apply() {
-    "$VENV_PYTHON" - "$1" hma_redis/core/_fastpath.c scripts/c_mutants.txt "$WORK/mutant.c" <<'EOF'
+    "$VENV_PYTHON" - "$1" hma_redis/core/redis/_wire.c scripts/c_mutants.txt "$WORK/mutant.c" <<'EOF'
 import sys
 
 name, source, listing, out = sys.argv[1:]
@@ -74,7 +74,7 @@ for name in $names; do
         missing=$((missing + 1))
         continue
     fi
-    cp "$WORK/mutant.c" "$WORK/tree/hma_redis/core/_fastpath.c"
+    cp "$WORK/mutant.c" "$WORK/tree/hma_redis/core/redis/_wire.c"
     if ! native_build "$WORK/tree" 2> /dev/null; then
         echo "stillborn  $name"
         stillborn=$((stillborn + 1))

@@ -92,8 +92,8 @@ if [ "$build" = 1 ]; then
         native="pure Python (no C compiler)"
     elif [ ! -f "$include/Python.h" ]; then
         native="pure Python (no Python.h in $include)"
-    elif "$cc" -O2 -std=gnu11 -shared -fPIC -I"$include" hma_redis/core/_fastpath.c \
-        -o "$work/src/hma_redis/core/_fastpath$suffix" 2>"$work/cc.log"; then
+    elif "$cc" -O2 -std=gnu11 -shared -fPIC -I"$include" hma_redis/core/redis/_wire.c \
+        -o "$work/src/hma_redis/core/redis/_wire$suffix" 2>"$work/cc.log"; then
         native="native, built with $cc"
     else
         native="pure Python (the build failed: $(head -c 300 "$work/cc.log"))"

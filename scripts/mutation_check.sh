@@ -25,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 
-MODULES="core/codec core/store core/transfer adapter/manager adapter/worker adapter/connector"
+MODULES="core/codec core/redis/store core/transfer/engine adapter/manager adapter/worker adapter/connector"
 TESTS=""
 WORK=/tmp/hma-mutation
 DIFFS=0
@@ -45,13 +45,13 @@ done
 # join by name). A file missing here only costs score, never correctness.
 tests_for() {
     case "$1" in
-        core/codec) echo "tests/core/test_codec*.py tests/core/test_security.py tests/core/test_fastpath.py" ;;
-        core/store) echo "tests/core/test_store*.py tests/core/test_refusals.py tests/core/test_security.py tests/core/test_cluster.py" ;;
-        core/transfer) echo "tests/core/test_transfer*.py tests/core/test_fastpath*.py tests/core/test_deadlines.py tests/core/test_security.py tests/core/test_outage_replies.py" ;;
+        core/codec) echo "tests/core/test_codec*.py tests/core/redis/test_security.py tests/core/redis/test_wire.py" ;;
+        core/redis/store) echo "tests/core/redis/test_store*.py tests/core/redis/test_refusals.py tests/core/redis/test_security.py tests/core/redis/test_cluster.py" ;;
+        core/transfer/engine) echo "tests/core/transfer/test_*.py tests/core/redis/test_wire*.py tests/core/redis/test_deadlines.py tests/core/redis/test_security.py tests/core/redis/test_outage_replies.py" ;;
         adapter/manager) echo "tests/adapter/test_manager*.py tests/adapter/test_behaviours.py tests/adapter/test_removals_admission*.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_connector_fast.py tests/adapter/test_vllm_compat.py tests/adapter/test_metrics.py" ;;
         adapter/worker) echo "tests/adapter/test_worker*.py tests/adapter/test_behaviours.py tests/adapter/test_connector_fast.py tests/adapter/test_connector_guard.py" ;;
-        core/breaker) echo "tests/core/test_refusals.py tests/core/test_outage_replies.py tests/core/test_deadlines.py tests/core/test_store*.py tests/core/test_transfer_paths.py tests/core/test_breaker*.py" ;;
-        core/notifications) echo "tests/core/test_removal_watcher*.py tests/adapter/test_removals_admission*.py tests/adapter/test_manager_edges.py" ;;
+        core/redis/breaker) echo "tests/core/redis/test_refusals.py tests/core/redis/test_outage_replies.py tests/core/redis/test_deadlines.py tests/core/redis/test_store*.py tests/core/transfer/test_data_paths.py tests/core/redis/test_breaker*.py" ;;
+        core/redis/notifications) echo "tests/core/redis/test_removal_watcher*.py tests/adapter/test_removals_admission*.py tests/adapter/test_manager_edges.py" ;;
         adapter/connector) echo "tests/adapter/test_connector*.py tests/adapter/test_idle_wait.py tests/adapter/test_scheduler_lookup.py tests/adapter/test_vllm_compat.py" ;;
         *) echo "tests" ;;
     esac
@@ -72,7 +72,7 @@ mutate() {
     ln -s "$REPO/.venv" "$dir/.venv"
     # The native extension is built in place and git-ignored: bring it along (else the copy
     # would run the pure-Python data path and the native tests could not import it).
-    cp -p hma_redis/core/_fastpath*.so "$dir/hma_redis/core/" 2>/dev/null || true
+    cp -p hma_redis/core/redis/_wire*.so "$dir/hma_redis/core/redis/" 2>/dev/null || true
     (
         cd "$dir"
         {

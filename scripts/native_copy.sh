@@ -4,7 +4,7 @@
 # root import the copy's hma_redis (the current directory comes first on sys.path).
 #
 #   native_copy DIR [C_FILE]   copy the tracked and new (not ignored) files into DIR (emptied
-#                              first); with C_FILE, it replaces hma_redis/core/_fastpath.c there
+#                              first); with C_FILE, it replaces hma_redis/core/redis/_wire.c there
 #   native_build DIR           build the extension in place in DIR with $NATIVE_CFLAGS and
 #                              $NATIVE_LDFLAGS added; fails unless the .so was built
 
@@ -15,7 +15,7 @@ native_copy() {
     git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} sh -c \
         '[ -f "$1" ] && mkdir -p "$2/$(dirname "$1")" && cp -p "$1" "$2/$1" || true' _ {} "$dir"
     if [[ -n "$c_file" ]]; then
-        cp "$c_file" "$dir/hma_redis/core/_fastpath.c"
+        cp "$c_file" "$dir/hma_redis/core/redis/_wire.c"
     fi
 }
 
@@ -23,11 +23,11 @@ native_build() {
     local dir=$1
     (
         cd "$dir"
-        rm -f hma_redis/core/_fastpath*.so
+        rm -f hma_redis/core/redis/_wire*.so
         CFLAGS="${NATIVE_CFLAGS:-}" LDFLAGS="${NATIVE_LDFLAGS:-}" \
             "$VENV_PYTHON" setup.py build_ext --inplace -q --build-temp build/native-temp \
             > build-native.log 2>&1 || true
-        if ! ls hma_redis/core/_fastpath*.so > /dev/null 2>&1; then
+        if ! ls hma_redis/core/redis/_wire*.so > /dev/null 2>&1; then
             echo "native_build: the extension did not build; the end of $dir/build-native.log:" >&2
             tail -n 30 build-native.log >&2
             return 1

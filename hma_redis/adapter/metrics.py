@@ -18,7 +18,7 @@ scheduler side (the manager's :class:`~hma_redis.adapter.types.ManagerStats`, vi
     ``vllm:kv_offload_redis_errors``           failed Redis calls of the scheduler (timeouts, ...)
     ``vllm:kv_offload_redis_available``        gauge: 1 while the scheduler reaches Redis, else 0
     ``vllm:kv_offload_redis_used_memory_bytes``  gauge: Redis' used_memory, summed over a
-                                               Cluster's masters (hma_redis.core.memory; asked
+                                               Cluster's masters (hma_redis.core.redis.memory; asked
                                                at most every 10 s, off the scheduler's thread;
                                                absent where the ACL refuses INFO)
     ``vllm:kv_offload_redis_max_memory_bytes``   gauge: their maxmemory summed; 0: no limit
@@ -50,7 +50,7 @@ both sides (each store's :class:`~hma_redis.core.counters.PendingCounters` and
 :class:`~hma_redis.core.latency.LatencySamples`)
     ``vllm:kv_offload_redis_refused{kind=...}``  commands a healthy Redis refused, by kind (a
                                                refusal never turns the tier off, see
-                                               hma_redis.core.breaker): ``noperm`` (ACL),
+                                               hma_redis.core.redis.breaker): ``noperm`` (ACL),
                                                ``oom`` (maxmemory under noeviction),
                                                ``readonly`` (a replica), ``other`` (WRONGTYPE,
                                                ERR ...); ``hma-redis info`` counts each as
@@ -69,9 +69,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
@@ -80,10 +78,10 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hma_redis.adapter.types import ManagerStats
-from hma_redis.core.breaker import Refusal
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.latency import LatencySamples
-from hma_redis.core.memory import TierMemory
+from hma_redis.core.redis.breaker import Refusal
+from hma_redis.core.redis.memory import TierMemory
 
 PREFIX = "vllm:kv_offload_redis_"
 

@@ -34,8 +34,8 @@ from hma_redis.adapter.namespace import Mode, deployment_fingerprint, namespace_
 from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.notifications import RemovalWatcher
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.notifications import RemovalWatcher
+from hma_redis.core.redis.store import RedisBlockStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

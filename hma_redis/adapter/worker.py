@@ -3,7 +3,7 @@
 vLLM hands each job as a :class:`GPULoadStoreSpec` (block ids grouped by KV group) and our
 :class:`~hma_redis.adapter.types.RedisLoadStoreSpec` (offload keys in the same order). This module
 pairs every offload key with its blocks and this rank's Redis key (:func:`plan_chunks`) and
-hands the chunks to :class:`~hma_redis.core.transfer.TransferEngine`, which moves the bytes;
+hands the chunks to :class:`~hma_redis.core.transfer.engine.TransferEngine`, which moves the bytes;
 results go back as vLLM's :class:`TransferResult`, with failed loads reported the way the
 connector can recompute them.
 """
@@ -27,16 +27,16 @@ from vllm.v1.kv_offload.base import (
 
 from hma_redis.adapter.types import RedisLoadStoreSpec
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import (
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.transfer.engine import TransferEngine
+from hma_redis.core.transfer.jobs import (
     ChunkTransfer,
     JobChunks,
-    LayerSource,
     LayoutMismatch,
-    TransferEngine,
     ValueFormat,
     group_chunks,
 )
+from hma_redis.core.transfer.pages import LayerSource
 
 logger = init_logger(__name__)
 

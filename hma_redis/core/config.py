@@ -267,7 +267,7 @@ class RedisTierConfig:
     # instance of the deployment already looked up within admission_window_s).
     admission: str = "always"
     admission_window_s: int = 3600
-    # Pins (a request's kv_transfer_params {"hma_redis_pin_s": N}; see hma_redis.core.pins):
+    # Pins (a request's kv_transfer_params {"hma_redis_pin_s": N}; see hma_redis.core.redis.pins):
     # vLLM's OpenAI server passes kv_transfer_params from any API client, so pinning is the
     # operator's decision, off unless turned on (it needs ttl_s); a pin asking for more than
     # pin_max_s gets pin_max_s, and a namespace's pins hold at most pin_budget_bytes (chunks

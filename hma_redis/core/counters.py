@@ -25,7 +25,7 @@ FIELDS = (
     "loaded_bytes",
     "load_failed_chunks",
     "load_failed_jobs",
-    # Commands a healthy Redis refused (see hma_redis.core.breaker.Refusal); the tier stays on.
+    # Commands a healthy Redis refused (hma_redis.core.redis.breaker.Refusal); the tier stays on.
     "refused_noperm",
     "refused_oom",
     "refused_readonly",

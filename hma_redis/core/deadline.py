@@ -12,7 +12,7 @@ and the second pass of its odd values) gets one read timeout more, counted from 
 submitted. Past its deadline an operation fails like a timeout (``TimeoutError``): a lookup is
 a miss, a load is recomputed, a store is dropped, and the circuit breaker opens.
 
-The data paths (:mod:`hma_redis.core.fastpath`, C and Python) take a wait and a budget of at
+The data paths (:mod:`hma_redis.core.redis.wire`, C and Python) take a wait and a budget of at
 most :data:`MAX_WAIT_S` and count waits in whole milliseconds (:data:`MIN_WAIT_S`): a budget is
 capped at the former, and ``read_timeout_s`` is accepted only where its operations' budgets fit
 (:data:`MAX_READ_TIMEOUT_S`).

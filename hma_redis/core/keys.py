@@ -118,7 +118,7 @@ class KeySpace:
 
     def pins_key(self) -> RedisKey:
         """The sorted set of this namespace's pinned chunks (member: the chunk's key; score:
-        the pin's deadline, unix seconds). See :mod:`hma_redis.core.pins`."""
+        the pin's deadline, unix seconds). See :mod:`hma_redis.core.redis.pins`."""
         return RedisKey(f"{self.base}:pins")
 
     def block_key(self, group: int, block_hash: bytes, rank: int = 0) -> RedisKey:

@@ -1,11 +1,12 @@
 """The medium seam: what the transfer engine needs from the place values live, and the value
 types both sides share.
 
-:class:`BlockStore` is the whole surface :class:`hma_redis.core.transfer.TransferEngine` uses:
-check which keys exist, land values where the engine says (:meth:`BlockStore.load_values`),
-put values written by the engine (:meth:`BlockStore.put_values`), delete the bad ones, and
-count. :class:`hma_redis.core.store.RedisBlockStore` implements it for Redis; the engine
-imports this module, never the store nor its wire code.
+:class:`BlockStore` is the whole surface the transfer engine
+(:class:`hma_redis.core.transfer.engine.TransferEngine`) uses: check which keys exist, land
+values where the engine says (:meth:`BlockStore.load_values`), put values written by the engine
+(:meth:`BlockStore.put_values`), delete the bad ones, and count.
+:class:`hma_redis.core.redis.store.RedisBlockStore` implements it for Redis; the engine imports
+this module, never the store nor its wire code.
 
 Every call of the protocol degrades instead of raising when the medium fails (an outage, a
 refusal, a deadline passed): the result says so, and the engine turns it into a miss, a
@@ -146,7 +147,7 @@ class LoadTarget(NamedTuple):
     ``head`` and its body in ``dests`` when its length is exactly theirs (``PAGES``); a value
     longer than ``max_len`` is dropped (``OVERSIZED``); any other value lands whole in
     ``staging`` (``STAGING``), or is dropped without one (``LAYOUT_MISMATCH``). The byte-level
-    rules are :mod:`hma_redis.core.fastpath`'s module docstring."""
+    rules are :mod:`hma_redis.core.redis.wire`'s module docstring."""
 
     head: Any  # writable, >= 48 + the largest header expected
     expected_header: bytes | memoryview  # the exact msgpack header bytes a matching value has

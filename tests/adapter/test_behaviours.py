@@ -35,7 +35,7 @@ from hma_redis.core import codec
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.kv_pages import as_before_or_cleared
 

@@ -18,7 +18,7 @@ import redis
 
 from hma_redis.adapter.metrics import RedisMetricName
 from hma_redis.core.config import MAX_IDLE_WAIT_MS
-from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
+from hma_redis.core.transfer.engine import TEST_LOAD_DELAY_ENV
 from tests.adapter.test_connector_fast import (
     NUM_BLOCKS,
     PROMPT_LEN,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from hma_redis.adapter.connector import RedisConnectorMetadata
-from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
+from hma_redis.core.transfer.engine import TEST_LOAD_DELAY_ENV
 from tests.support.connector_harness import BLOCK_SIZE, ConnectorHarness
 
 PROMPT_LEN = 5 * BLOCK_SIZE + 3

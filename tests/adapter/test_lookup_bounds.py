@@ -16,10 +16,10 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 
 from hma_redis.adapter.manager import RedisOffloadingManager
-from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.breaker import BreakerState
+from hma_redis.core.redis.store import RedisBlockStore
 from tests.support.error_server import read_command
 from tests.support.loopback import LoopbackServer
 

@@ -10,7 +10,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from hma_redis.adapter.manager import RedisOffloadingManager
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

@@ -30,8 +30,8 @@ from hma_redis.adapter.metrics import RedisMetricName
 from hma_redis.core.codec import FORMAT_VERSION
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.notifications import RemovalWatcher
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.notifications import RemovalWatcher
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

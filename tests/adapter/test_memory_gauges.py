@@ -15,12 +15,12 @@ import redis
 
 from hma_redis.adapter.manager import RedisOffloadingManager
 from hma_redis.adapter.metrics import RedisMetricName
-from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.medium import PutResult
-from hma_redis.core.memory import MemoryPoller, TierMemory
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.breaker import BreakerState
+from hma_redis.core.redis.memory import MemoryPoller, TierMemory
+from hma_redis.core.redis.store import RedisBlockStore
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.redis_server import LocalRedis, command_calls
 

@@ -29,7 +29,7 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.latency import LatencySamples, Operation
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis
 
 R = RedisMetricName

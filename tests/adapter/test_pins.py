@@ -26,7 +26,7 @@ from hma_redis.adapter.metrics import RedisMetricName
 from hma_redis.core.config import MAX_EXPIRE_S, RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.medium import PutResult
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

@@ -21,16 +21,16 @@ from vllm.v1.kv_offload.base import (
 
 from hma_redis.adapter.manager import MAX_REMOVALS_PER_STEP, RedisOffloadingManager
 from hma_redis.adapter.metrics import RedisMetricName
-from hma_redis.core.client import make_client
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.notifications import (
+from hma_redis.core.redis.client import make_client
+from hma_redis.core.redis.notifications import (
     NotificationState,
     RemovalWatcher,
     ensure_flags,
     missing_flags,
 )
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from tests.support.cluster_servers import LocalCluster, started_cluster
 from tests.support.redis_server import LocalRedis, command_calls, command_delta
 

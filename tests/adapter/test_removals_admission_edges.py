@@ -10,13 +10,8 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_o
 
 from hma_redis.adapter.manager import RedisOffloadingManager
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.notifications import RemovalWatcher
-from tests.adapter.test_removals_admission import (
-    _admission_manager,
-    _ask,
-    _removals_until,
-    _store,
-)
+from hma_redis.core.redis.notifications import RemovalWatcher
+from tests.adapter.test_removals_admission import _admission_manager, _ask, _removals_until, _store
 
 
 def _announced_again(

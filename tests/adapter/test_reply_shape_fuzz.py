@@ -32,13 +32,13 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hma_redis.adapter.manager import RedisOffloadingManager
-from hma_redis.core import pins
-from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.latency import Operation
-from hma_redis.core.notifications import RemovalWatcher, ensure_flags
-from hma_redis.core.store import RedisBlockStore, Sighting
+from hma_redis.core.redis import pins
+from hma_redis.core.redis.breaker import BreakerState
+from hma_redis.core.redis.notifications import RemovalWatcher, ensure_flags
+from hma_redis.core.redis.store import RedisBlockStore, Sighting
 from tests.support.shape_server import ShapeServer
 from tests.support.tiering import TieringInstance, make_instance
 

@@ -16,10 +16,10 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
 from hma_redis.adapter.manager import RedisOffloadingManager
 from hma_redis.adapter.metrics import RedisMetricName
-from hma_redis.core.breaker import BreakerState
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.breaker import BreakerState
+from hma_redis.core.redis.store import RedisBlockStore
 from tests.support.shape_server import ShapeServer
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

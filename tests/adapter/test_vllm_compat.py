@@ -14,7 +14,7 @@ from hma_redis.adapter.manager import RedisOffloadingManager
 from hma_redis.adapter.spec import RedisOffloadingSpec
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from tests.support.scheduler_harness import SchedulerHarness
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

@@ -1,7 +1,7 @@
 """The vLLM worker on CPU KV-cache tensors against a real Redis: vLLM's specs are mapped onto
 the transfer engine so pages land where they belong and nothing else changes, and a spec that
 does not add up fails its job (counted) instead of raising into vLLM. The engine's own
-behaviours are tested without vLLM in tests/core/test_transfer.py."""
+behaviours are tested without vLLM in tests/core/transfer/test_cpu_pages.py."""
 
 from __future__ import annotations
 
@@ -22,16 +22,8 @@ from vllm.v1.kv_offload.base import (
 from hma_redis.adapter.types import RedisLoadStoreSpec
 from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.store import RedisBlockStore
-from tests.support.kv_pages import (
-    BPC,
-    DST,
-    KEYSPACE,
-    LAYERS,
-    PAGES,
-    SRC,
-    kv_tensors,
-)
+from hma_redis.core.redis.store import RedisBlockStore
+from tests.support.kv_pages import BPC, DST, KEYSPACE, LAYERS, PAGES, SRC, kv_tensors
 
 
 def _caches(strided: bool = False) -> tuple[list[torch.Tensor], CanonicalKVCaches]:

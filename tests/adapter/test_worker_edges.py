@@ -21,8 +21,8 @@ from hma_redis.adapter.types import RedisLoadStoreSpec
 from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.transfer.engine import TEST_LOAD_DELAY_ENV
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.adapter.test_worker import KEYS, finished_result, make_worker, run_job, spec_of
 from tests.support.kv_pages import DST, HASHES, KEYSPACE, LAYERS, PAGES, SRC

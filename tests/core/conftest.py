@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.fastpath import NATIVE_ENV
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.redis.wire import NATIVE_ENV
 from tests.support.kv_pages import Pages, make_pages
 
 

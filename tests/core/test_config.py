@@ -16,7 +16,7 @@ from hma_redis.core.config import (
     redact_url,
 )
 from hma_redis.core.medium import PutResult
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 
 
 def test_url_from_extra_config_wins_over_environment():

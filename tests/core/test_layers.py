@@ -1,7 +1,8 @@
 """The package's layers, read from its source: core imports nothing above it (nor vLLM, at any
 depth of its code), the adapter nothing of the tools, the runtime (core, adapter, the entry
-points) never the tools, no module imports itself back through others (no import circles), and
-the transfer engine sees a medium only through core.medium (the medium seam). Relative imports
+points) never the tools, no module imports itself back through others (no import circles), only
+core/redis speaks Redis (nothing else in core imports it or redis-py), and the transfer engine
+(core/transfer) sees a medium only through core.medium (the medium seam). Relative imports
 are resolved, not skipped; a self-test plants violations in a temporary package
 and checks that every check finds them."""
 
@@ -24,11 +25,20 @@ ALLOWED = {
     "tools": {"package", "core", "adapter", "tools"},
 }
 
-# The medium seam (docs/architecture.md): what each of these core modules may import of the
-# package. The transfer engine reaches a medium only through core.medium (never core.store or
-# its wire code, core.fastpath), and the protocol stands on engine-agnostic modules alone.
-SEAM = {
-    "core.transfer": {"core", "core.codec", "core.deadline", "core.latency", "core.medium"},
+# The medium seam (docs/architecture.md), as a rule by folder. Only core/redis speaks Redis:
+# nothing else in core imports it or redis-py. The transfer engine (core/transfer) reaches a
+# medium only through core.medium and stands, like the protocol, on engine-agnostic modules.
+REDIS_MEDIUM = "core.redis"
+MAY_IMPORT = {
+    "core.transfer": {
+        "core",
+        "core.transfer",
+        "core.codec",
+        "core.counters",
+        "core.deadline",
+        "core.latency",
+        "core.medium",
+    },
     "core.medium": {"core", "core.counters", "core.deadline", "core.latency"},
 }
 
@@ -93,15 +103,33 @@ def _vllm_in_core(package: Path = PACKAGE) -> list[str]:
     ]
 
 
+def _folder(module: str, top: str) -> str:
+    """The rule's name for a module: ``core.transfer`` for every module under core/transfer."""
+    inner = module.removeprefix(f"{top}.")
+    for folder in (*MAY_IMPORT, REDIS_MEDIUM):
+        if inner == folder or inner.startswith(f"{folder}."):
+            return folder
+    return inner
+
+
 def _seam_violations(package: Path = PACKAGE) -> list[str]:
-    top = package.name
+    top, inner = package.name, _imports(package)
+
+    def breaks_seam(folder: str, target: str) -> bool:
+        if target == "redis" or target.startswith("redis."):
+            return True  # redis-py outside core/redis
+        if target not in inner or target == top:
+            return False  # not a module of the package (a name imported from one)
+        if _folder(target, top) == REDIS_MEDIUM:
+            return True
+        return folder in MAY_IMPORT and _folder(target, top) not in MAY_IMPORT[folder]
+
     return [
         f"{module} -> {target}"
-        for module, targets in _imports(package).items()
-        if module.removeprefix(f"{top}.") in SEAM
+        for module, targets in sorted(_all_imports(package).items())
+        if _layer(module) == "core" and _folder(module, top) != REDIS_MEDIUM
         for target in sorted(targets)
-        if target != top
-        and target.removeprefix(f"{top}.") not in SEAM[module.removeprefix(f"{top}.")]
+        if breaks_seam(_folder(module, top), target)
     ]
 
 
@@ -134,7 +162,7 @@ def test_no_import_circles() -> None:
     assert not _circles()
 
 
-def test_the_transfer_engine_reaches_a_medium_only_through_core_medium() -> None:
+def test_only_core_redis_speaks_redis_and_the_engine_sees_only_core_medium() -> None:
     assert not _seam_violations()
 
 
@@ -161,22 +189,35 @@ def test_the_checks_find_violations_planted_in_a_package(tmp_path: Path) -> None
 
 
 def test_the_seam_check_finds_an_engine_that_reaches_past_the_medium(tmp_path: Path) -> None:
-    """A transfer module that imports the store (relatively) or the wire code (inside a
-    function), and a medium module that imports the store, are each found."""
+    """A transfer module that imports the Redis store (relatively) or the wire code (inside a
+    function), a medium module that imports the store, a transfer module that imports redis-py,
+    and a core module outside core/redis that imports redis-py or core.redis, are each found."""
     package = tmp_path / "planted"
-    (package / "core").mkdir(parents=True)
+    for folder in ("core", "core/redis", "core/transfer"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
-    for name in ("__init__", "codec", "store", "fastpath"):
+    for name in ("codec", "redis/store", "redis/wire", "redis/client"):
         (package / "core" / f"{name}.py").write_text("")
-    (package / "core" / "medium.py").write_text("from planted.core.store import PutResult\n")
-    (package / "core" / "transfer.py").write_text(
-        "from . import codec, medium\n"
-        "from .store import RedisBlockStore\n"
-        "def f():\n    from planted.core import fastpath\n"
+    (package / "core" / "redis" / "client.py").write_text("import redis\n")  # allowed here
+    (package / "core" / "medium.py").write_text("from planted.core.redis.store import PutResult\n")
+    (package / "core" / "transfer" / "engine.py").write_text(
+        "from .. import codec, medium\n"
+        "from ..redis.store import RedisBlockStore\n"
+        "def f():\n    from planted.core.redis import wire\n"
     )
+    (package / "core" / "transfer" / "jobs.py").write_text("import redis\n")
+    (package / "core" / "keys.py").write_text("from redis.exceptions import RedisError\n")
+    (package / "core" / "codec.py").write_text("from planted.core.redis import client\n")
 
     assert sorted(_seam_violations(package)) == [
-        "planted.core.medium -> planted.core.store",
-        "planted.core.transfer -> planted.core.fastpath",
-        "planted.core.transfer -> planted.core.store",
+        "planted.core.codec -> planted.core.redis",
+        "planted.core.codec -> planted.core.redis.client",
+        "planted.core.keys -> redis.exceptions",
+        "planted.core.keys -> redis.exceptions.RedisError",
+        "planted.core.medium -> planted.core.redis.store",
+        "planted.core.transfer.engine -> planted.core.redis",
+        "planted.core.transfer.engine -> planted.core.redis.store",
+        "planted.core.transfer.engine -> planted.core.redis.wire",
+        "planted.core.transfer.jobs -> redis",
     ]

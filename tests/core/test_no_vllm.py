@@ -37,8 +37,10 @@ for name in sys.argv[2:]:
     importlib.import_module(name)
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import ChunkTransfer, LayerSource, TransferEngine, ValueFormat
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.transfer.engine import TransferEngine
+from hma_redis.core.transfer.jobs import ChunkTransfer, ValueFormat
+from hma_redis.core.transfer.pages import LayerSource
 
 pages = [torch.randint(-128, 128, (8, 256), dtype=torch.int8) for _ in range(2)]
 store = RedisBlockStore(RedisTierConfig(url=sys.argv[1]))
@@ -68,11 +70,12 @@ print("core without vLLM: ok")
 
 
 def _core_modules() -> list[str]:
-    """Every module of hma_redis.core (Python modules; a native extension is one too)."""
+    """Every module of hma_redis.core and its folders (Python modules; a native extension is
+    one too)."""
     return [
-        f"hma_redis.core.{info.name}"
-        for info in pkgutil.iter_modules(hma_redis.core.__path__)
-        if not info.name.startswith("_")
+        info.name
+        for info in pkgutil.walk_packages(hma_redis.core.__path__, "hma_redis.core.")
+        if not info.name.rsplit(".", 1)[1].startswith("_")
     ]
 
 
@@ -96,7 +99,7 @@ def test_the_blocker_blocks_vllm() -> None:
 
 def test_every_core_module_imports_and_moves_pages_without_vllm(redis_url: str) -> None:
     modules = _core_modules()
-    assert {"config", "keys", "codec", "client", "fastpath", "store", "transfer"} <= {
+    assert {"config", "keys", "codec", "client", "wire", "store", "engine"} <= {
         m.rsplit(".", 1)[1] for m in modules
     }
     proc = _without_vllm(_ROUND_TRIP, redis_url, *modules)

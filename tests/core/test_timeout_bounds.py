@@ -14,7 +14,7 @@ import pytest
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.deadline import MAX_READ_TIMEOUT_S, MAX_WAIT_S, MIN_WAIT_S, budget_s
-from hma_redis.core.fastpath import NATIVE_ENV
+from hma_redis.core.redis.wire import NATIVE_ENV
 from tests.support.kv_pages import DST, SRC, chunks, make_pages, store_at
 
 PATHS = ["native", "python"]

@@ -21,15 +21,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from hma_redis.core.fastpath import NATIVE_ENV
+from hma_redis.core.redis.wire import NATIVE_ENV
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
-from tests.support.engine_runner import (
-    EngineRun,
-    make_prompts,
-    run_engine,
-    shared_prefix_prompts,
-)
+from tests.support.engine_runner import EngineRun, make_prompts, run_engine, shared_prefix_prompts
 from tests.support.tier import tier_config
 
 pytestmark = pytest.mark.engine

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
+from hma_redis.core.transfer.engine import TEST_LOAD_DELAY_ENV
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.engine.test_corruption import nan_payload, random_middle_half

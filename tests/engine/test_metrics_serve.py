@@ -31,7 +31,7 @@ import redis
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata
 
 from hma_redis.adapter.metrics import RedisMetricName, metric_definitions
-from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
+from hma_redis.core.transfer.engine import TEST_LOAD_DELAY_ENV
 from hma_redis.tools.demo.openai_example import VllmServer, fetch_metrics_text, random_prompt
 from hma_redis.tools.devkit.tiny_models import MAX_POSITIONS, build_llama
 from tests.support.dashboard import dashboard_queries

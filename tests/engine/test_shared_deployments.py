@@ -1,6 +1,6 @@
 """Real vLLM engines share KV through a 3-master Redis Cluster and across a Sentinel failover,
-also when the master dies during a load
-(the store's own behaviour there: tests/core/test_cluster.py, tests/core/test_sentinel.py)."""
+also when the master dies during a load (the store's own behaviour there:
+tests/core/redis/test_cluster.py, tests/core/redis/test_sentinel.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from hma_redis.core.transfer import TEST_LOAD_DELAY_ENV
+from hma_redis.core.transfer.engine import TEST_LOAD_DELAY_ENV
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
 from tests.support.cluster_servers import (
     LocalCluster,

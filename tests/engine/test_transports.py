@@ -1,7 +1,7 @@
 """Real vLLM engines share KV over the README's other transports: TLS (``rediss://``, the
 Python data path: TLS stays in Python's ``ssl``) and a Unix socket (``unix://``, the native
 path), token-identical to an engine without the tier (the store's own behaviour there:
-tests/core/test_security.py, tests/core/test_transfer_paths.py; faults over both:
+tests/core/redis/test_security.py, tests/core/transfer/test_data_paths.py; faults over both:
 tests/engine/test_faults.py)."""
 
 from __future__ import annotations

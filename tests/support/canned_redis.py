@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from hma_redis.core import fastpath
+from hma_redis.core.redis import wire
 
 TIMEOUT_S = 5.0
 PATHS: dict[str, tuple[Callable[..., list[Any]], Callable[..., list[Any]]]] = {
-    "native": (fastpath.native_load_values, fastpath.native_store_values),
-    "python": (fastpath.python_load_values, fastpath.python_store_values),
+    "native": (wire.native_load_values, wire.native_store_values),
+    "python": (wire.python_load_values, wire.python_store_values),
 }
 # What a job may raise on a bad reply or bad arguments (the same type on both paths).
 JOB_ERRORS = (ConnectionError, TimeoutError, OSError, ValueError, TypeError)

@@ -12,7 +12,7 @@ from typing import Any
 from hma_redis.core import codec
 from hma_redis.core.keys import GroupLayout, KeySpace, NamespaceFingerprint, RedisKey
 from hma_redis.core.medium import PutResult
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 
 PAGE_BYTES = (1024, 1024)
 FINGERPRINT = NamespaceFingerprint(

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 import redis
 
-from hma_redis.core.fastpath import NATIVE_ENV
+from hma_redis.core.redis.wire import NATIVE_ENV
 from hma_redis.tools.devkit.engine import kv_transfer_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama

@@ -18,16 +18,16 @@ import torch
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import (
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.transfer.engine import TransferEngine
+from hma_redis.core.transfer.jobs import (
     ChunkTransfer,
     JobChunks,
     JobResult,
-    LayerSource,
-    TransferEngine,
     ValueFormat,
     group_chunks,
 )
+from hma_redis.core.transfer.pages import LayerSource
 
 NUM_BLOCKS = 40
 BPC = 4  # blocks per chunk

@@ -24,7 +24,7 @@ import redis
 from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace, RedisKey
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.cli.main import main
 from hma_redis.tools.cli.schemas import SCHEMAS
 from hma_redis.tools.cli.schemas import markdown as schema_markdown

@@ -14,7 +14,7 @@ import redis
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.cli.main import main
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from tests.support.cli_run import FINGERPRINT, Run, assert_one_line_error, write_blocks

@@ -21,7 +21,7 @@ from redis.crc import key_slot
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.cli.main import main
 from tests.support.cli_run import FINGERPRINT, Run, assert_one_line_error, run_script, write_blocks
 from tests.support.cluster_servers import (

@@ -12,7 +12,7 @@ import redis
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace, RedisKey
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from tests.support.cli_run import FINGERPRINT, write_blocks
 
 NS = FINGERPRINT.namespace_id()  # two groups of 256 tokens per chunk

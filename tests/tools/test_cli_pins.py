@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 import redis
 
-from hma_redis.core import pins
 from hma_redis.core.keys import KeySpace
+from hma_redis.core.redis import pins
 from hma_redis.tools.cli.schemas import SCHEMAS
 from tests.support.cli_run import Run
 

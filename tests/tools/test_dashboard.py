@@ -21,8 +21,8 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics, WorkerMetrics
 from hma_redis.adapter.types import ManagerStats
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.memory import TierMemory
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.memory import TierMemory
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.tiny_models import build_llama
 from tests.support.dashboard import DASHBOARD, Query, dashboard_queries
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from hma_redis.core.breaker import MISSING_PASSWORD
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.redis.breaker import MISSING_PASSWORD
 from hma_redis.tools.demo import openai_example
 from hma_redis.tools.demo.demo import DEFAULT_PROMPT_TOKENS, PromptRun, report
 from hma_redis.tools.demo.openai_example import VllmServer

@@ -48,12 +48,14 @@ from hma_redis.adapter.spec import (
     lookup_manager,
 )
 from hma_redis.adapter.tiering.layout import PrimaryRowLayout
-from hma_redis.core import transfer
 from hma_redis.core.config import VLLM_OWNED_KEYS, RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.pins import PIN_PARAM
-from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import ChunkTransfer, LayerSource, TransferEngine, ValueFormat
+from hma_redis.core.redis.pins import PIN_PARAM
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.transfer import engine as transfer
+from hma_redis.core.transfer.engine import TransferEngine
+from hma_redis.core.transfer.jobs import ChunkTransfer, ValueFormat
+from hma_redis.core.transfer.pages import LayerSource
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -77,7 +79,7 @@ _REFUSED_OPTIONS = VLLM_OWNED_KEYS | {
 
 
 @dataclass
-class _Job:
+class Job:
     """A job of the tiering manager this tier runs (or ran) on the engine."""
 
     keys: list[OffloadKey]
@@ -139,7 +141,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._announce()
         self._lookups = lookup_manager(offloading_spec, self._store, self.keyspace, self.config)
         self._engine: TransferEngine | None = self._make_engine(primary_kv_view)
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         self._done: list[JobResult] = []
         self._warned_pin = False
 
@@ -209,7 +211,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         prepared = self._lookups.prepare_store(keys, job_metadata.req_context)
         stored = list(prepared.keys_to_store) if prepared is not None else []
         rows = dict(zip(keys, _row_ids(job_metadata.chunk_ids), strict=True))
-        self._jobs[job_metadata.job_id] = _Job(keys, job_metadata.req_context, False, stored)
+        self._jobs[job_metadata.job_id] = Job(keys, job_metadata.req_context, False, stored)
         self.engine.submit_store(
             job_metadata.job_id, self._chunks(stored, [rows[k] for k in stored])
         )
@@ -218,7 +220,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         """Promotion: get, validate and write the chunks into their primary rows."""
         keys = list(job_metadata.keys)
         self._lookups.prepare_load(keys, job_metadata.req_context)
-        self._jobs[job_metadata.job_id] = _Job(keys, job_metadata.req_context, True, [])
+        self._jobs[job_metadata.job_id] = Job(keys, job_metadata.req_context, True, [])
         self.engine.submit_load(
             job_metadata.job_id, self._chunks(keys, _row_ids(job_metadata.chunk_ids))
         )
@@ -250,7 +252,7 @@ class RedisSecondaryTier(SecondaryTierManager):
             if job is not None:
                 self._done.append(self._finish(result, job))
 
-    def _finish(self, result: transfer.JobResult, job: _Job) -> JobResult:
+    def _finish(self, result: transfer.JobResult, job: Job) -> JobResult:
         if not job.is_promotion:
             self._lookups.complete_store(job.stored, job.req_context, success=True)
             return JobResult(

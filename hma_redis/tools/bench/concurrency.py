@@ -8,7 +8,7 @@ as one finishes, until ``jobs`` jobs have run, alternating load and store (half 
 moves ``job_bytes`` of KV in values of the size (8 MiB: 16 values of 512 KiB or 4 of 2 MiB).
 
 - **hma_redis**: one :class:`~hma_redis.adapter.worker.RedisOffloadingWorker` (so one
-  :class:`~hma_redis.core.transfer.TransferEngine`, its default threads) per value size, on a
+  :class:`~hma_redis.core.transfer.engine.TransferEngine`, its default threads) per value size, on a
   CPU KV cache of ``LAYERS`` x ``(num_blocks, PAGE_BYTES)`` int8. A store job sends the pages
   of random blocks of a 16-job source region under fresh keys; a load job reads one of 16 jobs'
   worth of values stored before the loop (untimed) into the blocks of its own slot.
@@ -237,7 +237,7 @@ class HmaConcurrency:
 
     def __init__(self, cfg: RedisTierConfig, plan: ConcurrencyPlan, namespace: str) -> None:
 
-        from hma_redis.core.store import RedisBlockStore
+        from hma_redis.core.redis.store import RedisBlockStore
 
         self.plan = plan
         self.cfg = dataclasses.replace(cfg, read_timeout_s=60.0)

@@ -1,5 +1,6 @@
-"""Benchmark of :class:`~hma_redis.core.store.RedisBlockStore` against ``redis-benchmark``, in one
-run (``hma-redis bench`` runs the whole-tier benchmark, :mod:`hma_redis.tools.bench.tier`).
+"""Benchmark of :class:`~hma_redis.core.redis.store.RedisBlockStore` against
+``redis-benchmark``, in one run (``hma-redis bench`` runs the whole-tier benchmark,
+:mod:`hma_redis.tools.bench.tier`).
 
 Run ``python benchmarks/store_bench.py`` (under a minute), ``--quick`` (about ten seconds) or
 ``--smoke`` (a few seconds: checks what it measures). Without ``--url`` it starts its own
@@ -26,7 +27,7 @@ from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace, RedisKey
 from hma_redis.core.medium import PutResult
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.bench.common import (
     GB,
     MIB,

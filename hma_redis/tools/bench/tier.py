@@ -43,7 +43,7 @@ loads and stores mixed, against LMCache's ``resp://`` client doing the same
 (:mod:`hma_redis.tools.bench.concurrency`).
 
 Then lookups for a 32k-token prompt over 3 KV groups (256 chunks of 128 tokens each, half of them
-present): one ``PING``, one :meth:`~hma_redis.core.store.RedisBlockStore.exists` of the 768
+present): one ``PING``, one :meth:`~hma_redis.core.redis.store.RedisBlockStore.exists` of the 768
 keys, and one scheduler step of :class:`~hma_redis.adapter.manager.RedisOffloadingManager` (768
 ``lookup`` calls, ``on_schedule_end``, 768 ``lookup`` calls that now answer), each with its
 count of Redis round trips.
@@ -83,9 +83,9 @@ import numpy as np
 import redis
 import torch
 
-from hma_redis.core.client import tls_options
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
+from hma_redis.core.redis.client import tls_options
 from hma_redis.tools.bench.common import (
     GB,
     KIB,
@@ -329,7 +329,7 @@ class TierBench:
         check_values: bool = False,
     ) -> None:
 
-        from hma_redis.core.store import RedisBlockStore
+        from hma_redis.core.redis.store import RedisBlockStore
 
         self.plan = plan
         self.name = name

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hma_redis.core.config import PASSWORD_ENV, RedisTierConfig, strip_userinfo
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.bench.common import MIB, OffloadKeys, Samples, check
 
 NAME = "hma-tiering"

@@ -1,7 +1,7 @@
 """RedisAdmin: the Redis commands behind the ``hma-redis`` CLI (inspection and cleanup).
 
-It connects with the tier's own client (:func:`hma_redis.core.client.make_client`: same timeouts,
-credentials and TLS) and sees the deployment as the tier does:
+It connects with the tier's own client (:func:`hma_redis.core.redis.client.make_client`: same
+timeouts, credentials and TLS) and sees the deployment as the tier does:
 
 * one server (``redis://``, ``rediss://``, ``unix://``): one node;
 * Redis Cluster (``redis+cluster://``): every master of the cluster's slot map. Node-wide
@@ -30,20 +30,14 @@ from typing import Any, NamedTuple
 import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import (
-    AskError,
-    NoPermissionError,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
+from redis.exceptions import AskError, NoPermissionError, RedisError, ResponseError, TryAgainError
 from redis.sentinel import SentinelConnectionPool
 
-from hma_redis.core import pins as pin_set
-from hma_redis.core.client import make_client
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import KeySpace, parse_block_key
-from hma_redis.core.memory import MemoryRefused, NodeMemory, TierMemory, node_memory
+from hma_redis.core.redis import pins as pin_set
+from hma_redis.core.redis.client import make_client
+from hma_redis.core.redis.memory import MemoryRefused, NodeMemory, TierMemory, node_memory
 
 # Keys per pipelined batch (SCAN COUNT hint, per-key commands, UNLINK arguments): large enough
 # to amortise round trips, small enough that no single command blocks Redis noticeably.

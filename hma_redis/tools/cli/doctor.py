@@ -17,11 +17,11 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
-from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import parse_block_key
-from hma_redis.core.memory import NodeMemory
-from hma_redis.core.notifications import NEEDED_FLAGS, missing_flags
+from hma_redis.core.redis.breaker import MISSING_PASSWORD, needs_password
+from hma_redis.core.redis.memory import NodeMemory
+from hma_redis.core.redis.notifications import NEEDED_FLAGS, missing_flags
 from hma_redis.tools.cli.admin import CLUSTER_SLOTS, GroupOrphans, NodeAdmin, RedisAdmin
 from hma_redis.tools.cli.text import ACL_HINT, memory_text, redis_error_message, scrub
 

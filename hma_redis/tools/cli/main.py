@@ -47,7 +47,7 @@ from hma_redis.core.codec import (
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.counters import FIELDS as COUNTER_FIELDS
 from hma_redis.core.keys import parse_block_key
-from hma_redis.core.memory import MemoryRefused, TierMemory
+from hma_redis.core.redis.memory import MemoryRefused, TierMemory
 from hma_redis.tools.cli.admin import (
     GroupOrphans,
     GroupUsage,
@@ -63,14 +63,7 @@ from hma_redis.tools.cli.doctor import (
     doctor_checks,
     intersection_orphans,
 )
-from hma_redis.tools.cli.text import (
-    memory_text,
-    printable,
-    redis_error_message,
-    scrub,
-    size,
-    table,
-)
+from hma_redis.tools.cli.text import memory_text, printable, redis_error_message, scrub, size, table
 
 PROG = "hma-redis"
 PASSWORD_ENV = "HMA_REDIS_PASSWORD"

@@ -10,8 +10,8 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from hma_redis.core.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.core.config import EndpointKind, RedisTierConfig
+from hma_redis.core.redis.breaker import MISSING_PASSWORD, needs_password
 from hma_redis.tools.cli.admin import NodeError
 
 # Where an operator finds the ACL the CLI's Redis user needs.

@@ -35,7 +35,7 @@ from typing import IO, Any
 from redis.exceptions import RedisError
 
 from hma_redis.core.config import RedisTierConfig, redact_url
-from hma_redis.core.store import RedisBlockStore
+from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.engine import (
     EngineProcessError,
     ProcessOutput,

@@ -36,7 +36,7 @@ import redis
 import torch
 
 import hma_redis
-from hma_redis.core import fastpath
+from hma_redis.core.redis import wire
 from hma_redis.tools.gpu import measure
 from hma_redis.tools.gpu.kvcache import LLAMA3_8B, SMALL, KVCache, KVShape
 from hma_redis.tools.gpu.measure import Budget, CheckError, Labels, Rig, Row, Target
@@ -315,7 +315,7 @@ def report(
         f"jobs: {plan.job_blocks} blocks ({plan.job_blocks * plan.shape.block_bytes / 2**20:g} "
         f"MiB of KV); GB/s = KV bytes / (submit -> done), 1e9 bytes; connections per job: "
         f"{conns}",
-        f"hma_redis from {os.path.dirname(hma_redis.__file__)}; extension: {fastpath.describe()}",
+        f"hma_redis from {os.path.dirname(hma_redis.__file__)}; extension: {wire.describe()}",
         *(f"data path ({name}): {path}" for name, path in results.data_paths.items()),
         "",
     ]

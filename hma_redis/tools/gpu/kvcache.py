@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.transfer import ChunkTransfer, LayerSource, group_chunks
+from hma_redis.core.transfer.jobs import ChunkTransfer, group_chunks
+from hma_redis.core.transfer.pages import LayerSource
 
 
 @dataclass(frozen=True)

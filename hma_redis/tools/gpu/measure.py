@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from hma_redis.core import codec
-from hma_redis.core.client import make_client
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.store import RedisBlockStore
-from hma_redis.core.transfer import ChunkTransfer, JobResult, TransferEngine, ValueFormat
+from hma_redis.core.redis.client import make_client
+from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.transfer.engine import TransferEngine
+from hma_redis.core.transfer.jobs import ChunkTransfer, JobResult, ValueFormat
 from hma_redis.tools.gpu.kvcache import KVCache, job_chunks, pick_blocks
 
 GB = 1e9
