@@ -2,7 +2,8 @@
 
 :func:`doctor_checks` judges the client's setup, the deployment (sentinels, cluster masters) and
 every server in turn; each verdict is a :class:`Check`. Every Redis command goes through
-:class:`~hma_redis.tools.cli.admin.RedisAdmin`; printing is :mod:`hma_redis.tools.cli.main`'s.
+:class:`~hma_redis.tools.cli.admin.RedisAdmin`; printing is
+:mod:`hma_redis.tools.cli.commands.doctor`'s.
 """
 
 from __future__ import annotations
