@@ -67,7 +67,7 @@ class Rig:
     """One transfer engine on one data path over CPU KV tensors."""
 
     def __init__(self, url: str, native: bool, job_mib: int, value_mib: int) -> None:
-        self.store = RedisBlockStore(RedisTierConfig(url=url))
+        self.store = RedisBlockStore(RedisTierConfig(url=url), native=native)
         self.bpc = value_mib * MIB // (LAYERS * PAGE)
         self.blocks = job_mib * MIB // (LAYERS * PAGE) // self.bpc * self.bpc
         gen = torch.Generator().manual_seed(1)
@@ -80,7 +80,6 @@ class Rig:
             [[LayerSource.of(t, PAGE) for t in self.tensors]],
             ValueFormat(kv_dtype="int8"),
             blocks_per_chunk=self.bpc,
-            native=native,
         )
         keys = KeySpace("hma", f"gil-bench-{'native' if native else 'python'}")
         self.keys = [

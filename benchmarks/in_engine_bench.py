@@ -249,6 +249,7 @@ def standalone_load_gbps(url: str, sample: Round, plan: Plan, tier: dict[str, An
         blocks_per_chunk=bpc,
         io_threads=store.cfg.io_threads,
         max_inflight_bytes=store.cfg.max_inflight_bytes,
+        connections_per_job=store.cfg.connections_per_job,
     )
     keyspace = KeySpace("hma", f"standalone-{os.getpid()}")
 

@@ -59,12 +59,11 @@ class RedisOffloadingWorker(OffloadingWorker):
         auth_key: bytes | None = None,
         kv_cache_layout: str = "",
         connections_per_job: int | None = None,
-        native: bool | None = None,
         idle_wait_s: float = 0.0,
     ) -> None:
-        """``connections_per_job`` (default: the store's config) and ``native`` (None: where
-        it can run) choose the transfer engine's data path (:class:`TransferEngine`);
-        ``idle_wait_s`` bounds :meth:`wait_while_idle`."""
+        """``connections_per_job`` (default: the store's config) splits each job over that
+        many threads (:class:`TransferEngine`; the data path is the store's, chosen when it
+        was built); ``idle_wait_s`` bounds :meth:`wait_while_idle`."""
         self._store = store
         self._idle_wait_s = idle_wait_s
         self._keyspace = keyspace
@@ -80,8 +79,7 @@ class RedisOffloadingWorker(OffloadingWorker):
             io_threads=io_threads,
             max_inflight_bytes=max_inflight_bytes,
             shutdown_timeout_s=shutdown_timeout_s,
-            connections_per_job=connections_per_job,
-            native=native,
+            connections_per_job=connections_per_job or store.cfg.connections_per_job,
         )
         # Load jobs whose failure get_finished has returned, until take_failed_load_jobs.
         # Both run on the worker's step thread (the connector's get_transfer_results).

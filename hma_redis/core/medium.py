@@ -17,22 +17,27 @@ judge them beyond what :class:`LoadTarget` says.
 
 from __future__ import annotations
 
+import logging
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.deadline import Deadline
 from hma_redis.core.latency import Operation
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "BlockStore",
-    "JobParts",
+    "JobT",
     "Landed",
     "LoadResult",
     "LoadStatus",
     "LoadTarget",
+    "MediumJob",
     "PageLayout",
     "Pages",
     "PutResult",
@@ -174,42 +179,44 @@ class PutResult(Enum):
     FAILED = "failed"  # not written (medium down, full, refused, deadline passed, ...)
 
 
-class JobParts(Protocol):
-    """The parts of one job, run at once on several connections and threads, reported to the
-    medium's health (its circuit breaker) as one outcome (:meth:`BlockStore.job_outcome`)."""
+class MediumJob(ABC):
+    """One transfer job as its medium sees it: made by :meth:`BlockStore.start_job` when the
+    job starts running, handed to each of the job's value calls, settled once after the last.
 
+    ``deadline``: when every call of the job must have ended. The job's calls (its parts, run
+    at once on several threads, and its batches) reach the medium's health as one outcome: the
+    job is let through or not as a whole, once one of its calls met an outage the later ones
+    fail without being sent, and :meth:`settle` reports the outcome once."""
+
+    deadline: Deadline
+
+    @abstractmethod
     def settle(self) -> None:
-        """Report the job's outcome; called once, after every part has returned."""
-        ...
+        """Report the job's outcome; called once, after every call of the job has returned."""
 
 
-class BlockStore(Protocol):
-    """What the transfer engine needs from a medium. Thread safe: the engine calls it from
-    its load, store and connection threads at once."""
+JobT = TypeVar("JobT", bound=MediumJob)
 
-    @property
-    def counters(self) -> PendingCounters:
-        """The namespace's counters; the engine adds its chunk and byte counts here."""
-        ...
 
-    @property
-    def read_timeout_s(self) -> float:
-        """Seconds one wait on the medium may take: a job's deadline is
-        :func:`hma_redis.core.deadline.budget_s` of this and the job's bytes."""
-        ...
+class BlockStore(ABC, Generic[JobT]):
+    """What the transfer engine needs from a medium: four verbs (:meth:`exists`,
+    :meth:`load_values`, :meth:`put_values`, :meth:`delete`), the job they run in
+    (:meth:`start_job`) and the counters the engine adds to; the rest are hooks with no-op
+    defaults. Thread safe: the engine calls it from its load, store and part threads at once.
 
-    @property
-    def connections_per_job(self) -> int:
-        """How many parts (threads) a job's chunks are split over when the engine is not
-        told."""
-        ...
+    The data path a medium runs is chosen once, when it is built; the engine asks only whether
+    loads may land in the KV cache's pages (:attr:`lands_in_place`) and passes no medium knob."""
 
-    @property
-    def connections_per_thread(self) -> int:
-        """How many connections one part's call (:meth:`load_values`, :meth:`put_values`)
-        spreads its values over at most."""
-        ...
+    #: The namespace's counters (set by the medium); the engine adds its chunk and byte counts.
+    counters: PendingCounters
 
+    @abstractmethod
+    def start_job(self, nbytes: int, since: float) -> JobT:
+        """The job of value calls moving ``nbytes`` in all, submitted at ``since``
+        (:func:`time.monotonic`): its deadline is the medium's own bound on two round trips
+        moving those bytes, counted from ``since``."""
+
+    @abstractmethod
     def exists(
         self,
         keys: Sequence[str],
@@ -218,20 +225,10 @@ class BlockStore(Protocol):
     ) -> list[bool]:
         """Which of ``keys`` exist, in key order; all ``False`` when the medium fails or
         ``deadline`` passes. ``operation``: what the call's time is a sample of."""
-        ...
 
-    def delete(self, keys: Sequence[str]) -> int:
-        """Remove ``keys`` (values that failed validation: puts never replace a value); how
-        many were removed, 0 when the medium fails."""
-        ...
-
+    @abstractmethod
     def load_values(
-        self,
-        keys: Sequence[str],
-        targets: Sequence[LoadTarget],
-        deadline: Deadline | None = None,
-        outcome: JobParts | None = None,
-        native: bool = True,
+        self, keys: Sequence[str], targets: Sequence[LoadTarget], job: JobT
     ) -> list[LoadResult] | None:
         """Fetch every key's value into ``targets[i]``, one :class:`LoadResult` per key in key
         order. Writes only into the memory the targets name (head, dests, staging), and only
@@ -239,55 +236,49 @@ class BlockStore(Protocol):
         ``expected_prefix``, the prefix: the MAC and a staged value are the caller's to judge.
         None when the medium failed or is off (every value is then a miss); the targets'
         memory may have been written all the same, the call returns only once nothing writes
-        to it any more. Ends by ``deadline``. ``outcome``: this call is one part of a job
-        (:meth:`job_outcome`). ``native``: False runs the portable path."""
-        ...
+        to it any more. Ends by the job's deadline."""
 
+    @abstractmethod
     def put_values(
         self,
         keys: Sequence[str],
         heads: Sequence[Any],
         bodies: Sequence[Sequence[Any] | Pages],
-        *,
-        deadline: Deadline | None = None,
-        outcome: JobParts | None = None,
-        native: bool = True,
+        job: JobT,
     ) -> list[PutResult]:
         """Store ``heads[i]`` followed by ``bodies[i]`` (buffers, or :class:`Pages`) under
         ``keys[i]`` unless the key exists, whole or not at all; one :class:`PutResult` per
-        key in key order, FAILED when the medium fails or ``deadline`` passes (never raises
-        for that). Each head is the codec's prefix and header with every field filled but the
-        CRC32C, which this call computes over header and body and writes into the head. Reads
-        the bodies in place until it returns. ``outcome`` and ``native`` as
-        :meth:`load_values`."""
-        ...
+        key in key order, FAILED when the medium fails or the job's deadline passes (never
+        raises for that). Each head is the codec's prefix and header with every field filled
+        but the CRC32C, which this call computes over header and body and writes into the
+        head. Reads the bodies in place until it returns."""
 
-    def job_outcome(self) -> JobParts:
-        """One outcome for a job whose parts call :meth:`load_values` / :meth:`put_values` at
-        once: the job is let through or not as a whole (a medium that is off fails every
-        part), and :meth:`JobParts.settle` reports it once."""
-        ...
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove ``keys`` (values that failed validation: puts never replace a value); how
+        many were removed, 0 when the medium fails."""
 
-    def native_unavailable_reason(self) -> str | None:
-        """Why value calls cannot take the native path (the C job: GIL released, values may
-        land in the KV cache's pages in place), or None when they can."""
-        ...
+    # ------------------------------------------------------------------ hooks
 
-    def describe(self, native: bool) -> str:
-        """The data path value calls take with ``native``, for the engine's start-up line:
-        e.g. ``native, GIL released (CRC32C by SSE4.2)`` or ``pure Python``."""
-        ...
+    @property
+    def lands_in_place(self) -> bool:
+        """Whether :meth:`load_values` should receive bodies straight into the destinations
+        a :class:`LoadTarget` names (the engine then zeroes the pages of a load that fails);
+        False: the engine receives into buffers and copies once every value is valid."""
+        return False
+
+    def warm_up(self, parts: int) -> int:
+        """Open what ``parts`` value calls at once need, ahead of the first job (best effort,
+        never raises for the medium's failures); how many connections are then open."""
+        return 0
+
+    def flush(self) -> None:
+        """Deliver the counters now (at shutdown); kept for later when the medium fails."""
+
+    def describe(self) -> str:
+        """The data path value calls take, for the engine's start-up line."""
+        return type(self).__name__
 
     def announce(self, line: str) -> None:
-        """Log the engine's start-up ``line`` about the data path at INFO (the medium's own
-        line at first use is then left out)."""
-        ...
-
-    def warm_bulk(self, connections: int) -> int:
-        """Open up to ``connections`` connections for value calls ahead of the first job; best
-        effort (never raises for the medium's failures). How many are open."""
-        ...
-
-    def flush_counters(self) -> None:
-        """Deliver the counters now (at shutdown); kept for later when the medium fails."""
-        ...
+        """Log the engine's start-up ``line`` about the data path (INFO by default)."""
+        logger.info("%s", line)

@@ -42,8 +42,9 @@ from tests.support.kv_pages import as_before_or_cleared
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-def _store(url: str) -> RedisBlockStore:
-    return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
+def _store(url: str, native: bool | None = None) -> RedisBlockStore:
+    cfg = RedisTierConfig.from_extra_config({"redis_url": url}, env={})
+    return RedisBlockStore(cfg, native=native)
 
 
 def _key(n: int, group: int = 0) -> OffloadKey:
@@ -205,7 +206,7 @@ def _worker(url: str, native: bool | None = None) -> Iterator[RedisOffloadingWor
         tensors=[CanonicalKVCacheTensor(t, PAGE) for t in tensors],
         group_data_refs=[[CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]],
     )
-    store = _store(url)
+    store = _store(url, native=native)
     w = RedisOffloadingWorker(
         store=store,
         keyspace=KeySpace("hma", "behave-worker"),
@@ -217,7 +218,6 @@ def _worker(url: str, native: bool | None = None) -> Iterator[RedisOffloadingWor
         io_threads=2,
         max_inflight_bytes=1 << 22,
         shutdown_timeout_s=1.0,
-        native=native,
     )
     w.tensors = tensors  # type: ignore[attr-defined]
     w.counters = store.counters  # type: ignore[attr-defined]

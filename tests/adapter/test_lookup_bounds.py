@@ -1,6 +1,6 @@
 """The scheduler side's calls end by their deadline and hold a bounded number of bytes, against
 scripted servers over real sockets: a server that drips its handshake holds the connection
-warm-ups (``warm_lookups``, ``warm_bulk``) and the lookups queued behind them no longer than a
+warm-ups (``warm_lookups``, ``warm_up``) and the lookups queued behind them no longer than a
 call's deadline (2 x ``read_timeout_s``), not dozens of read timeouts; a lookup reply line that
 never ends is refused after 64 KiB (as the data paths refuse one), at once, instead of being
 buffered until the deadline."""
@@ -108,13 +108,13 @@ def _seconds(call: Callable[[], object], limit_s: float) -> float:
     return time.monotonic() - started
 
 
-@pytest.mark.parametrize("warm", ["warm_lookups", "warm_bulk"])
+@pytest.mark.parametrize("warm", ["warm_lookups", "warm_up"])
 def test_a_warm_up_against_a_dripping_handshake_ends_by_its_deadline(
     drip: DripServer, warm: str
 ) -> None:
     store = _store(drip.url)
     try:
-        call = store.warm_lookups if warm == "warm_lookups" else lambda: store.warm_bulk(4)
+        call = store.warm_lookups if warm == "warm_lookups" else lambda: store.warm_up(4)
         assert _seconds(call, DEADLINE_S + SLACK_S) >= DEADLINE_S * 0.9
     finally:
         store.close()

@@ -245,7 +245,7 @@ def test_hits_the_intersection_throws_away_are_counted_per_group(
     hit, usable = RedisMetricName.GROUP_HIT_CHUNKS, RedisMetricName.USABLE_HIT_CHUNKS
     assert reduced[f"{hit}:('g0',)"] == 4 and reduced[f"{hit}:('g1',)"] == 2
     assert reduced[f"{usable}:('g0',)"] == 2 and reduced[f"{usable}:('g1',)"] == 2
-    store.flush_counters()
+    store.flush()
     counters = redis_client.hgetall(keyspace.stats_key())
     assert counters[b"g0_hit_chunks"] == b"4" and counters[b"g0_usable_chunks"] == b"2"
     assert counters[b"g1_hit_chunks"] == b"2" and counters[b"g1_usable_chunks"] == b"2"

@@ -197,7 +197,7 @@ def test_the_worker_side_store_calls_degrade_on_replies_of_the_wrong_shape(
 
     def counters() -> None:
         store.counters.add(lookups=1)
-        store.flush_counters()
+        store.flush()
 
     degrading: list[Callable[[], object]] = [
         lambda: assert_equal(store.exists(keys, None, Operation.STORE), absent),
@@ -208,7 +208,7 @@ def test_the_worker_side_store_calls_degrade_on_replies_of_the_wrong_shape(
         ),
         lambda: assert_in(store.delete(keys), (0, len(keys))),
         counters,
-        lambda: store.warm_bulk(1),
+        lambda: store.warm_up(1),
         lambda: store.write_info("hma:shapes:info", {"model": "m"}),
         lambda: store.memory(),
         lambda: store.sweep_pins("hma:shapes:pins", 60),

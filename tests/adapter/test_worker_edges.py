@@ -133,9 +133,10 @@ def test_a_job_runs_over_the_configured_connections(
     that many threads on the native path, each on up to ``connections_per_thread``
     connections, as the start-up line says, and moves every page."""
     assert store.cfg.connections_per_job == 1
-    workers.append(worker := make_worker(store, connections_per_job=3, native=True))
-    want = f"; 3 thread(s) per job, up to {store.cfg.connections_per_thread} connection(s) each"
-    assert worker.data_path.endswith(want)
+    assert store.native
+    workers.append(worker := make_worker(store, connections_per_job=3))
+    lanes = f"up to {store.cfg.connections_per_thread} connection(s) per thread"
+    assert lanes in worker.data_path and worker.data_path.endswith("; 3 thread(s) per job")
     _store(worker, 1)
     assert _load(worker, 2)
     assert _moved(worker)
@@ -179,10 +180,10 @@ def paused_redis_worker(
 ) -> Iterator[Callable[..., RedisOffloadingWorker]]:
     """Workers (native path, buffered pages) on a private Redis that the test pauses."""
     made: list[RedisOffloadingWorker] = []
-    block_store = RedisBlockStore(RedisTierConfig(url=local_redis.url))
+    block_store = RedisBlockStore(RedisTierConfig(url=local_redis.url), native=True)
 
     def make(**options: Any) -> RedisOffloadingWorker:
-        made.append(worker := make_worker(block_store, strided=True, native=True, **options))
+        made.append(worker := make_worker(block_store, strided=True, **options))
         return worker
 
     yield make

@@ -28,7 +28,7 @@ def pages(
     (through buffers, as a GPU KV cache), on a flushed session Redis."""
     store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}))
     rig = make_pages(store, strided=request.param)
-    assert rig.engine.native == (path == "native")
+    assert rig.store.native == (path == "native")
     yield rig
     rig.close()
     store.close()

@@ -63,7 +63,7 @@ def test_a_job_at_the_longest_read_timeout_stores_and_loads_on_both_paths(
     store = store_at(redis_url, read_timeout_s=MAX_READ_TIMEOUT_S)
     rig = make_pages(store)
     try:
-        assert rig.engine.native == (path == "native"), rig.engine.data_path
+        assert rig.store.native == (path == "native"), rig.engine.data_path
         assert rig.store_job(1, chunks(SRC)).ok
         assert rig.load_job(2, chunks(DST)).ok
         assert rig.moved(SRC, DST)

@@ -9,8 +9,9 @@ blocks of its first chunk), then one whole chunk. The Redis keys are the adapter
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis.store import RedisBlockStore
-from hma_redis.core.transfer.engine import TransferEngine
+from hma_redis.core.transfer.engine import COUNTERS_EVERY_S, TransferEngine
 from hma_redis.core.transfer.jobs import (
     ChunkTransfer,
     JobChunks,
@@ -124,9 +125,25 @@ class Pages:
         self.engine.shutdown()
 
 
-def store_at(url: str, **options: Any) -> RedisBlockStore:
-    """A store on ``url`` with ``options`` (extra_config keys) and nothing from the environment."""
-    return RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url, **options}, env={}))
+def store_at(url: str, native: bool | None = None, **options: Any) -> RedisBlockStore:
+    """A store on ``url`` with ``options`` (extra_config keys) and nothing from the environment;
+    ``native`` as :class:`RedisBlockStore` takes it."""
+    cfg = RedisTierConfig.from_extra_config({"redis_url": url, **options}, env={})
+    return RedisBlockStore(cfg, native=native)
+
+
+@contextlib.contextmanager
+def on_path(store: RedisBlockStore, native: bool) -> Iterator[RedisBlockStore]:
+    """``store``'s value calls inside the block on the C job (``native``) or its pure-Python
+    twin, as a store built with that path runs them; its own path again after. For tests that
+    put one store's values through both paths (counters and breaker shared)."""
+    saved = store.native, store.native_reason
+    if not native:
+        store.native, store.native_reason = False, "the Python path was asked for"
+    try:
+        yield store
+    finally:
+        store.native, store.native_reason = saved
 
 
 def make_pages(
@@ -136,6 +153,7 @@ def make_pages(
     io_threads: int = 2,
     auth_key: bytes | None = None,
     partial_loads: bool = False,
+    counters_every_s: float = COUNTERS_EVERY_S,
 ) -> Pages:
     tensors = kv_tensors(strided)
     engine = TransferEngine(
@@ -146,7 +164,9 @@ def make_pages(
         io_threads=io_threads,
         max_inflight_bytes=max_inflight_bytes,
         shutdown_timeout_s=1.0,
+        connections_per_job=store.cfg.connections_per_job,
         partial_loads=partial_loads,
+        counters_every_s=counters_every_s,
     )
     return Pages(engine, tensors, store)
 

@@ -9,8 +9,9 @@ reconnects can be let through.
 
 ``byte_delay_s`` (applies at once, to every connection) makes it a slow server: replies are
 forwarded one byte at a time, that many seconds apart, so no single wait is long but the whole
-reply is. ``reply_delay_s`` (a pause before each piece of a reply is forwarded) also applies at
-once to every connection.
+reply is. ``reply_delay_s`` (a pause before each piece of a reply is forwarded) and
+``request_delay_s`` (the same for each piece of a request) also apply at once to every
+connection.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class BreakingProxy(LoopbackServer):
         self.mode: Literal["stall", "close"] = "stall"
         self.byte_delay_s: float | None = None
         self.reply_delay_s = 0.0
+        self.request_delay_s = 0.0
         self.connections = 0
         # Each upstream connection's local address as Redis's CLIENT LIST names it ("ip:port"),
         # so a test can tell this proxy's connections from any other client of the same server.
@@ -60,8 +62,9 @@ class BreakingProxy(LoopbackServer):
                 data = src.recv(65536 if limit is None else min(65536, limit - sent))
                 if not data:
                     break
-                if replies and self.reply_delay_s:
-                    time.sleep(self.reply_delay_s)
+                delay = self.reply_delay_s if replies else self.request_delay_s
+                if delay:
+                    time.sleep(delay)
                 self._forward(dst, data, replies)
                 sent += len(data)
         # Also when a socket failed: a server that closed a connection and then got a request on

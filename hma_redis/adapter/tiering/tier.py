@@ -184,6 +184,7 @@ class RedisSecondaryTier(SecondaryTierManager):
             io_threads=cfg.io_threads,
             max_inflight_bytes=cfg.max_inflight_bytes,
             shutdown_timeout_s=cfg.shutdown_timeout_s,
+            connections_per_job=cfg.connections_per_job,
             partial_loads=True,
         )
 

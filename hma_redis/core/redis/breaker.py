@@ -61,7 +61,7 @@ class CircuitBreaker:
             return True
 
     def job(self) -> JobOutcome:
-        """One outcome for the parts of a job, let through (or not) now as one call."""
+        """One outcome for the calls of a job, let through (or not) now as one call."""
         return JobOutcome(self, self.allow())
 
     def record_success(self) -> None:
@@ -90,18 +90,25 @@ class CircuitBreaker:
 
 
 class JobOutcome:
-    """The calls of one job's parts (on their own connections and threads), reported to the
-    breaker as one call: the job is let through or not once, at :meth:`CircuitBreaker.job`;
-    :meth:`settle`, once every part has finished, records one failure if any part met an
-    outage, else one success if any part got an answer. A part that succeeds thus never
-    closes the breaker while another part of its job is failing."""
+    """The calls of one job (its parts, on their own connections and threads, and its
+    batches), reported to the breaker as one call: the job is let through or not once, at
+    :meth:`CircuitBreaker.job`; once one of its calls met an outage, the later ones are not let
+    through (:attr:`allowed`); :meth:`settle`, once every call has finished, records one
+    failure if any call met an outage, else one success if any got an answer. A call that
+    succeeds thus never closes the breaker while another call of its job is failing."""
 
     def __init__(self, breaker: CircuitBreaker, allowed: bool) -> None:
         self._breaker = breaker
-        self.allowed = allowed
+        self._allowed = allowed
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
         self._answered = False
+
+    @property
+    def allowed(self) -> bool:
+        """Whether a call of the job may go to Redis: the job was let through and none of its
+        calls has met an outage yet."""
+        return self._allowed and self._failure is None
 
     def failed(self, exc: BaseException) -> None:
         with self._lock:

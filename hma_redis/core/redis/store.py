@@ -32,10 +32,10 @@ from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.latency import LatencySamples, Operation
 from hma_redis.core.medium import (
     BlockStore,
-    JobParts,
     LoadResult,
     LoadStatus,
     LoadTarget,
+    MediumJob,
     Pages,
     PutResult,
     body_bytes,
@@ -68,6 +68,7 @@ from hma_redis.core.redis.memory import (
 
 __all__ = [
     "RedisBlockStore",
+    "RedisJob",
     "RedisUnavailableError",
     "Sighting",
 ]
@@ -142,8 +143,24 @@ class RedisUnavailableError(ConnectionError):
     """Redis could not be reached at start-up (message carries the redacted URL)."""
 
 
-class RedisBlockStore:
+class RedisJob(MediumJob):
+    """A transfer job's value calls on Redis (:meth:`RedisBlockStore.start_job`): their
+    deadline and the breaker's one outcome for them."""
+
+    def __init__(self, deadline: Deadline, outcome: JobOutcome) -> None:
+        self.deadline = deadline
+        self.outcome = outcome
+
+    def settle(self) -> None:
+        self.outcome.settle()
+
+
+class RedisBlockStore(BlockStore[RedisJob]):
     """Batched, degradable access to block values and namespace metadata.
+
+    ``native``: the value calls' data path, chosen here once: None runs the C job wherever it
+    can serve the connections and its pure-Python twin elsewhere (:attr:`native` says which),
+    False the twin everywhere; True requires the C job (``ValueError`` where it cannot run).
 
     Thread safe: redis-py's pool hands each call its own connection, and the breaker is locked.
     """
@@ -154,8 +171,17 @@ class RedisBlockStore:
         client: RedisClient | None = None,
         stats_key: str | None = None,
         refusal_log_interval_s: float = REFUSAL_LOG_INTERVAL_S,
+        native: bool | None = None,
     ):
         self.cfg = cfg
+        reason = _native_unavailable_reason(cfg)
+        if native is False:
+            reason = "the Python path was asked for"
+        elif native and reason is not None:
+            raise ValueError(f"hma_redis: the native data path cannot run: {reason}")
+        #: Whether value calls run the C job (else its pure-Python twin); why not, if not.
+        self.native = reason is None
+        self.native_reason = reason
         # The connections of both pools carry this name (CLIENT LIST shows which are the
         # store's); a client handed in keeps its own (None here).
         self.client_name = new_client_name() if client is None else None
@@ -409,50 +435,36 @@ class RedisBlockStore:
 
     # ------------------------------------------------------------------ value jobs
 
-    def native_unavailable_reason(self) -> str | None:
-        """Why :meth:`load_values` / :meth:`put_values` cannot run the C job for this store
-        (they run its pure-Python twin then), or None.
-
-        The C job needs the built extension (not disabled by ``HMA_REDIS_NATIVE=0``) and plain
-        connections (standalone, unix socket, Sentinel's master, or each node of a Cluster):
-        TLS stays in Python's ``ssl``.
-        """
-        reason = wire.unavailable_reason()
-        if reason is not None:
-            return reason
-        if self.cfg.tls:
-            return "TLS connections stay in Python's ssl"
-        return None
-
-    def describe(self, native: bool) -> str:
-        """The data path of :meth:`load_values` / :meth:`put_values` with ``native``: the C
-        job and its CRC32C (instructions or a table), or the pure-Python twin."""
-        if not native:
-            return "pure Python"
-        crc = "SSE4.2" if wire.hardware_crc() else "a portable table"
-        return f"native, GIL released (CRC32C by {crc})"
+    def describe(self) -> str:
+        """The data path of :meth:`load_values` / :meth:`put_values`: the C job and its CRC32C
+        (instructions or a table), or the pure-Python twin and why; and how many connections
+        one call spreads its values over at most."""
+        if self.native:
+            crc = "SSE4.2" if wire.hardware_crc() else "a portable table"
+            which = f"native, GIL released (CRC32C by {crc})"
+        else:
+            which = f"pure Python ({self.native_reason})"
+        return f"{which}, up to {self.cfg.connections_per_thread} connection(s) per thread"
 
     def announce(self, line: str) -> None:
         """Log a transfer engine's ``line`` about the data path (:func:`wire.announce`)."""
         wire.announce(line)
 
     @property
-    def read_timeout_s(self) -> float:
-        """``read_timeout_s`` of the config: the longest wait on a socket."""
-        return self.cfg.read_timeout_s
+    def lands_in_place(self) -> bool:
+        """The C job receives a value's body straight into the pages its target names; the
+        twin can too, but only the C job is trusted to (see the transfer engine)."""
+        return self.native
 
-    @property
-    def connections_per_job(self) -> int:
-        """``connections_per_job`` of the config."""
-        return self.cfg.connections_per_job
+    def start_job(self, nbytes: int, since: float) -> RedisJob:
+        """A job of value calls moving ``nbytes``, submitted at ``since``: its deadline is
+        :func:`~hma_redis.core.deadline.budget_s` of those bytes over two round trips from
+        ``since``; the breaker lets it through (or not) now, as one call."""
+        seconds = budget_s(self.cfg.read_timeout_s, nbytes, round_trips=2)
+        return RedisJob(Deadline(since + seconds), self.breaker.job())
 
-    @property
-    def connections_per_thread(self) -> int:
-        """``connections_per_thread`` of the config."""
-        return self.cfg.connections_per_thread
-
-    def warm_bulk(self, connections: int) -> int:
-        """Open up to ``connections`` × ``connections_per_thread`` connections of the bulk pool
+    def warm_up(self, parts: int) -> int:
+        """Open up to ``parts`` × ``connections_per_thread`` connections of the bulk pool
         (of each Cluster primary's pool) ahead of the first job, so that a fresh engine's first
         load does not wait for them (connect, HELLO, AUTH, SELECT). Best effort, outside the
         breaker: an error stops it quietly and the jobs open what they need, as they always
@@ -460,39 +472,33 @@ class RedisBlockStore:
         (by :meth:`_deadline`: a server that drips its handshake holds it no longer), so
         whatever queues behind it waits at most that."""
         with bounded(self._deadline()):
-            return _warm(self._bulk, connections * self.cfg.connections_per_thread)
+            return _warm(self._bulk, parts * self.cfg.connections_per_thread)
 
     def warm_lookups(self) -> int:
-        """:meth:`warm_bulk` for the connection lookups use (one per pool)."""
+        """:meth:`warm_up` for the connection lookups use (one per pool)."""
         with bounded(self._deadline()):
             return _warm(self.client, 1)
 
     def load_values(
-        self,
-        keys: Sequence[str],
-        targets: Sequence[LoadTarget],
-        deadline: Deadline | None = None,
-        outcome: JobParts | None = None,
-        native: bool = True,
+        self, keys: Sequence[str], targets: Sequence[LoadTarget], job: RedisJob | None = None
     ) -> list[LoadResult] | None:
         """``GET`` every key into its target, the whole job in one call of
         :func:`wire.load_values` per connection (values land where the targets say,
         CRC32C computed as they arrive; nothing is validated beyond that): the C job with the
-        GIL released, or its pure-Python twin where the C job cannot serve the connection
-        (:meth:`native_unavailable_reason`) or ``native`` is False. Same bytes either way.
+        GIL released, or its pure-Python twin (:attr:`native`). Same bytes either way.
 
         On a Cluster the keys are grouped by the node that serves their slot, each group on a
         connection to that node; ASK is followed, MOVED is a refusal and refreshes the slot
         table (:meth:`_on_job_connections`). An error reply is a refusal (counted and logged;
         its result stays ``ERROR``) unless it is an outage. None when Redis failed (outage:
-        the breaker opens) or the breaker is open. Counters pending delivery go first on the
-        same connection, one round trip of their own. ``outcome``: this call is one part of a
-        job (see :meth:`job_outcome`).
+        the breaker opens) or the breaker is open. ``job``: the transfer job this call is a
+        part of (:meth:`start_job`); without one the call is a job of its own.
         """
         if not keys:
             return []
         commands = [_get_command(key) for key in keys]
-        within = self._deadline(sum(target.max_len for target in targets), deadline)
+        deadline, outcome = _of_job(job)
+        within = self._deadline(sum(t.max_len for t in targets), deadline)
         lanes = self._lanes(max((target.max_len for target in targets), default=0), len(keys))
 
         def body(sock: Any, idx: Sequence[int]) -> list[LoadResult]:
@@ -502,7 +508,7 @@ class RedisBlockStore:
                 [targets[i] for i in idx],
                 self.cfg.read_timeout_s,
                 budget_s=within.remaining(),
-                native=native,
+                native=self.native,
             )
 
         def load() -> list[LoadResult]:
@@ -512,17 +518,16 @@ class RedisBlockStore:
                     self._job_error("GET", result.error)
             return results
 
-        return self._guard("GET", load, None, within, _own(outcome), Operation.LOAD)
+        return self._guard("GET", load, None, within, outcome, Operation.LOAD)
 
     def put_values(
         self,
         keys: Sequence[str],
         heads: Sequence[Any],
         bodies: Sequence[Sequence[Any] | Pages],
+        job: RedisJob | None = None,
+        *,
         ttl_s: int | None = None,
-        deadline: Deadline | None = None,
-        outcome: JobParts | None = None,
-        native: bool = True,
     ) -> list[PutResult]:
         """``SET key value NX [EX ttl]`` for every key, in one call of
         :func:`wire.store_values` per connection: the C job with the GIL released, or its
@@ -531,8 +536,8 @@ class RedisBlockStore:
         A value is ``heads[i]`` (the codec's prefix and header, every field filled but the
         CRC32C, which is computed over header and body and written into the head here) then
         ``bodies[i]``'s pieces, sent in place (``sendmsg``; TLS piece by piece). Results as
-        :meth:`put_if_absent`. ``outcome``: this call is one part of a job (see
-        :meth:`job_outcome`).
+        :meth:`put_if_absent`. ``job`` as for :meth:`load_values`; ``ttl_s`` (default: the
+        config's) the values' TTL.
         """
         if not keys:
             return []
@@ -555,6 +560,7 @@ class RedisBlockStore:
             )
             values.append(wire.StoreValue(framing, head, body, tail))
 
+        deadline, outcome = _of_job(job)
         within = self._deadline(total, deadline)
         lanes = self._lanes(largest, len(keys))
 
@@ -564,21 +570,14 @@ class RedisBlockStore:
                 [values[i] for i in idx],
                 self.cfg.read_timeout_s,
                 budget_s=within.remaining(),
-                native=native,
+                native=self.native,
             )
 
         def store() -> list[PutResult]:
             return [self._store_result(r) for r in self._on_job_connections(keys, send, lanes)]
 
         default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", store, default, within, _own(outcome), Operation.STORE)
-
-    def job_outcome(self) -> JobOutcome:
-        """One breaker outcome for the parts of a job that run on several connections at once
-        (:meth:`load_values` / :meth:`put_values` with ``outcome``): the job is let through or
-        not as a whole now, and :meth:`JobOutcome.settle`, once every part has finished,
-        reports one failure if any part met an outage (else one success)."""
-        return self.breaker.job()
+        return self._guard("SET", store, default, within, outcome, Operation.STORE)
 
     def _job_error(self, command: str, error: str | None) -> None:
         """An error reply to one GET of a load job: a refusal (counted, logged)."""
@@ -701,7 +700,7 @@ class RedisBlockStore:
         raw = reply_shapes.parsed("HGETALL", lambda: self.client.hgetall(key))
         return reply_shapes.text_map("HGETALL", raw)
 
-    def flush_counters(self) -> None:
+    def flush(self) -> None:
         """Deliver pending counter deltas now (one round trip); kept for later if Redis fails
         (dropped if Redis refuses them: they would be refused again)."""
         pending = self.counters.take() if self.stats_key is not None else {}
@@ -855,7 +854,6 @@ class RedisBlockStore:
         for idx, key in enumerate(keys):
             node = self._bulk.get_node_from_key(key)
             by_node.setdefault(node.name, (node, []))[1].append(idx)
-        self._deliver_counters_to_cluster()
         out: list[_R | None] = [None] * len(keys)
         try:
             for node, positions in by_node.values():
@@ -865,7 +863,7 @@ class RedisBlockStore:
 
                 pool = self._bulk.get_redis_connection(node).connection_pool
                 on = min(lanes, len(positions))
-                results = self._on_job_connection(pool, run, counters=False, lanes=on)
+                results = self._on_job_connection(pool, run, lanes=on)
                 for idx, result in zip(positions, results, strict=True):
                     out[idx] = result
             self._follow_asks(out, body)  # type: ignore[arg-type,type-var]  # all filled
@@ -895,7 +893,7 @@ class RedisBlockStore:
             def again(socks: Any, at: int = idx) -> list[_R]:
                 return body(socks, [at])
 
-            (out[idx],) = self._on_job_connection(pool, again, counters=False, asking=True)
+            (out[idx],) = self._on_job_connection(pool, again, asking=True)
 
     def _ask_target(self, error: str | None) -> Any:
         """The node an ``ASK`` error reply names, or None (not an ASK, or an unknown node)."""
@@ -910,31 +908,18 @@ class RedisBlockStore:
             return None
         return self._bulk.get_node(host=host.strip("[]"), port=int(port))
 
-    def _deliver_counters_to_cluster(self) -> None:
-        """Pending counter deltas through the cluster client (the stats key's node), before
-        a value job on a Cluster; restored for later unless every reply arrived."""
-        pending = self.counters.take() if self.stats_key is not None else {}
-        if not pending:
-            return
-        try:
-            self._send_counters(self._bulk, pending)
-        except BaseException:
-            self.counters.restore(pending)
-            raise
-
     def _on_job_connection(
         self,
         pool: Any,
         body: Callable[[list[Any]], _T],
-        counters: bool = True,
         asking: bool = False,
         lanes: int = 1,
     ) -> _T:
         """Run ``body(sockets)`` on ``lanes`` connections of ``pool``, which nothing else reads
-        while it runs. Pending counter deltas are delivered first on the first (unless
-        ``counters`` is false), in a round trip of their own (a value job reads only the
-        replies to its own commands); with ``asking`` (one connection), ``ASKING`` goes first
-        (Cluster: the next command may use a slot the node is importing). A connection holding
+        while it runs (a value job carries no counters: they ride along on lookups and
+        :meth:`flush`, never before a load's GETs); with ``asking`` (one connection),
+        ``ASKING`` goes first (Cluster: the next command may use a slot the node is importing).
+        A connection holding
         bytes nobody asked for (a push message) is reconnected first, so the job starts at a
         reply boundary. Any exception drops every one of the connections (a stream may stop
         inside a reply) and propagates."""
@@ -946,8 +931,6 @@ class RedisBlockStore:
                 if conns[-1].can_read(timeout=0):
                     conns[-1].disconnect()
                     conns[-1].connect()
-            if counters:
-                self._deliver_counters_on(conns[0])
             if asking:
                 conns[0].send_command("ASKING")
                 conns[0].read_response()
@@ -959,21 +942,6 @@ class RedisBlockStore:
         finally:
             for conn in conns:
                 pool.release(conn)
-
-    def _deliver_counters_on(self, conn: Any) -> None:
-        """Pending counter deltas as HINCRBYs on ``conn``, their replies read (an outage in
-        one raises; refusals are logged); restored for later unless every reply arrived."""
-        pending = self.counters.take() if self.stats_key is not None else {}
-        if not pending:
-            return
-        try:
-            counters = [("HINCRBY", self.stats_key, n, d) for n, d in pending.items()]
-            conn.send_packed_command(conn.pack_commands(counters), check_health=False)
-            for _ in counters:
-                self._check_counter_replies([_reply_of(conn)])
-        except BaseException:
-            self.counters.restore(pending)
-            raise
 
     def _guarded(
         self,
@@ -1035,16 +1003,19 @@ class RedisBlockStore:
         return out
 
 
-# mypy checks here that the store is the medium the transfer engine takes.
-_MEDIUM: type[BlockStore] = RedisBlockStore
+def _of_job(job: RedisJob | None) -> tuple[Deadline | None, JobOutcome | None]:
+    """A value call's deadline and breaker outcome: its job's, or none (a job of its own)."""
+    return (None, None) if job is None else (job.deadline, job.outcome)
 
 
-def _own(outcome: JobParts | None) -> JobOutcome | None:
-    """``outcome`` as the breaker's: one that :meth:`RedisBlockStore.job_outcome` handed out
-    (another medium's is a caller's bug)."""
-    if outcome is None or isinstance(outcome, JobOutcome):
-        return outcome
-    raise TypeError(f"not a job outcome of a RedisBlockStore: {outcome!r}")
+def _native_unavailable_reason(cfg: RedisTierConfig) -> str | None:
+    """Why value calls cannot run the C job, or None. It needs the built extension (not
+    disabled by ``HMA_REDIS_NATIVE=0``) and plain connections (standalone, unix socket,
+    Sentinel's master, or each node of a Cluster): TLS stays in Python's ``ssl``."""
+    reason = wire.unavailable_reason()
+    if reason is None and cfg.tls:
+        return "TLS connections stay in Python's ssl"
+    return reason
 
 
 def _warm(client: RedisClient, connections: int) -> int:
@@ -1078,15 +1049,6 @@ def bulk_connections(cfg: RedisTierConfig) -> int:
     ``connections_per_thread`` connections, and one more."""
     threads = cfg.io_threads + max(1, cfg.io_threads // 2)
     return threads * cfg.connections_per_job * cfg.connections_per_thread + 1
-
-
-def _reply_of(conn: Any) -> Any:
-    """The next reply on ``conn`` through redis-py's parser, an error reply as its exception
-    (returned, not raised: the stream is at the next reply either way)."""
-    try:
-        return conn.read_response()
-    except ResponseError as exc:
-        return exc
 
 
 def _get_command(key: str) -> bytes:

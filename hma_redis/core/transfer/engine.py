@@ -44,6 +44,7 @@ failure is reported: no page the engine may read ever holds bytes that failed va
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -59,11 +60,9 @@ import torch
 
 from hma_redis.core import codec
 from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
-from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.latency import Operation
 from hma_redis.core.medium import (
     BlockStore,
-    JobParts,
     Landed,
     LoadResult,
     LoadStatus,
@@ -109,6 +108,10 @@ TEST_LOAD_DELAY_ENV = "HMA_REDIS_TEST_LOAD_DELAY_S"
 _PUT_BATCH = 16
 # The same when values are sent from the KV cache in place (no memory to bound).
 _PUT_BATCH_IN_PLACE = 64
+# The medium's counters ride along on its own calls (Redis: lookups and existence checks,
+# never ahead of a load's GETs); an engine whose jobs make none of them (one that only loads)
+# has them delivered on a store thread at most this often.
+COUNTERS_EVERY_S = 1.0
 # Room in a value's bound for header fields whose msgpack width varies with their value.
 _HEADER_SLACK = 64
 # The codec's prefix (hma_redis.core.codec): magic, version, flags, header length (the fields
@@ -132,11 +135,13 @@ class TransferEngine:
     chunks and reports the others in :attr:`JobResult.failed_chunks` (each chunk is used on its
     own, as by a secondary tier); without it such a load lands nothing.
 
-    ``connections_per_job`` (default: the store's) splits each job's chunks over that many
-    parts, each on its own thread (and each on the store's ``connections_per_thread``
-    connections). ``native``: None runs the C job wherever the store allows it
-    (:meth:`BlockStore.native_unavailable_reason`) and its pure-Python twin elsewhere,
-    False the twin everywhere; True requires the C job (``ValueError`` where it cannot run).
+    ``connections_per_job`` splits each job's chunks over that many parts, each on its own
+    thread and in one value call of the medium. Which data path those calls take is the
+    medium's, chosen when it was built (:meth:`BlockStore.describe`).
+
+    ``counters_every_s``: after a job, the medium's pending counters are delivered
+    (:meth:`BlockStore.flush`) on a store thread when that long has passed since the last
+    time, so they reach the medium without a round trip ahead of any load.
 
     Thread safety: ``submit_*``, :meth:`finished`, :meth:`wait` and :meth:`shutdown` are
     called from one thread (the caller's step loop); the jobs run on the engine's threads.
@@ -152,9 +157,9 @@ class TransferEngine:
         io_threads: int = 4,
         max_inflight_bytes: int = 256 * 1024 * 1024,
         shutdown_timeout_s: float = 10.0,
-        connections_per_job: int | None = None,
-        native: bool | None = None,
+        connections_per_job: int = 1,
         partial_loads: bool = False,
+        counters_every_s: float = COUNTERS_EVERY_S,
     ) -> None:
         self._store = store
         self._partial_loads = partial_loads
@@ -191,19 +196,13 @@ class TransferEngine:
             thread_name_prefix="hma-store",
             initializer=self._streams.init_thread,
         )
-        reason = store.native_unavailable_reason()
-        if native is False:
-            reason = "the Python path was asked for"
-        elif native and reason is not None:
-            raise ValueError(f"hma_redis: the native data path cannot run: {reason}")
-        self._native = reason is None
         # Loads land in the KV cache's pages only where it is host memory, values carry no MAC
-        # (a keyed value's MAC is checked before any of its bytes reach a page) and the C job
-        # runs: the twin receives into buffers and copies once every value is valid, so on the
-        # fallback no page ever holds a byte of a load that fails (the cost, one copy, is small
-        # beside the twin's own per-byte work).
-        self._land_in_place = self._native and self._in_place and self._mac_key is None
-        self._connections = connections_per_job or store.connections_per_job
+        # (a keyed value's MAC is checked before any of its bytes reach a page) and the medium
+        # says its data path should (Redis: the C job; its twin receives into buffers and the
+        # engine copies once every value is valid, so on the fallback no page ever holds a
+        # byte of a load that fails; the cost, one copy, is small beside the twin's own work).
+        self._land_in_place = store.lands_in_place and self._in_place and self._mac_key is None
+        self._connections = max(1, connections_per_job)
         # Threads that run the other connections' parts of a job (its own thread runs one).
         self._parts: ThreadPoolExecutor | None = None
         if self._connections > 1:
@@ -211,7 +210,7 @@ class TransferEngine:
                 (self._connections - 1) * (io_threads + store_threads),
                 thread_name_prefix="hma-conn",
             )
-        self.data_path = self._describe_path(reason)
+        self.data_path = self._describe_path()
         store.announce(f"hma_redis: transfer data path: {self.data_path}")
         self._jobs: dict[int, Job] = {}
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
@@ -220,10 +219,13 @@ class TransferEngine:
         self._loads_running = 0
         self._loads_lock = threading.Lock()
         self._closed = False
+        self._counters_every_s = counters_every_s
+        self._counters_sent_at = time.monotonic()
+        self._counters_lock = threading.Lock()
         self._test_load_delay_s = float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
         # The first job's connections, opened now on a load thread: a fresh engine's first
         # load would otherwise open them itself (in_engine_timeline.py: ~1 ms).
-        self._loads.submit(store.warm_bulk, self._connections)
+        self._loads.submit(store.warm_up, self._connections)
 
     # ------------------------------------------------------------------ API
 
@@ -285,11 +287,6 @@ class TransferEngine:
                 job.released.wait()
 
     @property
-    def native(self) -> bool:
-        """Whether jobs run the C job (else its pure-Python twin; see the module docstring)."""
-        return self._native
-
-    @property
     def loads_land_in_place(self) -> bool:
         """Whether loads receive values straight into the KV cache's pages (the C job, CPU KV
         cache, no auth_key): a failed load may then have written its own blocks."""
@@ -309,7 +306,7 @@ class TransferEngine:
 
     def shutdown(self) -> None:
         """Finish stores already submitted (bounded by ``shutdown_timeout_s``), stop the
-        threads and deliver the store's pending counters. Idempotent."""
+        threads and deliver the medium's pending counters. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -325,46 +322,45 @@ class TransferEngine:
         self._loads.shutdown(wait=False, cancel_futures=True)
         if self._parts is not None:
             self._parts.shutdown(wait=False)
-        self._store.flush_counters()
+        self._store.flush()
 
-    def _describe_path(self, reason: str | None) -> str:
-        which = self._store.describe(self._native)
-        if reason is not None:
-            which += f" ({reason})"
+    def _describe_path(self) -> str:
         where = (
             "loads land in the KV cache's pages"
             if self._land_in_place
             else "loads received into buffers, copied once valid"
         )
-        lanes = self._store.connections_per_thread
-        return (
-            f"{which}; {where}; {self._connections} thread(s) per job, "
-            f"up to {lanes} connection(s) each"
-        )
+        return f"{self._store.describe()}; {where}; {self._connections} thread(s) per job"
+
+    def _deliver_counters_when_due(self) -> None:
+        """After a job: hand the medium's pending counters to a store thread when
+        ``counters_every_s`` has passed since the last time (never on a load's way)."""
+        now = time.monotonic()
+        with self._counters_lock:
+            if self._closed or now - self._counters_sent_at < self._counters_every_s:
+                return
+            self._counters_sent_at = now
+        with contextlib.suppress(RuntimeError):  # shut down meanwhile: shutdown() flushes
+            self._stores.submit(self._store.flush)
 
     def _in_parts(
-        self, sizes: Sequence[int], run: Callable[[slice, JobParts], list[_T] | None]
+        self, sizes: Sequence[int], run: Callable[[slice], list[_T] | None]
     ) -> list[_T] | None:
         """``run`` over the job's items cut into at most ``connections_per_job`` consecutive
         slices of about equal ``sizes``, each on its own connection and thread (this thread
         runs the first); the results in item order, None if any part gave None. Returns (or
         raises the first part's exception) only once every part has finished, so no part is
-        still writing into the job's pages. The parts report to the store's breaker as one
-        outcome: the job fails as a whole if one part meets an outage, and another part's
-        success does not close the breaker behind it."""
+        still writing into the job's pages. The parts are calls of the job's
+        :class:`~hma_redis.core.medium.MediumJob`: the job fails as a whole if one part meets
+        an outage, and another part's success does not close the breaker behind it."""
         cuts = split_parts(sizes, self._connections)
-        outcome = self._store.job_outcome()
         if len(cuts) == 1 or self._parts is None:
-            try:
-                return run(cuts[0], outcome)
-            finally:
-                outcome.settle()
-        others = [self._parts.submit(run, cut, outcome) for cut in cuts[1:]]
+            return run(cuts[0])
+        others = [self._parts.submit(run, cut) for cut in cuts[1:]]
         try:
-            first = run(cuts[0], outcome)
+            first = run(cuts[0])
         finally:
             wait(others)
-            outcome.settle()
         parts = [first, *(future.result() for future in others)]
         out: list[_T] = []
         for part in parts:
@@ -395,12 +391,14 @@ class TransferEngine:
                 "hma_redis: store job %d failed; its chunks are not stored", job.job_id
             )
         finally:
+            job.settle()
             self._store.counters.add(store_failed_chunks=num_chunks - job.chunks_counted)
             job.released.set()
             self._jobs.pop(job.job_id, None)
             elapsed = time.perf_counter() - started
             self._finished.put(JobResult(job.job_id, True, True, stored_bytes, elapsed))
             self._job_done.set()
+            self._deliver_counters_when_due()
 
     def _not_present(
         self, job: Job, chunks: Sequence[ChunkTransfer], known_absent: Collection[str]
@@ -417,10 +415,10 @@ class TransferEngine:
         return [c for c in chunks if c.redis_key not in there]
 
     def _start_clock(self, job: Job, nbytes: int, paused_s: float = 0.0) -> None:
-        """Set the job's deadline: two round trips moving ``nbytes``, from its submission
-        (plus ``paused_s``: the test hook's pause before a load, which is not the job's)."""
-        seconds = budget_s(self._store.read_timeout_s, nbytes, round_trips=2)
-        job.deadline = Deadline(job.submitted + paused_s + seconds)
+        """Start the job's calls on the medium: their deadline is the medium's bound on two
+        round trips moving ``nbytes``, from the job's submission (plus ``paused_s``: the test
+        hook's pause before a load, which is not the job's)."""
+        job.medium = self._store.start_job(nbytes, job.submitted + paused_s)
 
     def _store_batch(self, job: Job, chunks: list[ChunkTransfer]) -> int:
         """Put a batch: every value's head (prefix and header, MAC with an auth_key, the
@@ -464,15 +462,8 @@ class TransferEngine:
         heads: Sequence[memoryview | bytearray],
         bodies: Sequence[Sequence[memoryview] | Pages],
     ) -> list[PutResult]:
-        def put(part: slice, outcome: JobParts) -> list[PutResult]:
-            return self._store.put_values(
-                keys[part],
-                heads[part],
-                bodies[part],
-                deadline=job.deadline,
-                outcome=outcome,
-                native=self._native,
-            )
+        def put(part: slice) -> list[PutResult]:
+            return self._store.put_values(keys[part], heads[part], bodies[part], job.medium)
 
         results = self._in_parts(sizes, put)
         assert results is not None  # a put degrades to FAILED, never to None
@@ -568,6 +559,7 @@ class TransferEngine:
                 "hma_redis: load job %d failed; its tokens will be recomputed", job.job_id
             )
         finally:
+            job.settle()
             if not success and not isinstance(chunks, LayoutMismatch):
                 self._clear_pages_of_failed_load(job, chunks)
             job.released.set()
@@ -585,6 +577,7 @@ class TransferEngine:
             with self._loads_lock:
                 self._loads_running -= 1
             self._job_done.set()
+            self._deliver_counters_when_due()
 
     def _clear_pages_of_failed_load(self, job: Job, plan: Sequence[ChunkTransfer]) -> None:
         """Zero every page a failed in-place load may have written, before its failure is
@@ -635,7 +628,7 @@ class TransferEngine:
         self._start_clock(job, sum(bounds), paused_s=self._test_load_delay_s)
         self._budget.acquire(sum(bounds), load=True)
         try:
-            got = self._receive(plan, bounds, take, job.deadline)
+            got = self._receive(plan, bounds, take, job)
             if got.invalid:
                 self._store.delete(list(got.invalid))
             failed = self._failed_indices(plan, got)
@@ -675,7 +668,7 @@ class TransferEngine:
         plan: Sequence[ChunkTransfer],
         bounds: Sequence[int],
         take: Callable[[int], memoryview],
-        deadline: Deadline | None,
+        job: Job,
     ) -> Received:
         """Receive every chunk's value in one round trip (per connection) and judge it. A value
         that is exactly what this engine would have written for its chunk (prefix fields,
@@ -686,10 +679,8 @@ class TransferEngine:
         targets, bodies = self._targets(plan, layouts, bounds, take)
         keys = [chunk.redis_key for chunk in plan]
 
-        def load(part: slice, outcome: JobParts) -> list[LoadResult] | None:
-            return self._store.load_values(
-                keys[part], targets[part], deadline, outcome, native=self._native
-            )
+        def load(part: slice) -> list[LoadResult] | None:
+            return self._store.load_values(keys[part], targets[part], job.medium)
 
         results = self._in_parts(bounds, load)
         got = Received()

@@ -15,6 +15,7 @@ import torch
 from hma_redis.core import codec
 from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
 from hma_redis.core.deadline import Deadline
+from hma_redis.core.medium import MediumJob
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,19 @@ class Job:
     failed_chunks: tuple[int, ...] = ()
     chunks_counted: int = 0  # store: chunks counted as stored, skipped or failed so far
     submitted: float = field(default_factory=time.monotonic)
-    # When every Redis operation of the job must have ended (set when it starts running).
-    deadline: Deadline | None = None
+    # The job as its medium sees it (its deadline, its calls' one outcome), from when it starts.
+    medium: MediumJob | None = None
+
+    @property
+    def deadline(self) -> Deadline | None:
+        """When every call of the job on the medium must have ended (None before it starts)."""
+        return self.medium.deadline if self.medium is not None else None
+
+    def settle(self) -> None:
+        """Report the outcome of the job's calls to the medium, once, after the last."""
+        if self.medium is not None:
+            self.medium.settle()
+            self.medium = None
 
 
 @dataclass(frozen=True)

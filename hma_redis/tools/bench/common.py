@@ -322,7 +322,7 @@ def bench_kv_cache(
     **worker_options: Any,
 ) -> BenchKVCache:
     """Random KV pages (seeded) and a :class:`RedisOffloadingWorker` per value size, whose
-    chunks are ``size`` bytes of KV (``worker_options``: e.g. ``native``)."""
+    chunks are ``size`` bytes of KV (``worker_options``: e.g. ``connections_per_job``)."""
     import torch
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,

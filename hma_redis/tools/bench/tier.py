@@ -336,13 +336,11 @@ class TierBench:
         self.check_values = check_values
         cfg = RedisTierConfig(url=target) if isinstance(target, str) else target
         self.cfg = dataclasses.replace(cfg, read_timeout_s=60.0)
-        self.store = RedisBlockStore(self.cfg)
+        self.store = RedisBlockStore(self.cfg, native=native)
         self.keyspace = KeySpace(self.cfg.key_prefix, namespace)
         self.blocks = plan.job_bytes // (LAYERS * PAGE_BYTES)
         num_blocks = 2 * self.blocks
-        kv = bench_kv_cache(
-            self.cfg, self.store, self.keyspace, num_blocks, plan.sizes, native=native
-        )
+        kv = bench_kv_cache(self.cfg, self.store, self.keyspace, num_blocks, plan.sizes)
         self.tensors, self.arrays, self.workers = kv.tensors, kv.arrays, kv.workers
         self.data_path = next(iter(self.workers.values())).data_path
         self.rng = random.Random(2)

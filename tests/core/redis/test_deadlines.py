@@ -73,7 +73,7 @@ def slow_rig(
     store = _store(slow_proxy)
     rig = make_pages(store)
     try:
-        assert rig.engine.native == (request.param == "native"), rig.engine.data_path
+        assert rig.store.native == (request.param == "native"), rig.engine.data_path
         assert rig.store_job(1, chunks(SRC)).ok
         slow_proxy.byte_delay_s = BYTE_DELAY_S
         yield rig

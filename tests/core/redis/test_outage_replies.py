@@ -34,7 +34,7 @@ def _rig(url: str, path: str) -> Iterator[tuple[RedisBlockStore, Pages]]:
     )
     store = RedisBlockStore(cfg, stats_key=KEYSPACE.stats_key())
     rig = make_pages(store)
-    assert rig.engine.native == (path == "native"), rig.engine.data_path
+    assert rig.store.native == (path == "native"), rig.engine.data_path
     try:
         yield store, rig
     finally:

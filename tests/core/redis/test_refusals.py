@@ -36,7 +36,7 @@ from hma_redis.core.redis.breaker import (
 )
 from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.local_redis import LocalRedis
-from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
+from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages, on_path
 
 VALUES = {f"hma:ns:g0:{i:02x}": os.urandom(1000) for i in range(3)}
 INFO_KEY = "hma:ns:info"
@@ -59,7 +59,8 @@ def _job_value(key: str, body: memoryview) -> tuple[bytearray, list[memoryview]]
 def _loaded(store: RedisBlockStore, keys: list[str], native: bool) -> list[bytes | None]:
     """``load_values`` of ``keys``, each whole in a staging buffer (no header expected)."""
     targets = [medium.LoadTarget(bytearray(48), b"", [], bytearray(2000), 2000) for _ in keys]
-    results = store.load_values(keys, targets, native=native)
+    with on_path(store, native):
+        results = store.load_values(keys, targets)
     assert results is not None
     return [
         bytes(t.staging[: r.value_len]) if r.status is medium.LoadStatus.OK else None  # type: ignore[index]
@@ -78,11 +79,12 @@ def _assert_refused_writes_leave_the_tier_on(
     assert store.put_if_absent([(k, value) for k in keys]) == [PutResult.FAILED] * 4
     jobs = [_job_value(k, value) for k in keys]
     for native in (True, False):  # the C job and its twin
-        got = store.put_values(keys, [h for h, _ in jobs], [b for _, b in jobs], native=native)
+        with on_path(store, native):
+            got = store.put_values(keys, [h for h, _ in jobs], [b for _, b in jobs])
         assert got == [PutResult.FAILED] * 4
     assert store.write_info(INFO_KEY, {"model": "m"})  # Redis answered: not "unreachable"
     store.counters.add(lookups=1)
-    store.flush_counters()
+    store.flush()
 
     counted = store.counters.snapshot()
     assert counted[f"refused_{kind.value}"] >= 13, counted  # 12 SETs and the HSET

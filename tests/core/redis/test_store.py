@@ -12,6 +12,7 @@ from hma_redis.core.medium import PutResult
 from hma_redis.core.redis.breaker import BreakerState
 from hma_redis.core.redis.store import RedisBlockStore, RedisUnavailableError
 from hma_redis.tools.devkit.local_redis import LocalRedis
+from tests.support.kv_pages import on_path
 from tests.support.redis_server import command_calls, command_delta
 
 
@@ -82,7 +83,8 @@ def test_oom_put_is_reported_failed_not_stored(method):
             head, wants = _job_values(keys, value)
             heads = [bytearray(head) for _ in keys]
             pieces = [[value[:1000], value[1000:]]] * len(keys)
-            results = store.put_values(keys, heads, pieces, native=method == "put_values")
+            with on_path(store, method == "put_values"):
+                results = store.put_values(keys, heads, pieces)
             value = memoryview(wants)
         client = redis.Redis(port=server.port)
         assert PutResult.FAILED in results
@@ -191,9 +193,10 @@ def test_a_value_job_stores_each_value_whole_from_its_pieces(
     jobs = {key: _job(key, pieces) for key, pieces in bodies.items()}
     store.ping()  # open the connection first (its HELLO is not the put)
     before = command_calls(redis_client)
-    results = store.put_values(
-        list(bodies), [jobs[k][0] for k in bodies], list(bodies.values()), native=native
-    )
+    with on_path(store, native):
+        results = store.put_values(
+            list(bodies), [jobs[k][0] for k in bodies], list(bodies.values())
+        )
     assert results == [PutResult.STORED, PutResult.EXISTED, PutResult.STORED]
     assert command_delta(before, command_calls(redis_client)) == {"set": 3}
     assert redis_client.get("hma:ns:g0:big") == jobs["hma:ns:g0:big"][1]
@@ -216,9 +219,10 @@ def test_a_value_job_on_a_dropped_connection_stores_nothing_partial(local_redis,
         value = memoryview(os.urandom(1_000_000))
         keys = [f"hma:ns:g0:{i:02x}" for i in range(4)]
         jobs = [_job(key, [value[:10], value[10:]]) for key in keys]
-        results = store.put_values(
-            keys, [head for head, _ in jobs], [[value[:10], value[10:]]] * 4, native=native
-        )
+        with on_path(store, native):
+            results = store.put_values(
+                keys, [head for head, _ in jobs], [[value[:10], value[10:]]] * 4
+            )
         assert results == [PutResult.FAILED] * 4
         client = redis.Redis(port=local_redis.port)
         held = client.mget(keys)

@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -26,6 +27,7 @@ from hma_redis.core.redis.client import raw_socket
 from hma_redis.core.redis.store import PutResult, RedisBlockStore, Sighting, bulk_connections
 from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
 from tests.support.cluster_servers import LocalCluster, started_cluster
+from tests.support.kv_pages import on_path
 from tests.support.redis_server import (
     command_calls,
     command_delta,
@@ -85,7 +87,8 @@ def _load_raw(
     header, so short or random values never match it): its bytes, its length when longer
     than ``max_len`` (dropped unread), None when missing or refused; None when Redis failed."""
     targets = [medium.LoadTarget(bytearray(48), b"", [], bytearray(max_len), max_len) for _ in keys]
-    results = store.load_values(keys, targets, native=native)
+    with on_path(store, native):
+        results = store.load_values(keys, targets)
     if results is None:
         return None
     out: list[bytes | int | None] = []
@@ -143,30 +146,30 @@ def reader_server(local_redis: LocalRedis) -> Iterator[tuple[LocalRedis, redis.R
 
 
 def test_connections_are_opened_ahead_of_use_and_an_outage_is_no_error(redis_client, redis_url):
-    """``warm_bulk`` and ``warm_lookups`` open connections the jobs and lookups then use
+    """``warm_up`` and ``warm_lookups`` open connections the jobs and lookups then use
     (Redis sees them at once, and a lookup opens none); with Redis down they open nothing
-    and raise nothing. ``warm_bulk(n)`` opens n parts' connections: n ×
+    and raise nothing. ``warm_up(n)`` opens n parts' connections: n ×
     ``connections_per_thread``."""
     store = _store(redis_url, connections_per_thread=1)
     try:
-        assert store.warm_bulk(3) == 3
+        assert store.warm_up(3) == 3
         assert store.warm_lookups() == 1
         assert store_connections(redis_client, store.client_name) == 4
-        assert store.warm_bulk(3) == 3  # the same three, found open
+        assert store.warm_up(3) == 3  # the same three, found open
         assert store.exists([_key(0, 1)]) == [False]
         assert store_connections(redis_client, store.client_name) == 4
     finally:
         store.close()
     store = _store(redis_url, connections_per_thread=2)
     try:
-        assert store.warm_bulk(3) == 6
+        assert store.warm_up(3) == 6
         assert store_connections(redis_client, store.client_name) == 6
     finally:
         store.close()
     port = free_port()  # nothing listens there
     down = _store(f"redis://127.0.0.1:{port}/0")
     try:
-        assert down.warm_bulk(2) == 0
+        assert down.warm_up(2) == 0
         assert down.warm_lookups() == 0
     finally:
         down.close()
@@ -205,9 +208,10 @@ def test_delete_counts_only_the_keys_it_removed(reader_server, caplog):
 
 
 def test_refused_counter_increments_are_dropped_and_not_counted_again(local_redis, caplog):
-    """A user that may not HINCRBY: the counters that rode along, whatever the call, are
-    refused, logged, dropped (they would be refused again) and not counted as a refusal of
-    their own (that count would be one more counter to refuse); every call still answers."""
+    """A user that may not HINCRBY: the counters that rode along, whatever the call (a
+    lookup, a get, a flush), are refused, logged, dropped (they would be refused again) and
+    not counted as a refusal of their own (that count would be one more counter to refuse);
+    every call still answers."""
     caplog.set_level(logging.WARNING)
     admin = redis.Redis(port=local_redis.port)
     _grant_reader(admin, "hincrby")
@@ -216,8 +220,8 @@ def test_refused_counter_increments_are_dropped_and_not_counted_again(local_redi
     store = RedisBlockStore(cfg, stats_key=STATS_KEY, refusal_log_interval_s=0)  # log each
     calls = [
         lambda: store.exists([_key(0, 1), _key(0, 2)]) == [True, False],
-        lambda: _load_raw(store, [_key(0, 1)]) == [b"v"],
-        lambda: store.flush_counters() is None,
+        lambda: store.get([_key(0, 1)]) == [b"v"],
+        lambda: store.flush() is None,
     ]
     for idx, call in enumerate(calls):
         store.counters.add(lookups=1)
@@ -247,7 +251,7 @@ def test_a_user_refused_select_gets_refusals_not_an_outage(local_redis, caplog):
     assert store.load_values([key], []) is None
     head, body, _ = _native_value(key, b"v")
     assert store.put_values([key], [head], [body]) == [PutResult.FAILED]
-    store.flush_counters()  # the refusals' own counters: refused too, and dropped
+    store.flush()  # the refusals' own counters: refused too, and dropped
     assert store.counters.take() == {"refused_noperm": 1}  # (the flush's own refusal)
     assert store.counters.snapshot()["refused_noperm"] == 9
     assert store.breaker.state is BreakerState.CLOSED
@@ -345,6 +349,11 @@ def test_a_refused_admission_batch_is_first_sightings_and_the_other_batches_answ
 PUT_PATHS = ["put_if_absent", "put_values", "put_values-twin"]
 
 
+def _put_on_twin(store: RedisBlockStore, *args: Any) -> list[PutResult]:
+    with on_path(store, False):
+        return store.put_values(*args)
+
+
 def _put(store: RedisBlockStore, path: str, values: dict[str, bytes], **kw: object) -> list:
     """Put ``values`` through one of the store's put paths (a value job: the C job or its
     twin); the bytes each key must hold."""
@@ -355,7 +364,8 @@ def _put(store: RedisBlockStore, path: str, values: dict[str, bytes], **kw: obje
     heads = [head for head, _, _ in native]
     bodies = [body for _, body, _ in native]
     twin = path == "put_values-twin"
-    return store.put_values(keys, heads, bodies, native=not twin, **kw)  # type: ignore[arg-type]
+    with on_path(store, not twin):
+        return store.put_values(keys, heads, bodies, **kw)  # type: ignore[arg-type]
 
 
 def _held(path: str, key: str, value: bytes) -> bytes:
@@ -463,7 +473,7 @@ def test_an_outage_degrades_every_call_and_keeps_counters_for_later(local_redis,
         assert call(), idx
         assert store.breaker.state is BreakerState.OPEN
     time.sleep(0.06)
-    store.flush_counters()  # fails too: kept
+    store.flush()  # fails too: kept
     assert store.breaker.failures == len(calls) + 1
     url_shown = f"redis://***@127.0.0.1:{local_redis.port}/0"
     assert f"Redis at {url_shown} failed (ConnectionError: " in caplog.text
@@ -472,16 +482,18 @@ def test_an_outage_degrades_every_call_and_keeps_counters_for_later(local_redis,
     local_redis.start()
     _grant_reader(redis.Redis(port=local_redis.port))
     time.sleep(0.06)
-    store.flush_counters()
+    store.flush()
     assert store.breaker.state is BreakerState.CLOSED
     with redis.Redis(port=local_redis.port) as client:
         assert client.hgetall(STATS_KEY) == {b"lookups": str(len(calls)).encode()}
     assert store.counters.take() == {}
 
 
-def test_counters_ride_along_on_every_kind_of_call(redis_client, redis_url):
-    """Pending counters go with the very next call, whatever its kind, and arrive exactly
-    once; the call's own answers are unchanged by them."""
+def test_counters_ride_along_on_pipelined_calls_and_never_on_a_value_job(redis_client, redis_url):
+    """Pending counters go with the very next pipelined call (an existence check, a lookup,
+    a small put, a get) in its own round trip and arrive exactly once, the call's answers
+    unchanged by them; a value job (GETs or SET NXs, on either path) carries none: nothing
+    waits ahead of a load's GETs, and they wait for the next such call or :meth:`flush`."""
     store = _store(redis_url)
     key = _key(0, 1)
     head, body, _ = _native_value(_key(0, 3), b"native")
@@ -499,16 +511,21 @@ def test_counters_ride_along_on_every_kind_of_call(redis_client, redis_url):
             == [medium.LoadStatus.MISSING]
         ),
         lambda: _load_raw(store, [key]) == [b"value"],
-        lambda: (
-            store.put_values([_key(0, 4)], [head4], [body4], native=False) == [PutResult.STORED]
-        ),
+        lambda: _put_on_twin(store, [_key(0, 4)], [head4], [body4]) == [PutResult.STORED],
     ]
-    for idx, call in enumerate(calls, start=1):
+    pipelined, value_jobs = calls[:4], calls[4:]
+    for idx, call in enumerate(pipelined, start=1):
         trips = store.round_trips
         store.counters.add(lookups=1)
         assert call(), idx
         assert store.round_trips == trips + 1
         assert redis_client.hgetall(STATS_KEY) == {b"lookups": str(idx).encode()}, idx
+    for idx, call in enumerate(value_jobs, start=1):
+        store.counters.add(lookups=1)
+        assert call(), idx
+        assert redis_client.hgetall(STATS_KEY) == {b"lookups": b"4"}, idx
+    store.flush()
+    assert redis_client.hgetall(STATS_KEY) == {b"lookups": b"9"}
     assert store.counters.take() == {}
 
 
@@ -524,14 +541,15 @@ def test_a_store_without_a_stats_key_sends_no_counters(redis_client, redis_url):
     ]
     assert store.exists([key]) == [True]
     assert _load_raw(store, [_key(0, 2)], native=False) == [None]
-    store.flush_counters()
+    store.flush()
     assert "hincrby" not in command_calls(redis_client)
     assert store.counters.snapshot() == {"lookups": 1}  # still counted in this process
 
 
-def test_counters_sent_ahead_of_a_native_job_that_times_out_are_kept(local_redis):
-    """Redis stops answering while a native job's counters are on their way: the job fails,
-    the breaker opens, and the counters are kept for a later round trip (at least once)."""
+def test_counters_pending_across_a_native_job_that_times_out_are_kept(local_redis):
+    """Redis stops answering during a native job while counters are pending: the job fails,
+    the breaker opens, and the counters (which a value job never carries) are kept for a
+    later round trip."""
     store = _store(local_redis.url, read_timeout_s=0.3, retry_interval_s=30)
     head, body, _ = _native_value(_key(0, 1), b"native")
     assert store.put_values([_key(0, 1)], [head], [body]) == [PutResult.STORED]  # connected
@@ -546,9 +564,9 @@ def test_counters_sent_ahead_of_a_native_job_that_times_out_are_kept(local_redis
     assert store.counters.take() == {"loaded_chunks": 2}
 
 
-def test_a_load_broken_after_its_counters_arrived_does_not_deliver_them_twice(local_redis):
-    """A load whose connection drops after the counters sent ahead of it were answered: they
-    are not kept for later (Redis has them), so they arrive exactly once."""
+def test_counters_pending_across_a_broken_load_arrive_once_with_the_next_call(local_redis):
+    """A load whose connection drops while counters are pending: the next call (the
+    breaker's probe) delivers them, exactly once."""
     proxy = BreakingProxy(local_redis.port)
     try:
         values = {_key(0, i): os.urandom(1_000_000) for i in range(3)}
@@ -593,13 +611,18 @@ def test_a_refused_namespace_record_still_says_redis_answered(local_redis, caplo
     assert store.breaker.state is BreakerState.CLOSED
 
 
-def test_the_native_path_is_offered_unless_tls_or_disabled(monkeypatch):
-    assert _store("redis://127.0.0.1:1/0").native_unavailable_reason() is None
-    assert _store("unix:///tmp/no-such.sock").native_unavailable_reason() is None
-    tls = _store("rediss://127.0.0.1:1/0").native_unavailable_reason()
-    assert tls == "TLS connections stay in Python's ssl"
+def test_the_native_path_is_chosen_unless_tls_or_disabled(monkeypatch):
+    """A store chooses its data path once, when built: the C job unless TLS or
+    ``HMA_REDIS_NATIVE=0``; ``native=True`` where it cannot run is one clear error."""
+    assert _store("redis://127.0.0.1:1/0").native_reason is None
+    assert _store("unix:///tmp/no-such.sock").native
+    tls = _store("rediss://127.0.0.1:1/0")
+    assert not tls.native and tls.native_reason == "TLS connections stay in Python's ssl"
+    assert "pure Python (TLS connections stay in Python's ssl)" in tls.describe()
+    with pytest.raises(ValueError, match="the native data path cannot run: TLS"):
+        RedisBlockStore(tls.cfg, native=True)
     monkeypatch.setenv(wire.NATIVE_ENV, "0")
-    disabled = _store("redis://127.0.0.1:1/0").native_unavailable_reason()
+    disabled = _store("redis://127.0.0.1:1/0").native_reason
     assert disabled == f"disabled by {wire.NATIVE_ENV}=0"
 
 
@@ -756,7 +779,7 @@ def test_cluster_connections_are_opened_ahead_of_use_on_every_primary(
     """Warming a Cluster store opens connections to each of its three primaries."""
     store = _store(clean.url, connections_per_thread=1)
     try:
-        assert store.warm_bulk(2) == 6
+        assert store.warm_up(2) == 6
         assert store.warm_lookups() == 3
     finally:
         store.close()
@@ -764,8 +787,8 @@ def test_cluster_connections_are_opened_ahead_of_use_on_every_primary(
 
 def test_cluster_native_jobs_answer_in_key_order_across_nodes(clean: LocalCluster) -> None:
     """A native put and load of keys on every node: one connection per node, the results
-    back in the caller's key order, the pending counters delivered to the stats key's node
-    before the job."""
+    back in the caller's key order; the pending counters are not carried by the job, and a
+    flush delivers them to the stats key's node."""
     store = _store(clean.url, read_timeout_s=1.0)
     keys = [_key(0, i) for i in range(12)]
     owners = clean.slot_owners()
@@ -777,6 +800,8 @@ def test_cluster_native_jobs_answer_in_key_order_across_nodes(clean: LocalCluste
     got = store.put_values(keys, [n[0] for n in native], [n[1] for n in native])
     assert got == [PutResult.EXISTED if i == 5 else PutResult.STORED for i in range(12)]
     with _cluster_client(clean) as client:
+        assert client.hgetall(STATS_KEY) == {}
+        store.flush()
         assert client.hgetall(STATS_KEY) == {b"stored_chunks": b"11"}
         assert [client.get(k) for k in keys] == [
             b"there before" if i == 5 else n[2] for i, n in enumerate(native)
@@ -869,7 +894,7 @@ def test_every_connection_of_a_store_carries_its_name(redis_client, redis_url):
     shows ``hma_redis-<pid>-<n>``, one name per store."""
     first, second = _store(redis_url), _store(redis_url)
     try:
-        assert first.warm_bulk(1) == 2 and first.warm_lookups() == 1
+        assert first.warm_up(1) == 2 and first.warm_lookups() == 1
         assert second.warm_lookups() == 1
         assert first.client_name.startswith(f"hma_redis-{os.getpid()}-")
         assert first.client_name != second.client_name
@@ -898,7 +923,7 @@ def test_value_connections_run_the_configured_congestion_control(redis_url, sett
     system = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     store = _store(redis_url, tcp_congestion=setting)
     try:
-        assert store.warm_bulk(1) == 2 and store.warm_lookups() == 1
+        assert store.warm_up(1) == 2 and store.warm_lookups() == 1
         assert _pool_congestion(store._bulk) == {setting or system}
         assert _pool_congestion(store.client) == {system}
         key = _key(0, 9)
@@ -917,7 +942,7 @@ def test_a_congestion_control_the_kernel_lacks_is_one_warning_and_the_systems(re
     system = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     store = _store(redis_url, tcp_congestion="nosuchcc")
     try:
-        assert store.warm_bulk(2) == 4
+        assert store.warm_up(2) == 4
         assert _pool_congestion(store._bulk) == {system}
         key = _key(0, 10)
         head, body, _ = _native_value(key, b"v")

@@ -73,7 +73,7 @@ def test_the_twin_over_tls_leaves_the_bytes_the_c_job_leaves_over_tcp(
             store, client = _plain_store(redis_url, connections_per_job=connections), redis_client
         rig = make_pages(store, strided=strided, auth_key=auth_key)
         try:
-            assert rig.engine.native == (path == "native"), rig.engine.data_path
+            assert rig.store.native == (path == "native"), rig.engine.data_path
             if path == "tls":
                 assert rig.engine.data_path.startswith("pure Python (TLS")
                 assert f"{connections} thread(s) per job" in rig.engine.data_path

@@ -376,16 +376,18 @@ def test_each_job_runs_on_the_data_path_its_engine_names(
     assert not called & (TWIN if path == "native" else NATIVE), called
 
 
-def test_an_engine_asked_for_the_python_path_runs_the_twin_where_c_could_run(
+def test_a_store_asked_for_the_python_path_runs_the_twin_where_c_could_run(
     redis_client: redis.Redis, redis_url: str
 ) -> None:
-    """``native=False`` (the worker's choice, not the environment's): the store would run the
-    C job, the engine's jobs still run the twin."""
-    store = store_at(redis_url)
-    assert store.native_unavailable_reason() is None
+    """``native=False`` (the builder's choice, not the environment's): where the store could
+    run the C job, the engine's jobs run the twin."""
+    probe = store_at(redis_url)
+    assert probe.native
+    probe.close()
+    store = store_at(redis_url, native=False)
     tensors = kv_tensors()
     try:
-        called = _wire_calls(lambda: Pages(_engine(store, tensors, native=False), tensors, store))
+        called = _wire_calls(lambda: Pages(_engine(store, tensors), tensors, store))
     finally:
         store.close()
     assert called >= TWIN and not called & NATIVE, called
@@ -497,21 +499,20 @@ def _engine(store: RedisBlockStore, tensors: list[torch.Tensor], **kwargs) -> Tr
 def test_the_data_path_line_says_where_loads_land_and_why(
     redis_url: str, strided: bool, native: bool | None, auth_key: bytes | None, where: str
 ) -> None:
-    store = store_at(redis_url)
+    store = store_at(redis_url, native=native)
     engine = TransferEngine(
         store,
         layer_groups(kv_tensors(strided)),
         ValueFormat(kv_dtype="int8", auth_key=auth_key),
         blocks_per_chunk=BPC,
-        native=native,
     )
     try:
         assert where in engine.data_path
         assert engine.loads_land_in_place == where.startswith("loads land")
         if native is False:
-            assert "(the Python path was asked for)" in engine.data_path and not engine.native
+            assert "(the Python path was asked for)" in engine.data_path and not store.native
         else:
-            assert engine.native and engine.data_path.startswith("native")
+            assert store.native and engine.data_path.startswith("native")
         assert "1 thread(s) per job" in engine.data_path
     finally:
         engine.shutdown()

@@ -425,7 +425,7 @@ def test_a_native_engine_opens_its_job_connections_before_the_first_job(
     store = RedisBlockStore(cfg)
     pages = make_pages(store)
     try:
-        assert pages.engine.native
+        assert pages.store.native
         assert wait_for_store_connections(redis_client, store.client_name, 4) == 4
         pages.engine.submit_load(1, chunks(DST))  # nothing stored: a miss, on those four
         pages.engine.wait([1])

@@ -32,16 +32,17 @@ from tests.support.kv_pages import (
     make_pages,
     store_load_and_narrow_load,
 )
-from tests.support.redis_server import store_connections
+from tests.support.redis_server import command_calls, command_delta, store_connections
 from tests.support.tcp_proxy import BreakingProxy
 
 AUTH_KEY = b"transfer-paths-secret-0001"
 
 
-def _store(url: str, **options: object) -> RedisBlockStore:
+def _store(url: str, native: bool | None = None, **options: object) -> RedisBlockStore:
     return RedisBlockStore(
         RedisTierConfig.from_extra_config({"redis_url": url, **options}, env={}),
         stats_key=KEYSPACE.stats_key(),
+        native=native,
     )
 
 
@@ -64,7 +65,7 @@ def test_both_paths_leave_the_same_bytes_in_the_kv_cache_and_in_redis(
         store = _store(redis_url, connections_per_job=connections)
         rig = make_pages(store, strided=strided, auth_key=auth_key)
         try:
-            assert rig.engine.native == (path == "native"), rig.engine.data_path
+            assert rig.store.native == (path == "native"), rig.engine.data_path
             outcome[path] = store_load_and_narrow_load(rig, redis_client)
         finally:
             rig.close()
@@ -84,7 +85,7 @@ def test_a_job_is_split_over_connections_per_job_connections(
     store = _store(redis_url, connections_per_job=3)
     rig = make_pages(store)
     try:
-        assert rig.engine.native and "3 thread(s) per job" in rig.engine.data_path
+        assert rig.store.native and "3 thread(s) per job" in rig.engine.data_path
         trips = store.round_trips
         assert rig.store_job(1, chunks(SRC)).ok  # EXISTS, then the 4 values over 3 connections
         assert store.round_trips - trips == 1 + 3
@@ -107,23 +108,46 @@ def test_connections_per_job_is_validated() -> None:
     assert cfg.connections_per_job == 4
 
 
-def test_native_loads_deliver_pending_counters_first(
-    redis_client: redis.Redis, redis_url: str
+@pytest.mark.parametrize("path", ["native", "twin"])
+def test_a_load_sends_no_counters_ahead_of_its_gets_they_arrive_off_the_load_path(
+    redis_client: redis.Redis, redis_url: str, path: str
 ) -> None:
-    store = _store(redis_url)
-    rig = make_pages(store)
+    """A value job carries no counters: a load with counters pending sends its GETs and
+    nothing else (no round trip ahead of them). The engine delivers them on a store thread
+    after a job once ``counters_every_s`` has passed, so an instance that only loads still
+    reports them, exactly once."""
+    stats, per_load = KEYSPACE.stats_key(), len(chunks(DST))
+    store = _store(redis_url, native=path == "native")
+    rig = make_pages(store, counters_every_s=3600.0)
     try:
-        assert rig.engine.native
         assert rig.store_job(1, chunks(SRC)).ok
-        store.flush_counters()
-        assert rig.load_job(2, chunks(DST)).ok  # its loaded_chunks are pending now
-        assert redis_client.hget(KEYSPACE.stats_key(), "loaded_chunks") is None
-        assert rig.load_job(3, chunks(DST)).ok  # delivers them ahead of its GETs
-        assert redis_client.hget(KEYSPACE.stats_key(), "loaded_chunks") == b"4"
+        store.flush()
+        assert store.counters.take() == {}  # nothing pending
+        before = command_calls(redis_client)
+        assert rig.load_job(2, chunks(DST)).ok
+        assert rig.load_job(3, chunks(DST)).ok
+        assert command_delta(before, command_calls(redis_client)) == {"get": 2 * per_load}
+        assert redis_client.hget(stats, "loaded_chunks") is None
+        assert store.counters.snapshot()["loaded_chunks"] == 2 * per_load  # not yet delivered
         assert rig.moved(SRC, DST)
+    finally:
+        rig.close()  # shutdown flushes them
+        store.close()
+    assert redis_client.hget(stats, "loaded_chunks") == b"%d" % (2 * per_load)
+
+    redis_client.delete(stats)
+    store = _store(redis_url, native=path == "native")
+    rig = make_pages(store, counters_every_s=0.0)  # due after every job
+    try:
+        assert rig.load_job(4, chunks(DST)).ok
+        deadline = time.monotonic() + 5
+        while redis_client.hget(stats, "loaded_chunks") is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert redis_client.hget(stats, "loaded_chunks") == b"%d" % per_load  # no other call
     finally:
         rig.close()
         store.close()
+    assert redis_client.hget(stats, "loaded_chunks") == b"%d" % per_load  # once
 
 
 @pytest.fixture
@@ -142,7 +166,7 @@ def test_a_native_job_that_times_out_fails_and_the_tier_heals_with_the_right_byt
     its connection, with the late replies still on their way, is dropped: once Redis is back
     the next load (the breaker's probe) gets the right bytes."""
     store, rig = paused_store
-    assert rig.engine.native
+    assert rig.store.native
     assert rig.store_job(1, chunks(SRC)).ok
     local_redis.pause()
     try:
@@ -169,7 +193,7 @@ def test_the_native_path_runs_over_a_unix_socket(tmp_path) -> None:
     store = RedisBlockStore(cfg)
     rig = make_pages(store)
     try:
-        assert rig.engine.native, rig.engine.data_path
+        assert rig.store.native, rig.engine.data_path
         assert rig.store_job(1, chunks(SRC)).ok
         assert rig.load_job(2, chunks(DST)).ok
         assert rig.moved(SRC, DST)
@@ -193,7 +217,7 @@ def test_a_refused_get_on_the_native_path_is_a_miss_not_an_outage(local_redis) -
     store = _store(f"redis://g0:pw@127.0.0.1:{local_redis.port}/0")
     reader = make_pages(store)
     try:
-        assert reader.engine.native
+        assert reader.store.native
         assert writer.store_job(1, chunks(SRC)).ok
         assert not reader.load_job(2, chunks(DST)).ok
         assert store.counters.snapshot()["refused_noperm"] >= 2  # group 1's two GETs
@@ -239,7 +263,7 @@ def test_the_start_up_line_says_which_path_runs_and_why(
     store = _store(url, connect_timeout_s=0.2)
     rig = make_pages(store)  # builds the engine only: nothing is sent
     try:
-        assert rig.engine.native == path.startswith("native")
+        assert rig.store.native == path.startswith("native")
         lines = [r.getMessage() for r in caplog.records if "transfer data path" in r.getMessage()]
         assert lines == [f"hma_redis: transfer data path: {rig.engine.data_path}"]
         assert rig.engine.data_path.startswith(path)
@@ -270,7 +294,7 @@ def test_a_job_with_one_failing_connection_opens_the_breaker_once(local_redis, c
     rig = make_pages(store)
     admin = redis.Redis(port=local_redis.port)
     try:
-        assert rig.engine.native
+        assert rig.store.native
         assert rig.store_job(1, chunks(SRC)).ok
         # Slow replies: a job's parts overlap, so each holds a connection of its own (a part
         # that started after another ended could reuse its connection and never meet the
@@ -318,7 +342,7 @@ def test_a_load_failing_on_some_connections_leaves_its_pages_as_before_or_zero(
     rig = make_pages(store)
     admin = redis.Redis(port=local_redis.port)
     try:
-        assert rig.engine.native and rig.engine.loads_land_in_place
+        assert rig.store.native and rig.engine.loads_land_in_place
         assert rig.store_job(1, chunks(SRC)).ok
         proxy.reply_delay_s = 0.25  # the parts overlap, each on a connection of its own
         assert rig.load_job(2, chunks(DST)).ok
@@ -368,7 +392,7 @@ def test_a_store_with_one_failing_connection_opens_the_breaker_once(local_redis,
         )
 
     try:
-        assert rig.engine.native
+        assert rig.store.native
         proxy.reply_delay_s = 0.25  # a job's parts overlap, each on a connection of its own
         store_job(1)
         assert all(admin.exists(c.redis_key) for c in _fresh(1))
@@ -410,13 +434,15 @@ def test_a_job_on_two_connections_fails_whole_when_one_breaks_and_drops_both(
         return [c for c in admin.client_list() if c["name"] == store.client_name]
 
     try:
-        assert rig.engine.native == native
-        assert "up to 2 connection(s) each" in rig.engine.data_path
+        assert rig.store.native == native
+        assert "up to 2 connection(s) per thread" in rig.engine.data_path
         assert rig.store_job(1, chunks(SRC)).ok
         assert rig.load_job(2, chunks(DST)).ok
         lanes = [c for c in ours() if c["cmd"] == "get"]
         assert len(lanes) == 2, lanes  # the load ran on two connections
-        proxy.reply_delay_s = 0.3  # job 3 is still receiving when one connection is dropped
+        # Job 3's requests reach Redis after one of its connections is dropped, and the other
+        # connection's replies are still on their way when the job fails.
+        proxy.request_delay_s = proxy.reply_delay_s = 0.3
         killer = threading.Timer(0.1, lambda: admin.client_kill_filter(_id=lanes[0]["id"]))
         killer.start()
         assert not rig.load_job(3, chunks(DST)).ok

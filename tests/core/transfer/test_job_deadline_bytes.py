@@ -148,7 +148,7 @@ def rig(
         monkeypatch.setenv(NATIVE_ENV, "0")
     rig = _Rig(link.url)
     try:
-        assert rig.engine.native == (request.param == "native"), rig.engine.data_path
+        assert rig.store.native == (request.param == "native"), rig.engine.data_path
         assert rig.run(1, load=False, within_s=30).ok
         rig.stored_bytes = _stored_bytes(local_redis.port)
         yield rig

@@ -40,7 +40,7 @@ def test_a_job_whose_part_fails_fails_whole(
     store = RedisBlockStore(cfg, stats_key=KEYSPACE.stats_key())
     rig = make_pages(store)
     try:
-        assert rig.engine.native and "3 thread(s) per job" in rig.engine.data_path
+        assert rig.store.native and "3 thread(s) per job" in rig.engine.data_path
         assert rig.store_job(1, chunks(SRC)).ok
         proxy.cut = chunks(DST)[cut].redis_key.encode()
         failed = rig.load_job(2, chunks(DST))

@@ -34,7 +34,7 @@ AUTH_KEY = b"transfer-checks-secret-000001"
 def _rig(url: str, path: str, auth_key: bytes | None = None) -> Iterator[Pages]:
     store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
     rig = make_pages(store, auth_key=auth_key)
-    assert rig.engine.native == (path == "native")
+    assert rig.store.native == (path == "native")
     try:
         yield rig
     finally:
