@@ -37,8 +37,8 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.medium import PutResult
 from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.tools.devkit.cluster import LocalCluster
 from hma_redis.tools.devkit.local_redis import LocalRedis
-from tests.support.cluster_servers import LocalCluster
 
 NAMESPACE = "fleet-sim"
 LATENCY_SAMPLES = 50_000  # per process, at most

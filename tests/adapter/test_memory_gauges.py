@@ -21,7 +21,8 @@ from hma_redis.core.medium import PutResult
 from hma_redis.core.redis.breaker import BreakerState
 from hma_redis.core.redis.memory import MemoryPoller, TierMemory
 from hma_redis.core.redis.store import RedisBlockStore
-from tests.support.cluster_servers import LocalCluster, started_cluster
+from hma_redis.tools.devkit.cluster import LocalCluster
+from tests.support.cluster_servers import started_cluster
 from tests.support.redis_server import LocalRedis, command_calls
 
 R = RedisMetricName

@@ -31,7 +31,8 @@ from hma_redis.core.redis.notifications import (
     missing_flags,
 )
 from hma_redis.core.redis.store import RedisBlockStore
-from tests.support.cluster_servers import LocalCluster, started_cluster
+from hma_redis.tools.devkit.cluster import LocalCluster
+from tests.support.cluster_servers import started_cluster
 from tests.support.redis_server import LocalRedis, command_calls, command_delta
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

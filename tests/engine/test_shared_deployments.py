@@ -12,13 +12,9 @@ import pytest
 import redis
 
 from hma_redis.core.transfer.engine import TEST_LOAD_DELAY_ENV
+from hma_redis.tools.devkit.cluster import LocalCluster, LocalSentinel
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
-from tests.support.cluster_servers import (
-    LocalCluster,
-    LocalSentinel,
-    started_cluster,
-    started_sentinel,
-)
+from tests.support.cluster_servers import started_cluster, started_sentinel
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.tier import assert_loaded_from_the_tier, tier_config
 

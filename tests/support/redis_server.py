@@ -8,7 +8,7 @@ error instead.
 
 Servers a test kills, pauses, restarts or starts with its own arguments stay local
 ``redis-server`` processes (``local_redis``, tests/engine/test_faults.py, the ACL and TLS
-servers, tests/support/cluster_servers.py): SIGSTOP/SIGKILL on a pid and a restart on the same
+servers, hma_redis/tools/devkit/cluster.py): SIGSTOP/SIGKILL on a pid and a restart on the same
 port are what those tests exercise, and Cluster/Sentinel nodes announce addresses that must be
 reachable from the host as they are.
 """

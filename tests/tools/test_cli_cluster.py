@@ -23,13 +23,9 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.cli.main import main
+from hma_redis.tools.devkit.cluster import LocalCluster, LocalSentinel
 from tests.support.cli_run import FINGERPRINT, Run, assert_one_line_error, run_script, write_blocks
-from tests.support.cluster_servers import (
-    LocalCluster,
-    LocalSentinel,
-    started_cluster,
-    started_sentinel,
-)
+from tests.support.cluster_servers import started_cluster, started_sentinel
 from tests.support.doc_examples import abridge_doctor, check_readme_example
 
 USER, PASSWORD = "ops", "cli-cluster-s3cret"

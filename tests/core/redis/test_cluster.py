@@ -23,9 +23,10 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.core.medium import PutResult
 from hma_redis.core.redis.breaker import BreakerState
 from hma_redis.core.redis.store import RedisBlockStore, RedisUnavailableError
+from hma_redis.tools.devkit.cluster import LocalCluster
 from hma_redis.tools.devkit.local_redis import free_port
 from tests.core.transfer.test_cpu_pages import FAULT_IDS, FAULTS, _unchanged_unless_landed, damage
-from tests.support.cluster_servers import LocalCluster, started_cluster
+from tests.support.cluster_servers import started_cluster
 from tests.support.kv_pages import DST, HASHES, SRC, chunks, make_pages
 from tests.support.redis_server import store_connections
 

@@ -19,8 +19,9 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis import pins
 from hma_redis.core.redis.pins import PinKeeper
 from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.tools.devkit.cluster import LocalCluster
 from hma_redis.tools.devkit.local_redis import LocalRedis
-from tests.support.cluster_servers import LocalCluster, started_cluster
+from tests.support.cluster_servers import started_cluster
 
 TTL_S = 3600
 KEYSPACE = KeySpace("hma", "pintest")

@@ -15,8 +15,8 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis.client import RedisClient, make_client
 from hma_redis.core.redis.notifications import NotificationState, RemovalWatcher, missing_flags
+from hma_redis.tools.devkit.cluster import LocalCluster
 from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
-from tests.support.cluster_servers import LocalCluster
 
 USER, PASSWORD = "tier", "watch-s3cret"
 KEYSPACE = KeySpace("hma", "watched")

@@ -22,8 +22,8 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis import notifications
 from hma_redis.core.redis.client import RedisClient, make_client
 from hma_redis.core.redis.notifications import NotificationState, RemovalWatcher
+from hma_redis.tools.devkit.cluster import LocalCluster
 from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
-from tests.support.cluster_servers import LocalCluster
 
 USER, PASSWORD = "tier", "late-s3cret"
 KEYSPACE = KeySpace("hma", "late-nodes")

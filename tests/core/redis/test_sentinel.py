@@ -18,7 +18,8 @@ from hma_redis.core.keys import KeySpace
 from hma_redis.core.medium import PutResult
 from hma_redis.core.redis.breaker import BreakerState
 from hma_redis.core.redis.store import RedisBlockStore, RedisUnavailableError
-from tests.support.cluster_servers import LocalSentinel, started_sentinel
+from hma_redis.tools.devkit.cluster import LocalSentinel
+from tests.support.cluster_servers import started_sentinel
 from tests.support.redis_server import store_connections
 
 USER, PASSWORD = "tier", "sentinel-s3cret"

@@ -25,8 +25,9 @@ from hma_redis.core.redis import wire
 from hma_redis.core.redis.breaker import BreakerState
 from hma_redis.core.redis.client import raw_socket
 from hma_redis.core.redis.store import PutResult, RedisBlockStore, Sighting, bulk_connections
+from hma_redis.tools.devkit.cluster import LocalCluster
 from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
-from tests.support.cluster_servers import LocalCluster, started_cluster
+from tests.support.cluster_servers import started_cluster
 from tests.support.kv_pages import on_path
 from tests.support.redis_server import (
     command_calls,
