@@ -137,13 +137,14 @@ def on_path(store: RedisBlockStore, native: bool) -> Iterator[RedisBlockStore]:
     """``store``'s value calls inside the block on the C job (``native``) or its pure-Python
     twin, as a store built with that path runs them; its own path again after. For tests that
     put one store's values through both paths (counters and breaker shared)."""
-    saved = store.native, store.native_reason
+    values = store.values
+    saved = values.native, values.native_reason
     if not native:
-        store.native, store.native_reason = False, "the Python path was asked for"
+        values.native, values.native_reason = False, "the Python path was asked for"
     try:
         yield store
     finally:
-        store.native, store.native_reason = saved
+        values.native, values.native_reason = saved
 
 
 def make_pages(

@@ -581,3 +581,28 @@ def _zero_copy_connection(base: type[redis.Connection]) -> type[redis.Connection
             super().__init__(**kwargs)
 
     return ZeroCopyConnection
+
+
+def warm_pool(client: RedisClient, connections: int) -> int:
+    """Open up to ``connections`` connections of ``client``'s pool, or of each Cluster
+    primary's pool, and give them back; how many were open then. Errors end it quietly."""
+    if isinstance(client, RedisCluster):
+        try:
+            pools = [client.get_redis_connection(n).connection_pool for n in client.get_primaries()]
+        except (RedisError, RedisClusterException, OSError):
+            return 0
+    else:
+        pools = [client.connection_pool]
+    ready = 0
+    for pool in pools:
+        held: list[Any] = []
+        try:
+            for _ in range(connections):
+                held.append(pool.get_connection())  # connects it
+        except (RedisError, OSError) as exc:
+            logger.debug("hma_redis: opening connections ahead of use stopped: %s", exc)
+        finally:
+            ready += len(held)
+            for conn in held:
+                pool.release(conn)
+    return ready

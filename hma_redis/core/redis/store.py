@@ -1,12 +1,14 @@
-"""RedisBlockStore: the block API, the only place that speaks Redis commands for the tier.
+"""RedisBlockStore: the block API of the tier on Redis (implements
+:class:`hma_redis.core.medium.BlockStore`): lookups and admission, the value jobs
+(:mod:`hma_redis.core.redis.jobs`), namespace metadata, pins and memory, the counters.
 
 Every operation is one pipelined round trip (per node, on a cluster), safe to call from many
 threads at once, and bounded in time as a whole: each wait on a socket by ``read_timeout_s``,
 the operation by a deadline (:func:`hma_redis.core.deadline.budget_s` of its bytes, or the
 caller's ``deadline`` when that comes first); past it the operation fails as a timeout. Every
-call goes through one guard (:meth:`RedisBlockStore._guard`) that tells outages from refusals:
-an outage (connection error, timeout) opens the circuit breaker, so the tier is off until a
-probe succeeds; a refusal (NOPERM, OOM, READONLY: a healthy server saying no) is counted
+call goes through one guard (:class:`~hma_redis.core.redis.guard.Guard`) that tells outages
+from refusals: an outage (connection error, timeout) opens the circuit breaker, so the tier is
+off until a probe succeeds; a refusal (NOPERM, OOM, READONLY: a healthy server saying no) is counted
 (``refused_*``) and logged at most once a minute per kind, and the tier stays on for everything
 else. Operations that can degrade do: existence checks become misses, puts become FAILED, gets
 become ``None``.
@@ -14,50 +16,43 @@ become ``None``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
-from hma_redis.core.deadline import Deadline, budget_s
+from hma_redis.core.deadline import Deadline
 from hma_redis.core.latency import LatencySamples, Operation
 from hma_redis.core.medium import (
     BlockStore,
     LoadResult,
-    LoadStatus,
     LoadTarget,
-    MediumJob,
     Pages,
     PutResult,
-    body_bytes,
 )
 from hma_redis.core.redis import pins, reply_shapes, wire
 from hma_redis.core.redis.breaker import (
     BreakerState,
     CircuitBreaker,
     ErrorKind,
-    JobOutcome,
-    RateLimitedLog,
     classify,
     describe,
-    refusal_of,
 )
 from hma_redis.core.redis.client import (
     RedisClient,
     bounded,
     make_client,
     new_client_name,
-    raw_socket,
+    warm_pool,
 )
+from hma_redis.core.redis.guard import Guard
+from hma_redis.core.redis.jobs import RedisJob, ValueJobs, put_result
 from hma_redis.core.redis.memory import (
     MemoryReading,
     MemoryRefused,
@@ -114,14 +109,6 @@ MAX_LOOKUP_REPLY = wire.MAX_REPLY_LINE
 REFUSAL_LOG_INTERVAL_S = 60.0
 
 _T = TypeVar("_T")
-_R = TypeVar("_R", bound="_JobResult")
-
-
-class _JobResult(Protocol):
-    """A value job's result for one key (:class:`LoadResult`, ``wire.StoreResult``)."""
-
-    @property
-    def error(self) -> str | None: ...
 
 
 class Sighting(Enum):
@@ -143,18 +130,6 @@ class RedisUnavailableError(ConnectionError):
     """Redis could not be reached at start-up (message carries the redacted URL)."""
 
 
-class RedisJob(MediumJob):
-    """A transfer job's value calls on Redis (:meth:`RedisBlockStore.start_job`): their
-    deadline and the breaker's one outcome for them."""
-
-    def __init__(self, deadline: Deadline, outcome: JobOutcome) -> None:
-        self.deadline = deadline
-        self.outcome = outcome
-
-    def settle(self) -> None:
-        self.outcome.settle()
-
-
 class RedisBlockStore(BlockStore[RedisJob]):
     """Batched, degradable access to block values and namespace metadata.
 
@@ -174,14 +149,6 @@ class RedisBlockStore(BlockStore[RedisJob]):
         native: bool | None = None,
     ):
         self.cfg = cfg
-        reason = _native_unavailable_reason(cfg)
-        if native is False:
-            reason = "the Python path was asked for"
-        elif native and reason is not None:
-            raise ValueError(f"hma_redis: the native data path cannot run: {reason}")
-        #: Whether value calls run the C job (else its pure-Python twin); why not, if not.
-        self.native = reason is None
-        self.native_reason = reason
         # The connections of both pools carry this name (CLIENT LIST shows which are the
         # store's); a client handed in keeps its own (None here).
         self.client_name = new_client_name() if client is None else None
@@ -202,16 +169,29 @@ class RedisBlockStore(BlockStore[RedisJob]):
         )
         self.breaker = CircuitBreaker(cfg.redacted_url, cfg.retry_interval_s)
         self._is_cluster = isinstance(self.client, RedisCluster)
-        self._stats_lock = threading.Lock()
-        self.round_trips = 0
-        # Counter deltas for ``stats_key``, delivered on the store's next round trip.
+        # Counter deltas for ``stats_key``, delivered on the store's next pipelined call.
         self.stats_key = stats_key
         self.counters = PendingCounters()
         # Seconds of the calls Redis answered, by operation (drained by the metrics).
         self.latency = LatencySamples()
-        self._refusal_log = RateLimitedLog(refusal_log_interval_s)
-        # A value job on a Cluster met MOVED/ASK: refresh the slot table after it.
-        self._slots_stale = False
+        self._guard = Guard(cfg, self.breaker, self.counters, self.latency, refusal_log_interval_s)
+        #: The value jobs, on the bulk pool, on the data path chosen here.
+        self.values = ValueJobs(cfg, self._bulk, self._guard, native)
+
+    @property
+    def native(self) -> bool:
+        """Whether value calls run the C job (else its pure-Python twin)."""
+        return self.values.native
+
+    @property
+    def native_reason(self) -> str | None:
+        """Why value calls do not run the C job, or None."""
+        return self.values.native_reason
+
+    @property
+    def round_trips(self) -> int:
+        """Round trips made so far (every guarded call counts its own)."""
+        return self._guard.round_trips
 
     # ------------------------------------------------------------------ health
 
@@ -262,14 +242,14 @@ class RedisBlockStore(BlockStore[RedisJob]):
             flags: list[bool] = []
             for idx, reply in enumerate(replies):
                 size = len(batch[idx * _EXISTS_BATCH : (idx + 1) * _EXISTS_BATCH])
-                if self._refusal("EVAL", reply):
+                if self._guard.refusal("EVAL", reply):
                     # Refused (e.g. an ACL without these keys): misses, Redis itself is fine.
                     flags.extend([False] * size)
                 else:
                     flags.extend(v == 1 for v in reply_shapes.flags("EVAL", reply, size, (0, 1)))
             return flags
 
-        within = self._deadline(0, deadline)
+        within = self._guard.deadline(0, deadline)
         return self._guarded(
             "EXISTS",
             keys,
@@ -323,7 +303,7 @@ class RedisBlockStore(BlockStore[RedisJob]):
                 out = []
                 for idx, reply in enumerate(sets):
                     there = all(found[idx * ranks : (idx + 1) * ranks])
-                    refused = self._refusal("SET", reply)
+                    refused = self._guard.refusal("SET", reply)
                     first = refused or reply_shapes.is_ok("SET", reply, nil=True)
                     out.append(Sighting.PRESENT if there else _first_or_again(first))
                 return out
@@ -331,7 +311,7 @@ class RedisBlockStore(BlockStore[RedisJob]):
             step = max(1, _EXISTS_BATCH // (ranks + 1))
             for idx, reply in enumerate(replies):
                 size = len(chunks[idx * step : (idx + 1) * step])
-                if self._refusal("EVAL", reply):
+                if self._guard.refusal("EVAL", reply):
                     codes.extend([Sighting.FIRST] * size)
                 else:
                     codes.extend(
@@ -353,7 +333,7 @@ class RedisBlockStore(BlockStore[RedisJob]):
     def _exists_flag(self, reply: Any) -> bool:
         """One cluster EXISTS reply as a flag (refusals are misses, outages and replies of
         another shape raise)."""
-        return False if self._refusal("EXISTS", reply) else reply_shapes.flag("EXISTS", reply)
+        return False if self._guard.refusal("EXISTS", reply) else reply_shapes.flag("EXISTS", reply)
 
     def put_if_absent(
         self,
@@ -377,7 +357,7 @@ class RedisBlockStore(BlockStore[RedisJob]):
                 pipe.set(key, values[key], nx=True, ex=ttl)
 
         def collect(replies: list[Any], batch: Sequence[str]) -> list[PutResult]:
-            return [self._put_result(reply) for reply in replies]
+            return [put_result(self._guard, reply) for reply in replies]
 
         nbytes = sum(memoryview(value).nbytes for _, value in items)
         return self._guarded(
@@ -387,16 +367,9 @@ class RedisBlockStore(BlockStore[RedisJob]):
             collect,
             default=PutResult.FAILED,
             client=self._bulk,
-            deadline=self._deadline(nbytes, deadline),
+            deadline=self._guard.deadline(nbytes, deadline),
             operation=Operation.STORE,
         )
-
-    def _put_result(self, reply: Any) -> PutResult:
-        """One SET NX reply: OK, nil (the key existed), or a refusal (e.g. OOM under
-        maxmemory + noeviction: this key is not stored)."""
-        if self._refusal("SET", reply):
-            return PutResult.FAILED
-        return PutResult.STORED if reply else PutResult.EXISTED
 
     def get(self, keys: Sequence[str], deadline: Deadline | None = None) -> list[bytes | None]:
         """Values of ``keys`` in one round trip (per node); ``None`` for missing or on failure."""
@@ -408,9 +381,9 @@ class RedisBlockStore(BlockStore[RedisJob]):
                 pipe.get(key)
 
         def collect(replies: list[Any], batch: Sequence[str]) -> list[bytes | None]:
-            return [None if self._refusal("GET", reply) else reply for reply in replies]
+            return [None if self._guard.refusal("GET", reply) else reply for reply in replies]
 
-        within = self._deadline(0, deadline)
+        within = self._guard.deadline(0, deadline)
         return self._guarded(
             "GET", keys, run, collect, default=None, deadline=within, operation=Operation.LOAD
         )
@@ -421,104 +394,46 @@ class RedisBlockStore(BlockStore[RedisJob]):
             return 0
 
         def unlink() -> int:
-            self._count_round_trip()
+            self._guard.count_round_trip()
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.unlink(key)
             replies = pipe.execute(raise_on_error=False)
             return sum(
-                0 if self._refusal("UNLINK", n) else reply_shapes.integer("UNLINK", n, (0, 1))
+                0 if self._guard.refusal("UNLINK", n) else reply_shapes.integer("UNLINK", n, (0, 1))
                 for n in replies
             )
 
-        return self._guard("UNLINK", unlink, 0)
+        return self._guard.run("UNLINK", unlink, 0)
 
     # ------------------------------------------------------------------ value jobs
 
     def describe(self) -> str:
-        """The data path of :meth:`load_values` / :meth:`put_values`: the C job and its CRC32C
-        (instructions or a table), or the pure-Python twin and why; and how many connections
-        one call spreads its values over at most."""
-        if self.native:
-            crc = "SSE4.2" if wire.hardware_crc() else "a portable table"
-            which = f"native, GIL released (CRC32C by {crc})"
-        else:
-            which = f"pure Python ({self.native_reason})"
-        return f"{which}, up to {self.cfg.connections_per_thread} connection(s) per thread"
+        return self.values.describe()
 
     def announce(self, line: str) -> None:
-        """Log a transfer engine's ``line`` about the data path (:func:`wire.announce`)."""
-        wire.announce(line)
+        self.values.announce(line)
 
     @property
     def lands_in_place(self) -> bool:
-        """The C job receives a value's body straight into the pages its target names; the
-        twin can too, but only the C job is trusted to (see the transfer engine)."""
-        return self.native
+        return self.values.lands_in_place
 
     def start_job(self, nbytes: int, since: float) -> RedisJob:
-        """A job of value calls moving ``nbytes``, submitted at ``since``: its deadline is
-        :func:`~hma_redis.core.deadline.budget_s` of those bytes over two round trips from
-        ``since``; the breaker lets it through (or not) now, as one call."""
-        seconds = budget_s(self.cfg.read_timeout_s, nbytes, round_trips=2)
-        return RedisJob(Deadline(since + seconds), self.breaker.job())
+        return self.values.start_job(nbytes, since)
 
     def warm_up(self, parts: int) -> int:
-        """Open up to ``parts`` × ``connections_per_thread`` connections of the bulk pool
-        (of each Cluster primary's pool) ahead of the first job, so that a fresh engine's first
-        load does not wait for them (connect, HELLO, AUTH, SELECT). Best effort, outside the
-        breaker: an error stops it quietly and the jobs open what they need, as they always
-        could. Returns how many connections it opened or found open. Bounded like every call
-        (by :meth:`_deadline`: a server that drips its handshake holds it no longer), so
-        whatever queues behind it waits at most that."""
-        with bounded(self._deadline()):
-            return _warm(self._bulk, parts * self.cfg.connections_per_thread)
+        return self.values.warm_up(parts)
 
     def warm_lookups(self) -> int:
         """:meth:`warm_up` for the connection lookups use (one per pool)."""
-        with bounded(self._deadline()):
-            return _warm(self.client, 1)
+        with bounded(self._guard.deadline()):
+            return warm_pool(self.client, 1)
 
     def load_values(
         self, keys: Sequence[str], targets: Sequence[LoadTarget], job: RedisJob | None = None
     ) -> list[LoadResult] | None:
-        """``GET`` every key into its target, the whole job in one call of
-        :func:`wire.load_values` per connection (values land where the targets say,
-        CRC32C computed as they arrive; nothing is validated beyond that): the C job with the
-        GIL released, or its pure-Python twin (:attr:`native`). Same bytes either way.
-
-        On a Cluster the keys are grouped by the node that serves their slot, each group on a
-        connection to that node; ASK is followed, MOVED is a refusal and refreshes the slot
-        table (:meth:`_on_job_connections`). An error reply is a refusal (counted and logged;
-        its result stays ``ERROR``) unless it is an outage. None when Redis failed (outage:
-        the breaker opens) or the breaker is open. ``job``: the transfer job this call is a
-        part of (:meth:`start_job`); without one the call is a job of its own.
-        """
-        if not keys:
-            return []
-        commands = [_get_command(key) for key in keys]
-        deadline, outcome = _of_job(job)
-        within = self._deadline(sum(t.max_len for t in targets), deadline)
-        lanes = self._lanes(max((target.max_len for target in targets), default=0), len(keys))
-
-        def body(sock: Any, idx: Sequence[int]) -> list[LoadResult]:
-            return wire.load_values(
-                sock,
-                [commands[i] for i in idx],
-                [targets[i] for i in idx],
-                self.cfg.read_timeout_s,
-                budget_s=within.remaining(),
-                native=self.native,
-            )
-
-        def load() -> list[LoadResult]:
-            results = self._on_job_connections(keys, body, lanes)
-            for result in results:
-                if result.status is LoadStatus.ERROR:
-                    self._job_error("GET", result.error)
-            return results
-
-        return self._guard("GET", load, None, within, outcome, Operation.LOAD)
+        """:meth:`ValueJobs.load_values <hma_redis.core.redis.jobs.ValueJobs.load_values>`."""
+        return self.values.load_values(keys, targets, job)
 
     def put_values(
         self,
@@ -529,72 +444,8 @@ class RedisBlockStore(BlockStore[RedisJob]):
         *,
         ttl_s: int | None = None,
     ) -> list[PutResult]:
-        """``SET key value NX [EX ttl]`` for every key, in one call of
-        :func:`wire.store_values` per connection: the C job with the GIL released, or its
-        pure-Python twin (as :meth:`load_values`; a Cluster likewise, per node).
-
-        A value is ``heads[i]`` (the codec's prefix and header, every field filled but the
-        CRC32C, which is computed over header and body and written into the head here) then
-        ``bodies[i]``'s pieces, sent in place (``sendmsg``; TLS piece by piece). Results as
-        :meth:`put_if_absent`. ``job`` as for :meth:`load_values`; ``ttl_s`` (default: the
-        config's) the values' TTL.
-        """
-        if not keys:
-            return []
-        ttl = ttl_s if ttl_s is not None else self.cfg.ttl_s
-        tail = b"\r\n$2\r\nNX\r\n"
-        if ttl:
-            tail += b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
-        values = []
-        total = largest = 0
-        for key, head, body in zip(keys, heads, bodies, strict=True):
-            raw_key = key.encode()
-            size = memoryview(head).nbytes + body_bytes(body)
-            total += size
-            largest = max(largest, size)
-            framing = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-                6 if ttl else 4,
-                len(raw_key),
-                raw_key,
-                size,
-            )
-            values.append(wire.StoreValue(framing, head, body, tail))
-
-        deadline, outcome = _of_job(job)
-        within = self._deadline(total, deadline)
-        lanes = self._lanes(largest, len(keys))
-
-        def send(sock: Any, idx: Sequence[int]) -> list[wire.StoreResult]:
-            return wire.store_values(
-                sock,
-                [values[i] for i in idx],
-                self.cfg.read_timeout_s,
-                budget_s=within.remaining(),
-                native=self.native,
-            )
-
-        def store() -> list[PutResult]:
-            return [self._store_result(r) for r in self._on_job_connections(keys, send, lanes)]
-
-        default = [PutResult.FAILED] * len(keys)
-        return self._guard("SET", store, default, within, outcome, Operation.STORE)
-
-    def _job_error(self, command: str, error: str | None) -> None:
-        """An error reply to one GET of a load job: a refusal (counted, logged)."""
-        self._refusal(command, self._job_reply_error(error))
-
-    def _job_reply_error(self, error: str | None) -> ResponseError:
-        """An error reply of a value job as redis-py's exception; a Cluster key that moved
-        (MOVED, ASK) also marks the slot table stale."""
-        text = error or ""
-        self._slots_stale = self._slots_stale or text.startswith(("MOVED", "ASK"))
-        return ResponseError(text)
-
-    def _store_result(self, result: wire.StoreResult) -> PutResult:
-        if result.status is wire.StoreStatus.ERROR:
-            return self._put_result(self._job_reply_error(result.error))
-        stored = result.status is wire.StoreStatus.STORED
-        return PutResult.STORED if stored else PutResult.EXISTED
+        """:meth:`ValueJobs.put_values <hma_redis.core.redis.jobs.ValueJobs.put_values>`."""
+        return self.values.put_values(keys, heads, bodies, job, ttl_s=ttl_s)
 
     # ------------------------------------------------------------------ metadata
 
@@ -604,12 +455,12 @@ class RedisBlockStore(BlockStore[RedisJob]):
         the store, and True says that Redis answered."""
 
         def hset() -> None:
-            self._count_round_trip()
+            self._guard.count_round_trip()
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(info_key, mapping=dict(fields))  # type: ignore[arg-type]
-            self._refusal("HSET", pipe.execute(raise_on_error=False)[0])
+            self._guard.refusal("HSET", pipe.execute(raise_on_error=False)[0])
 
-        self._guard("HSET", hset, None)
+        self._guard.run("HSET", hset, None)
         # Redis answered unless the breaker is open now: a refusal leaves it closed, also one
         # of the whole call (e.g. an ACL without SELECT), which the guard turns into None.
         return self.breaker.state is BreakerState.CLOSED
@@ -624,10 +475,10 @@ class RedisBlockStore(BlockStore[RedisJob]):
             return pins.PinResult(0)
 
         def call() -> pins.PinResult:
-            self._count_round_trip()
+            self._guard.count_round_trip()
             return pins.pin(self.client, pins_key, deadlines, budget_bytes)
 
-        return self._guard("ZADD", call, None)
+        return self._guard.run("ZADD", call, None)
 
     def sweep_pins(
         self, pins_key: str, ttl_s: int, max_rounds: int = 100
@@ -640,10 +491,10 @@ class RedisBlockStore(BlockStore[RedisJob]):
         for _ in range(max_rounds):
 
             def call() -> pins.SweepResult:
-                self._count_round_trip()
+                self._guard.count_round_trip()
                 return pins.sweep(self.client, pins_key, ttl_s, max_rounds=1)
 
-            result = self._guard("EVAL", call, None)
+            result = self._guard.run("EVAL", call, None)
             if result is None:
                 return None
             expired += result.expired
@@ -674,16 +525,16 @@ class RedisBlockStore(BlockStore[RedisJob]):
                     raise
                 return MemoryRefused(str(exc))
 
-        return self._guard("INFO", info, None)
+        return self._guard.run("INFO", info, None)
 
     def _node_memory(self) -> list[NodeMemory]:
         if not isinstance(self.client, RedisCluster):
-            self._count_round_trip()
+            self._guard.count_round_trip()
             reply = reply_shapes.parsed("INFO", lambda: self.client.info("memory"))
             return [node_memory(self.cfg.redacted_url, reply)]
         out = []
         for node in sorted(self.client.get_primaries(), key=lambda n: (n.host, int(n.port))):
-            self._count_round_trip()
+            self._guard.count_round_trip()
             client = self.client.get_redis_connection(node)
 
             def info(on: redis.Redis = client) -> Any:
@@ -707,14 +558,16 @@ class RedisBlockStore(BlockStore[RedisJob]):
         if not pending:
             return
 
-        delivered = self._guard("HINCRBY", lambda: self._send_counters(self.client, pending), False)
+        delivered = self._guard.run(
+            "HINCRBY", lambda: self._send_counters(self.client, pending), False
+        )
         # Refused as a whole (the guard's default, breaker still closed): dropped.
         if not delivered and self.breaker.state is not BreakerState.CLOSED:
             self.counters.restore(pending)
 
     def _send_counters(self, client: RedisClient, pending: Mapping[str, int]) -> bool:
         """Counter deltas as one pipeline of HINCRBYs on ``client`` (one round trip)."""
-        self._count_round_trip()
+        self._guard.count_round_trip()
         pipe = client.pipeline(transaction=False)
         self._append_counters(pipe, pending)
         self._check_counter_replies(pipe.execute(raise_on_error=False))
@@ -728,220 +581,10 @@ class RedisBlockStore(BlockStore[RedisJob]):
         """Counter increments that rode along: an outage raises; a refusal is logged, not
         counted (counting it would make the next round trip carry a counter to refuse)."""
         for reply in replies:
-            if not self._refusal("HINCRBY", reply, count=False):
+            if not self._guard.refusal("HINCRBY", reply, count=False):
                 reply_shapes.integer("HINCRBY", reply)
 
     # ------------------------------------------------------------------ the guard
-
-    def _deadline(self, nbytes: int = 0, within: Deadline | None = None) -> Deadline:
-        """The deadline of an operation moving ``nbytes`` that starts now, or ``within`` when
-        that comes first."""
-        return Deadline.after(budget_s(self.cfg.read_timeout_s, nbytes)).earliest(within)
-
-    def _guard(
-        self,
-        command: str,
-        call: Callable[[], _T],
-        default: _T,
-        deadline: Deadline | None = None,
-        outcome: JobOutcome | None = None,
-        operation: Operation | None = None,
-        max_reply_bytes: int | None = None,
-    ) -> _T:
-        """Run ``call`` (one Redis round trip) under the breaker; every Redis call goes here.
-        It must end by ``deadline`` (default: :meth:`_deadline` of no bytes): past it, its
-        connections are shut down (:func:`~hma_redis.core.redis.client.bounded`) and it counts as
-        an outage (a timeout). With ``max_reply_bytes``, a reply longer than that is refused
-        as it arrives (an outage too), before more of it is held.
-
-        A reply of a shape the command never has in Redis
-        (:class:`~hma_redis.core.redis.reply_shapes.WrongReply`) is an outage like an unreadable
-        one: the call yields ``default`` and the breaker opens (it logs that once).
-
-        While the breaker is open ``default`` at once, except for one probe per interval. An
-        outage (see :func:`~hma_redis.core.redis.breaker.classify`) opens the breaker and yields
-        ``default``. A refusal raised by the whole call (NOPERM, OOM, READONLY, another error
-        reply) yields ``default`` too but proves the server answers: it is counted and logged
-        (rate-limited) and the breaker stays (or becomes) closed. Exceptions that are not
-        Redis errors (a caller's bug, a failed allocation) propagate. With ``outcome`` (one
-        part of a job) the job was let through or not as a whole, and the breaker hears of
-        the part only through the job's outcome.
-
-        With ``operation``, the call's seconds go to :attr:`latency` when Redis answered it
-        (refusals included; not when the breaker let nothing through or the call failed).
-        """
-        report = outcome if outcome is not None else self.breaker.job()
-        if not report.allowed:
-            return default
-        started = time.perf_counter()
-        try:
-            with bounded(deadline or self._deadline(), max_reply_bytes):
-                out = call()
-        except (RedisError, OSError) as exc:
-            out = default
-            if classify(exc) is ErrorKind.OUTAGE:
-                report.failed(exc)
-            else:
-                self._refused(command, exc, count=True)
-                report.answered()
-                self._record_latency(operation, started)
-        else:
-            report.answered()
-            self._record_latency(operation, started)
-        if outcome is None:
-            report.settle()
-        return out
-
-    def _record_latency(self, operation: Operation | None, started: float) -> None:
-        if operation is not None:
-            self.latency.record(operation, time.perf_counter() - started)
-
-    def _refusal(self, command: str, reply: Any, count: bool = True) -> bool:
-        """One reply of a pipelined call: True if it is a refusal (counted and logged), False
-        if it is an answer. An outage error in a reply raises it, for the guard."""
-        if not isinstance(reply, Exception):
-            return False
-        if classify(reply) is ErrorKind.OUTAGE:
-            raise reply
-        self._refused(command, reply, count)
-        return True
-
-    def _refused(self, command: str, exc: BaseException, count: bool) -> None:
-        """Count a refusal (``refused_<kind>``) and log it at most once per interval per
-        command and kind, with the number held back since."""
-        kind = refusal_of(exc)
-        if count:
-            self.counters.add(**{f"refused_{kind.value}": 1})
-        held = self._refusal_log.admit(f"{command}:{kind.value}")
-        if held is None:
-            return
-        logger.warning(
-            "hma_redis: Redis at %s refused %s: %s (%s; %d more since the last report; the "
-            "tier stays on; at most one report per %.0fs)",
-            self.cfg.redacted_url,
-            command,
-            exc,
-            kind.name,
-            held,
-            self._refusal_log.interval_s,
-        )
-
-    def _count_round_trip(self) -> None:
-        with self._stats_lock:
-            self.round_trips += 1
-
-    def _lanes(self, largest: int, count: int) -> int:
-        """Connections a value job of ``count`` values (the largest ``largest`` bytes) runs on
-        (:func:`wire.job_connections` of ``connections_per_thread``)."""
-        return wire.job_connections(largest, count, self.cfg.connections_per_thread)
-
-    def _on_job_connections(
-        self, keys: Sequence[str], body: Callable[[Any, Sequence[int]], list[_R]], lanes: int = 1
-    ) -> list[_R]:
-        """``body(sockets, positions)`` for the positions of ``keys``, its results back in key
-        order. One server: every position on ``lanes`` connections. A Cluster: the positions
-        grouped by the node that serves their slot, each group on up to ``lanes`` connections
-        to its node, one node after the other; a key whose slot is migrating and that answered
-        ASK is sent again to the node named, after ``ASKING`` (:meth:`_follow_asks`). A key
-        that moved answers MOVED: an error result, a refusal, so the job fails and is
-        recomputed, and the slot table is refreshed for the next job."""
-        if not isinstance(self._bulk, RedisCluster):
-            pool = self._bulk.connection_pool
-            return self._on_job_connection(
-                pool, lambda socks: body(socks, range(len(keys))), lanes=lanes
-            )
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for idx, key in enumerate(keys):
-            node = self._bulk.get_node_from_key(key)
-            by_node.setdefault(node.name, (node, []))[1].append(idx)
-        out: list[_R | None] = [None] * len(keys)
-        try:
-            for node, positions in by_node.values():
-
-                def run(sock: Any, on_node: Sequence[int] = positions) -> list[_R]:
-                    return body(sock, on_node)
-
-                pool = self._bulk.get_redis_connection(node).connection_pool
-                on = min(lanes, len(positions))
-                results = self._on_job_connection(pool, run, lanes=on)
-                for idx, result in zip(positions, results, strict=True):
-                    out[idx] = result
-            self._follow_asks(out, body)  # type: ignore[arg-type,type-var]  # all filled
-            # A key still redirected (MOVED, an ASK not followed): the slot table is stale.
-            moved = any((r.error or "").startswith(("MOVED", "ASK")) for r in out if r)
-            self._slots_stale = self._slots_stale or moved
-        finally:
-            if self._slots_stale:
-                self._slots_stale = False
-                # Best effort: redis-py refreshes it on its own MOVED replies too.
-                with contextlib.suppress(RedisError, RedisClusterException):
-                    self._bulk.nodes_manager.initialize()
-        return out  # type: ignore[return-value]  # every position was filled
-
-    def _follow_asks(self, out: list[_R], body: Callable[[Any, Sequence[int]], list[_R]]) -> None:
-        """Each position of ``out`` that answered ``ASK <slot> <host>:<port>`` (its slot is
-        being migrated and the key is, or is to be, on that node), run again by ``body`` on a
-        connection to that node, right after ``ASKING``: it admits one command, so one key at
-        a time. An ASK to a node the client does not know stays an error (a refusal)."""
-        assert isinstance(self._bulk, RedisCluster)
-        for idx, result in enumerate(out):
-            node = self._ask_target(result.error)
-            if node is None:
-                continue
-            pool = self._bulk.get_redis_connection(node).connection_pool
-
-            def again(socks: Any, at: int = idx) -> list[_R]:
-                return body(socks, [at])
-
-            (out[idx],) = self._on_job_connection(pool, again, asking=True)
-
-    def _ask_target(self, error: str | None) -> Any:
-        """The node an ``ASK`` error reply names, or None (not an ASK, or an unknown node)."""
-        if not error or not error.startswith("ASK "):
-            return None
-        assert isinstance(self._bulk, RedisCluster)
-        fields = error.split()
-        if len(fields) != 3 or ":" not in fields[2]:
-            return None
-        host, port = fields[2].rsplit(":", 1)
-        if not port.isdigit():
-            return None
-        return self._bulk.get_node(host=host.strip("[]"), port=int(port))
-
-    def _on_job_connection(
-        self,
-        pool: Any,
-        body: Callable[[list[Any]], _T],
-        asking: bool = False,
-        lanes: int = 1,
-    ) -> _T:
-        """Run ``body(sockets)`` on ``lanes`` connections of ``pool``, which nothing else reads
-        while it runs (a value job carries no counters: they ride along on lookups and
-        :meth:`flush`, never before a load's GETs); with ``asking`` (one connection),
-        ``ASKING`` goes first (Cluster: the next command may use a slot the node is importing).
-        A connection holding
-        bytes nobody asked for (a push message) is reconnected first, so the job starts at a
-        reply boundary. Any exception drops every one of the connections (a stream may stop
-        inside a reply) and propagates."""
-        self._count_round_trip()
-        conns: list[Any] = []
-        try:
-            for _ in range(lanes):
-                conns.append(pool.get_connection())
-                if conns[-1].can_read(timeout=0):
-                    conns[-1].disconnect()
-                    conns[-1].connect()
-            if asking:
-                conns[0].send_command("ASKING")
-                conns[0].read_response()
-            return body([raw_socket(conn) for conn in conns])
-        except BaseException:
-            for conn in conns:
-                conn.disconnect()
-            raise
-        finally:
-            for conn in conns:
-                pool.release(conn)
 
     def _guarded(
         self,
@@ -956,9 +599,9 @@ class RedisBlockStore(BlockStore[RedisJob]):
         max_reply_bytes: int | None = None,
     ) -> list[_T]:
         """Run ``run`` on one pipeline (cluster: one per node) and map replies back to ``keys``,
-        under :meth:`_guard` (an outage, no answer by the deadline, or a reply of the wrong
-        shape, yields ``default`` for every key)."""
-        return self._guard(
+        under the guard (an outage, no answer by the deadline, or a reply of the wrong shape
+        yields ``default`` for every key)."""
+        return self._guard.run(
             command,
             lambda: self._execute(client or self.client, keys, run, collect),
             [default] * len(keys),
@@ -974,7 +617,7 @@ class RedisBlockStore(BlockStore[RedisJob]):
         run: Callable[[Any, Sequence[str]], None],
         collect: Callable[[list[Any], Sequence[str]], list[_T]],
     ) -> list[_T]:
-        self._count_round_trip()
+        self._guard.count_round_trip()
         pending = self.counters.take() if self.stats_key is not None else {}
         try:
             return self._execute_with(client, keys, run, collect, pending)
@@ -1003,54 +646,9 @@ class RedisBlockStore(BlockStore[RedisJob]):
         return out
 
 
-def _of_job(job: RedisJob | None) -> tuple[Deadline | None, JobOutcome | None]:
-    """A value call's deadline and breaker outcome: its job's, or none (a job of its own)."""
-    return (None, None) if job is None else (job.deadline, job.outcome)
-
-
-def _native_unavailable_reason(cfg: RedisTierConfig) -> str | None:
-    """Why value calls cannot run the C job, or None. It needs the built extension (not
-    disabled by ``HMA_REDIS_NATIVE=0``) and plain connections (standalone, unix socket,
-    Sentinel's master, or each node of a Cluster): TLS stays in Python's ``ssl``."""
-    reason = wire.unavailable_reason()
-    if reason is None and cfg.tls:
-        return "TLS connections stay in Python's ssl"
-    return reason
-
-
-def _warm(client: RedisClient, connections: int) -> int:
-    """Open up to ``connections`` connections of ``client``'s pool, or of each Cluster
-    primary's pool, and give them back; how many were open then. Errors end it quietly."""
-    if isinstance(client, RedisCluster):
-        try:
-            pools = [client.get_redis_connection(n).connection_pool for n in client.get_primaries()]
-        except (RedisError, RedisClusterException, OSError):
-            return 0
-    else:
-        pools = [client.connection_pool]
-    ready = 0
-    for pool in pools:
-        held: list[Any] = []
-        try:
-            for _ in range(connections):
-                held.append(pool.get_connection())  # connects it
-        except (RedisError, OSError) as exc:
-            logger.debug("hma_redis: opening connections ahead of use stopped: %s", exc)
-        finally:
-            ready += len(held)
-            for conn in held:
-                pool.release(conn)
-    return ready
-
-
 def bulk_connections(cfg: RedisTierConfig) -> int:
     """Connections the bulk pool may need at once: every load and store thread of a transfer
     engine built from ``cfg``, each with ``connections_per_job`` parts of
     ``connections_per_thread`` connections, and one more."""
     threads = cfg.io_threads + max(1, cfg.io_threads // 2)
     return threads * cfg.connections_per_job * cfg.connections_per_thread + 1
-
-
-def _get_command(key: str) -> bytes:
-    raw = key.encode()
-    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw)
