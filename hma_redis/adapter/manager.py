@@ -4,7 +4,8 @@ vLLM's offloading scheduler asks ``lookup(key)`` key by key, group by group, and
 past RETRY. The manager answers from a small cache of recent Redis answers; an unknown key is
 queued and answered RETRY. At the end of the step (``on_schedule_end``) every queued key of every
 group and every waiting request goes to Redis in ONE round trip (one EVAL); the next step's
-lookups find the answers. The request simply waits a step, it never fails.
+lookups find the answers. The request simply waits a step, it never fails. Every count the
+manager keeps is :class:`~hma_redis.adapter.stats.SchedulerStats`'.
 
 Three more duties ride on the same calls, never on a round trip of their own:
 
@@ -28,7 +29,6 @@ and sweeps ended pins, on its own thread.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
@@ -56,7 +56,8 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics
+from hma_redis.adapter.metrics import ManagerDetailStats
+from hma_redis.adapter.stats import GroupReach, SchedulerStats
 from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
 from hma_redis.core.codec import FORMAT_VERSION
 from hma_redis.core.keys import KeySpace, parse_block_key
@@ -210,10 +211,7 @@ class RedisOffloadingManager(OffloadingManager):
         # The lookups' thread and connection, started now: the first request's lookup would
         # otherwise wait for them (in_engine_timeline.py: 1-5 ms). Best effort, never waited on.
         self._executor.submit(self._store.warm_lookups)
-        self._lock = threading.Lock()
-        self.stats = ManagerStats()
-        self.detail_stats = ManagerDetailStats()
-        self._metrics = ManagerMetrics()
+        self._stats = SchedulerStats(store.counters)
         self._memory = MemoryPoller(self._store.memory, memory_poll_interval_s)
         self._ttl_s = store.cfg.ttl_s
         self._pins = PinKeeper(self._pin, self._sweep, pin_sweep_interval_s)
@@ -225,6 +223,16 @@ class RedisOffloadingManager(OffloadingManager):
         self._pin_log = RateLimitedLog(REFUSAL_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------------ lookups
+
+    @property
+    def stats(self) -> ManagerStats:
+        """The scheduler side's cumulative counts (live: read them, never write them)."""
+        return self._stats.totals
+
+    @property
+    def detail_stats(self) -> ManagerDetailStats:
+        """Removals, admission and the intersection, cumulative (live, likewise)."""
+        return self._stats.detail
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """Answer from the cache; queue unknown keys and answer RETRY (never blocks)."""
@@ -296,8 +304,7 @@ class RedisOffloadingManager(OffloadingManager):
         ]
         self._inflight_keys = keys
         self._inflight_set = set(keys)
-        self.stats.lookup_round_trips += 1
-        self.stats.keys_looked_up += len(keys)
+        self._stats.lookup_batch_sent(len(keys))
 
         def resolve() -> list[Sighting]:
             if self._second_sighting:
@@ -314,9 +321,8 @@ class RedisOffloadingManager(OffloadingManager):
                     Sighting.PRESENT if all(found[i * ranks : (i + 1) * ranks]) else Sighting.FIRST
                     for i in range(len(keys))
                 ]
-            hits = sum(s is Sighting.PRESENT for s in sightings)
-            self._store.counters.add(
-                lookups=1, lookup_keys=len(keys), hit_chunks=hits, miss_chunks=len(keys) - hits
+            self._stats.lookup_batch_answered(
+                len(keys), sum(s is Sighting.PRESENT for s in sightings)
             )
             return sightings
 
@@ -330,18 +336,13 @@ class RedisOffloadingManager(OffloadingManager):
         sightings = future.result()  # the store never raises: failures are misses
         now = time.monotonic()
         for key, sighting in zip(self._inflight_keys, sightings, strict=True):
-            hit = sighting is Sighting.PRESENT
             self._remember(
                 key,
-                hit,
+                sighting is Sighting.PRESENT,
                 now,
                 admitted=sighting is Sighting.AGAIN,
                 req_id=self._asked_by.pop(key, ""),
             )
-            if hit:
-                self.stats.hit_keys += 1
-            else:
-                self.stats.miss_keys += 1
         self._inflight_keys = []
         self._inflight_set = set()
 
@@ -354,7 +355,7 @@ class RedisOffloadingManager(OffloadingManager):
         if time.monotonic() - mark.since <= self._store_pending_timeout_s:
             return True
         del self._storing[key]
-        self.stats.stale_store_marks += 1
+        self._stats.stale_store_mark()
         if not self._warned_stale_store:
             self._warned_stale_store = True
             logger.warning(
@@ -409,7 +410,7 @@ class RedisOffloadingManager(OffloadingManager):
         """A worker could not load this request's chunks: answer MISS for them from now on
         (until the answer ages out), so the recompute does not walk back into the failure."""
         self.forget_as_missing(self._loading.pop(req_id, ()))
-        self.stats.failed_loads += 1
+        self._stats.load_failed()
 
     def forget_as_missing(self, keys: Iterable[OffloadKey]) -> None:
         """Answer MISS for ``keys`` until the answer ages out: a load found them missing or
@@ -430,15 +431,15 @@ class RedisOffloadingManager(OffloadingManager):
         self._absorb_finished_batch()
         to_store: list[OffloadKey] = []
         known_absent: list[OffloadKey] = []
-        deferred = 0
+        skipped = deferred = 0
         for key in keys:
             answer = self._answers.get(key)
             if self._store_pending(key):
-                self.stats.store_skipped_present += 1
+                skipped += 1
                 self._pin_once_stored(key, req_context)
                 continue
             if answer is not None and answer.present:
-                self.stats.store_skipped_present += 1
+                skipped += 1
                 self._pin_now((key,), req_context)
                 continue
             if self._second_sighting and (answer is None or not answer.admitted):
@@ -448,9 +449,9 @@ class RedisOffloadingManager(OffloadingManager):
             to_store.append(key)
             if answer is not None and self._fresh(answer):
                 known_absent.append(key)
+        self._stats.stores_skipped(skipped)
         if self._second_sighting:
-            self.detail_stats.admission_deferred += deferred
-            self._store.counters.add(admission_deferred=deferred, admission_admitted=len(to_store))
+            self._stats.admission_decided(deferred, len(to_store))
         now = time.monotonic()
         for key in to_store:
             self._pin_once_stored(key, req_context)
@@ -524,7 +525,7 @@ class RedisOffloadingManager(OffloadingManager):
             return None
         cfg = self._store.cfg
         if not cfg.pinning:
-            self._store.counters.add(pin_off_requests=1)
+            self._stats.pin_off()
             self._say_pin(
                 "off",
                 "request %s asks for a pin (kv_transfer_params %s) but pinning is off (the "
@@ -536,7 +537,7 @@ class RedisOffloadingManager(OffloadingManager):
         raw = params[PIN_PARAM]
         seconds = parse_pin_seconds(raw)
         if seconds is None:
-            self._store.counters.add(pin_invalid_requests=1)
+            self._stats.pin_invalid()
             self._say_pin(
                 "invalid",
                 "request %s: kv_transfer_params %s must be a positive integer of seconds, got "
@@ -547,7 +548,7 @@ class RedisOffloadingManager(OffloadingManager):
             )
             return None
         if seconds > cfg.pin_max_s:
-            self._store.counters.add(pin_clamped_requests=1)
+            self._stats.pin_clamped()
             seconds = cfg.pin_max_s
         pin = _PinRequest(time.time() + seconds)
         req_context.set_state(pin)
@@ -593,9 +594,7 @@ class RedisOffloadingManager(OffloadingManager):
         result = self._store.pin(self._keyspace.pins_key(), deadlines, budget)
         if result is None:
             return None
-        self._store.counters.add(
-            pin_chunks=result.pinned, pin_over_budget_chunks=result.over_budget
-        )
+        self._stats.pins_taken(result.pinned, result.over_budget)
         if result.over_budget:
             self._say_pin(
                 "budget",
@@ -623,14 +622,13 @@ class RedisOffloadingManager(OffloadingManager):
             # Some removals were lost (queue full, or a notification connection dropped):
             # nothing believed present can be trusted, ask Redis again.
             self._answers.clear()
-            self.detail_stats.removal_overflows += 1
+            self._stats.removal_overflow()
         keys = self._removed_offload_keys(removed)
         if not keys:
             return
         for key in keys:
             self._answers.pop(key, None)
-        self.detail_stats.removed_chunks += len(keys)
-        self._store.counters.add(removed_chunks=len(keys))
+        self._stats.chunks_removed(len(keys))
         if self._emit_events:
             self._events.append(
                 OffloadingEvent(
@@ -667,15 +665,10 @@ class RedisOffloadingManager(OffloadingManager):
         only ones vLLM can use)."""
         groups = sorted(hits.by_group)
         usable = min(hits.reach(g) for g in groups)
-        deltas: dict[str, int] = {}
-        for group in groups:
-            tokens = self._chunk_tokens(group)
-            reached, used = hits.reach(group) // tokens, usable // tokens
-            self.detail_stats.group_hit_chunks[group] += reached
-            self.detail_stats.group_usable_chunks[group] += used
-            deltas[f"g{group}_hit_chunks"] = reached
-            deltas[f"g{group}_usable_chunks"] = used
-        self._store.counters.add(**deltas)
+        self._stats.request_reached(
+            GroupReach(g, hits.reach(g) // self._chunk_tokens(g), usable // self._chunk_tokens(g))
+            for g in groups
+        )
 
     def _chunk_tokens(self, group: int) -> int:
         if group < len(self._group_chunk_tokens):
@@ -713,12 +706,9 @@ class RedisOffloadingManager(OffloadingManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Prometheus counters since the last call (see :mod:`hma_redis.adapter.metrics`)."""
         breaker = self._store.breaker
-        return self._metrics.collect(
-            self.stats,
+        return self._stats.report(
             errors=breaker.failures,
             available=breaker.state is BreakerState.CLOSED,
-            refusals=self._store.counters.snapshot(),
-            detail=self.detail_stats,
             latency=self._store.latency,
             memory=self._memory.take(),
         )
@@ -738,4 +728,4 @@ class RedisOffloadingManager(OffloadingManager):
         for hits in self._request_hits.values():
             self._count_intersection(hits)
         self._request_hits.clear()
-        self._store.flush_counters()
+        self._store.flush()
