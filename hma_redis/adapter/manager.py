@@ -4,8 +4,9 @@ vLLM's offloading scheduler asks ``lookup(key)`` key by key, group by group, and
 past RETRY. The manager answers from a small cache of recent Redis answers; an unknown key is
 queued and answered RETRY. At the end of the step (``on_schedule_end``) every queued key of every
 group and every waiting request goes to Redis in ONE round trip (one EVAL); the next step's
-lookups find the answers. The request simply waits a step, it never fails. Every count the
-manager keeps is :class:`~hma_redis.adapter.stats.SchedulerStats`'.
+lookups find the answers. The request simply waits a step, it never fails. The batching is
+:class:`~hma_redis.adapter.lookups.LookupBatcher`'s; every count the manager keeps is
+:class:`~hma_redis.adapter.stats.SchedulerStats`'.
 
 Three more duties ride on the same calls, never on a round trip of their own:
 
@@ -30,10 +31,7 @@ and sweeps ended pins, on its own thread.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +54,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
+from hma_redis.adapter.lookups import Answer, LookupBatcher
 from hma_redis.adapter.metrics import ManagerDetailStats
 from hma_redis.adapter.stats import GroupReach, SchedulerStats
 from hma_redis.adapter.types import ManagerStats, RedisLoadStoreSpec
@@ -72,7 +71,7 @@ from hma_redis.core.redis.pins import (
     SweepResult,
     parse_pin_seconds,
 )
-from hma_redis.core.redis.store import REFUSAL_LOG_INTERVAL_S, RedisBlockStore, Sighting
+from hma_redis.core.redis.store import REFUSAL_LOG_INTERVAL_S, RedisBlockStore
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -87,18 +86,6 @@ MAX_REMOVALS_PER_STEP = 2048
 
 # Labels of vLLM's vllm:kv_offload_config_info metric (0.33+), filled by config_info().
 CONFIG_INFO_KEYS = ("key_prefix", "namespace", "redis_url", "format_version")
-
-
-@dataclass
-class _Answer:
-    present: bool
-    fetched_at: float
-    fetched_step: int
-    # second_sighting: the chunk is missing but some instance looked it up before (store it).
-    admitted: bool = False
-    # The request whose lookup fetched the answer (second_sighting: another request asking
-    # for the same missing chunk is a sighting of its own).
-    req_id: str = ""
 
 
 class _RequestHits:
@@ -181,37 +168,28 @@ class RedisOffloadingManager(OffloadingManager):
         ``pin_budget_bytes``)."""
         self._store = store
         self._keyspace = keyspace
-        self._answer_ttl_s = answer_ttl_s
-        self._max_answers = max_answers
-        self._lookup_wait_s = lookup_wait_s
         self._emit_events = emit_events
         self._store_pending_timeout_s = store_pending_timeout_s
-        self._answers: OrderedDict[OffloadKey, _Answer] = OrderedDict()
-        # Keys asked about this step and not yet known (an ordered set).
-        self._queued: dict[OffloadKey, None] = {}
-        # second_sighting: keys answered from the cache whose sighting the next batch marks,
-        # and which request asked for each queued key.
-        self._resight: dict[OffloadKey, None] = {}
-        self._asked_by: dict[OffloadKey, str] = {}
-        self._inflight: Future[list[Sighting]] | None = None
-        self._inflight_keys: list[OffloadKey] = []
-        self._inflight_set: set[OffloadKey] = set()
+        self._stats = SchedulerStats(store.counters)
+        self._lookups = LookupBatcher(
+            store,
+            keyspace,
+            self._stats,
+            answer_ttl_s=answer_ttl_s,
+            max_answers=max_answers,
+            wait_s=lookup_wait_s,
+            second_sighting=admission == "second_sighting",
+            admission_window_s=admission_window_s,
+        )
         self._storing: dict[OffloadKey, _StoreMark] = {}
         self._warned_stale_store = False
         # Keys each request is loading, so a failed load can be forgotten.
         self._loading: dict[str, list[OffloadKey]] = {}
         self._events: list[OffloadingEvent] = []
-        self._step = 0
         self._removals = removals
         self._group_chunk_tokens = group_chunk_tokens
         self._second_sighting = admission == "second_sighting"
-        self._admission_window_s = admission_window_s
         self._request_hits: dict[str, _RequestHits] = {}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hma-lookup")
-        # The lookups' thread and connection, started now: the first request's lookup would
-        # otherwise wait for them (in_engine_timeline.py: 1-5 ms). Best effort, never waited on.
-        self._executor.submit(self._store.warm_lookups)
-        self._stats = SchedulerStats(store.counters)
         self._memory = MemoryPoller(self._store.memory, memory_poll_interval_s)
         self._ttl_s = store.cfg.ttl_s
         self._pins = PinKeeper(self._pin, self._sweep, pin_sweep_interval_s)
@@ -234,35 +212,25 @@ class RedisOffloadingManager(OffloadingManager):
         """Removals, admission and the intersection, cumulative (live, likewise)."""
         return self._stats.detail
 
+    @property
+    def _answers(self) -> Mapping[OffloadKey, Answer]:
+        """The batcher's cached answers (their bound is tested)."""
+        return self._lookups.answers
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """Answer from the cache; queue unknown keys and answer RETRY (never blocks)."""
         if self._store_pending(key):
             self._record_answer(key, req_context, hit=True)
             self._pin_once_stored(key, req_context)
             return LookupResult.HIT_PENDING
-        self._absorb_finished_batch()
-        answer = self._answers.get(key)
-        if answer is not None and self._fresh(answer):
-            self._record_answer(key, req_context, hit=answer.present)
-            if self._is_new_sighting(answer, req_context) and key not in self._inflight_set:
-                # Answer at once from the cache, and mark the sighting in the next batch.
-                self._resight[key] = None
-            if answer.present:
-                self._pin_now((key,), req_context)
-            return LookupResult.HIT if answer.present else LookupResult.MISS
-        if key not in self._inflight_set:
-            self._queued[key] = None
-            self._asked_by[key] = req_context.req_id
-        return LookupResult.RETRY
-
-    def _is_new_sighting(self, answer: _Answer, req_context: ReqContext) -> bool:
-        """second_sighting: a cached first-sighting miss asked for by another request."""
-        return (
-            self._second_sighting
-            and not answer.present
-            and not answer.admitted
-            and answer.req_id != req_context.req_id
-        )
+        answer = self._lookups.lookup(key, req_context.req_id)
+        if answer is None:
+            return LookupResult.RETRY
+        self._record_answer(key, req_context, hit=answer.present)
+        if not answer.present:
+            return LookupResult.MISS
+        self._pin_now((key,), req_context)
+        return LookupResult.HIT
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Send every key queued this step to Redis in one round trip.
@@ -270,81 +238,12 @@ class RedisOffloadingManager(OffloadingManager):
         Waits up to ``lookup_wait_s`` for the answer so the next step usually has it; a slow or
         dead Redis never holds the scheduler longer than that.
         """
-        self._step += 1
         self._pins.tick()
         self._absorb_removals()
-        self._absorb_finished_batch()
-        if self._inflight is None and (self._queued or self._resight):
-            self._start_batch()
-        if self._inflight is not None:
-            try:
-                self._inflight.result(timeout=self._lookup_wait_s)
-            except FutureTimeout:
-                return
-            self._absorb_finished_batch()
+        self._lookups.flush()
 
     def has_pending_work(self) -> bool:
-        return bool(self._queued) or bool(self._resight) or self._inflight is not None
-
-    def _start_batch(self) -> None:
-        keys = [k for k in self._queued if not self._known_fresh(k)]
-        keys += [k for k in self._resight if k not in self._queued]
-        self._queued.clear()
-        self._resight.clear()
-        self._asked_by = {k: self._asked_by[k] for k in keys if k in self._asked_by}
-        if not keys:
-            return
-        ranks = self._keyspace.world_size
-        redis_keys = [
-            rk
-            for k in keys
-            for rk in self._keyspace.block_keys_all_ranks(
-                get_offload_group_idx(k), get_offload_block_hash(k)
-            )
-        ]
-        self._inflight_keys = keys
-        self._inflight_set = set(keys)
-        self._stats.lookup_batch_sent(len(keys))
-
-        def resolve() -> list[Sighting]:
-            if self._second_sighting:
-                chunks = [redis_keys[i * ranks : (i + 1) * ranks] for i in range(len(keys))]
-                markers = [
-                    self._keyspace.sighting_key(get_offload_group_idx(k), get_offload_block_hash(k))
-                    for k in keys
-                ]
-                sightings = self._store.exists_and_mark(chunks, markers, self._admission_window_s)
-            else:
-                found = self._store.exists(redis_keys)
-                # A chunk is a hit only when every rank's shard is there.
-                sightings = [
-                    Sighting.PRESENT if all(found[i * ranks : (i + 1) * ranks]) else Sighting.FIRST
-                    for i in range(len(keys))
-                ]
-            self._stats.lookup_batch_answered(
-                len(keys), sum(s is Sighting.PRESENT for s in sightings)
-            )
-            return sightings
-
-        self._inflight = self._executor.submit(resolve)
-
-    def _absorb_finished_batch(self) -> None:
-        future = self._inflight
-        if future is None or not future.done():
-            return
-        self._inflight = None
-        sightings = future.result()  # the store never raises: failures are misses
-        now = time.monotonic()
-        for key, sighting in zip(self._inflight_keys, sightings, strict=True):
-            self._remember(
-                key,
-                sighting is Sighting.PRESENT,
-                now,
-                admitted=sighting is Sighting.AGAIN,
-                req_id=self._asked_by.pop(key, ""),
-            )
-        self._inflight_keys = []
-        self._inflight_set = set()
+        return self._lookups.has_pending_work()
 
     def _store_pending(self, key: OffloadKey) -> bool:
         """Whether this instance is storing ``key``. A mark older than store_pending_timeout_s
@@ -364,24 +263,6 @@ class RedisOffloadingManager(OffloadingManager):
                 self._store_pending_timeout_s,
             )
         return False
-
-    def _known_fresh(self, key: OffloadKey) -> bool:
-        answer = self._answers.get(key)
-        return answer is not None and self._fresh(answer)
-
-    def _remember(
-        self, key: OffloadKey, present: bool, now: float, admitted: bool = False, req_id: str = ""
-    ) -> None:
-        self._answers[key] = _Answer(present, now, self._step, admitted, req_id)
-        self._answers.move_to_end(key)
-        while len(self._answers) > self._max_answers:
-            self._answers.popitem(last=False)
-
-    def _fresh(self, answer: _Answer) -> bool:
-        return (
-            self._step - answer.fetched_step <= 2
-            or time.monotonic() - answer.fetched_at <= self._answer_ttl_s
-        )
 
     # ------------------------------------------------------------------ loads
 
@@ -415,9 +296,7 @@ class RedisOffloadingManager(OffloadingManager):
     def forget_as_missing(self, keys: Iterable[OffloadKey]) -> None:
         """Answer MISS for ``keys`` until the answer ages out: a load found them missing or
         invalid, and a lookup must not walk straight back into the failure."""
-        now = time.monotonic()
-        for key in keys:
-            self._remember(key, False, now)
+        self._lookups.remember_missing(keys)
 
     # ------------------------------------------------------------------ stores
 
@@ -428,12 +307,11 @@ class RedisOffloadingManager(OffloadingManager):
         (with ``second_sighting``: only those some lookup saw before). Chunks a fresh answer
         says are missing go in the spec's ``known_absent``: their store skips the EXISTS
         round trip."""
-        self._absorb_finished_batch()
         to_store: list[OffloadKey] = []
         known_absent: list[OffloadKey] = []
         skipped = deferred = 0
         for key in keys:
-            answer = self._answers.get(key)
+            answer = self._lookups.known(key)
             if self._store_pending(key):
                 skipped += 1
                 self._pin_once_stored(key, req_context)
@@ -447,7 +325,7 @@ class RedisOffloadingManager(OffloadingManager):
                 deferred += 1
                 continue
             to_store.append(key)
-            if answer is not None and self._fresh(answer):
+            if answer is not None and self._lookups.is_fresh(answer):
                 known_absent.append(key)
         self._stats.stores_skipped(skipped)
         if self._second_sighting:
@@ -471,13 +349,13 @@ class RedisOffloadingManager(OffloadingManager):
     ) -> None:
         """Forget the in-flight marks. Presence is learned from Redis, never assumed: a store
         the worker had to drop (Redis down, OOM) must not turn into a hit here."""
+        self._lookups.forget(keys)
         for key in keys:
             mark = self._storing.get(key)
             if mark is not None:
                 mark.count -= 1
                 if mark.count <= 0:
                     del self._storing[key]
-            self._answers.pop(key, None)
             deadline = self._pin_after_store.pop(key, None)
             if success and deadline is not None:
                 self._pins.add(self._redis_keys(key), deadline)
@@ -621,13 +499,12 @@ class RedisOffloadingManager(OffloadingManager):
         if overflowed:
             # Some removals were lost (queue full, or a notification connection dropped):
             # nothing believed present can be trusted, ask Redis again.
-            self._answers.clear()
+            self._lookups.forget_all()
             self._stats.removal_overflow()
         keys = self._removed_offload_keys(removed)
         if not keys:
             return
-        for key in keys:
-            self._answers.pop(key, None)
+        self._lookups.forget(keys)
         self._stats.chunks_removed(len(keys))
         if self._emit_events:
             self._events.append(
@@ -680,7 +557,7 @@ class RedisOffloadingManager(OffloadingManager):
         every in-flight store mark. vLLM drops its in-flight jobs here and never completes
         them, so a kept mark would answer HIT_PENDING for ever. Redis itself is shared and
         left alone."""
-        self._answers.clear()
+        self._lookups.forget_all()
         self._storing.clear()
         self._pin_after_store.clear()
 
@@ -688,7 +565,7 @@ class RedisOffloadingManager(OffloadingManager):
         """vLLM 0.33+: the workers have reported every job in flight at the last
         ``reset_cache``. The stores among them may have landed in Redis after an answer of
         this step said MISS: forget the answers, so the chunks are asked of Redis again."""
-        self._answers.clear()
+        self._lookups.forget_all()
 
     def config_info(self) -> list[dict[str, str]]:
         """vLLM 0.33+ publishes this once as ``vllm:kv_offload_config_info``: the key prefix and
@@ -718,7 +595,7 @@ class RedisOffloadingManager(OffloadingManager):
         (it reports a request once its stores are done, which an engine shutting down after
         its last request never waits for) are counted here, so their per-group hit counters
         reach the stats hash too."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._lookups.shutdown()
         self._memory.close()
         # The pins of the last requests (best effort, bounded like one Redis call).
         self._pins.flush(2 * self._store.cfg.read_timeout_s)
