@@ -19,15 +19,9 @@ _SET_UP = {b"PING": b"+PONG\r\n", b"CLIENT": b"+OK\r\n", b"SELECT": b"+OK\r\n", 
 _EMPTY = {b"EXISTS": b":0\r\n", b"GET": b"$-1\r\n", b"HINCRBY": b":1\r\n"}
 
 
-class ErrorServer(LoopbackServer):
-    """Answers every data command (or only those named in ``only``) with ``-<error>``, the
-    others as an empty Redis; ``commands`` counts the data commands."""
-
-    def __init__(self, error: str, only: frozenset[bytes] | None = None) -> None:
-        self.reply = b"-" + error.encode() + b"\r\n"
-        self.only = only
-        self.commands = 0
-        super().__init__()
+class CommandServer(LoopbackServer):
+    """A loopback server that reads RESP commands, each connection on a thread of its own,
+    and answers each command with :meth:`_answer`'s bytes."""
 
     def _handle(self, conn: socket.socket) -> None:
         threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
@@ -37,6 +31,20 @@ class ErrorServer(LoopbackServer):
         with contextlib.suppress(OSError, ValueError):
             while command := read_command(stream):
                 conn.sendall(self._answer(command))
+
+    def _answer(self, command: list[bytes]) -> bytes:
+        raise NotImplementedError
+
+
+class ErrorServer(CommandServer):
+    """Answers every data command (or only those named in ``only``) with ``-<error>``, the
+    others as an empty Redis; ``commands`` counts the data commands."""
+
+    def __init__(self, error: str, only: frozenset[bytes] | None = None) -> None:
+        self.reply = b"-" + error.encode() + b"\r\n"
+        self.only = only
+        self.commands = 0
+        super().__init__()
 
     def _answer(self, command: list[bytes]) -> bytes:
         name = command[0].upper()

@@ -13,15 +13,12 @@ replies are RESP3's (maps for HGETALL and CONFIG GET): redis-py asks for RESP3 w
 
 from __future__ import annotations
 
-import contextlib
 import random
-import socket
 import threading
 from collections import Counter
 from collections.abc import Callable
 
-from tests.support.error_server import read_command
-from tests.support.loopback import LoopbackServer
+from tests.support.error_server import CommandServer
 
 _PATTERN_AT = 1  # PSUBSCRIBE's argument
 
@@ -113,7 +110,7 @@ def wrong_push(rng: random.Random, pattern: bytes) -> bytes:
     )
 
 
-class ShapeServer(LoopbackServer):
+class ShapeServer(CommandServer):
     """See the module docstring. ``counts`` tallies the commands answered, by name; ``fixed``
     holds a reply per command name (or name and subcommand: ``b"CONFIG SET"``) that replaces the
     drawn ones."""
@@ -129,15 +126,6 @@ class ShapeServer(LoopbackServer):
     def reseed(self, seed: int) -> None:
         with self._lock:
             self.rng = random.Random(seed)
-
-    def _handle(self, conn: socket.socket) -> None:
-        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        stream = conn.makefile("rb")
-        with contextlib.suppress(OSError, ValueError):
-            while command := read_command(stream):
-                conn.sendall(self._answer(command))
 
     def _answer(self, command: list[bytes]) -> bytes:
         name = command[0].upper()

@@ -24,7 +24,12 @@ from pathlib import Path
 
 import redis
 
-from hma_redis.tools.devkit.local_redis import LocalRedis, free_port, terminate
+from hma_redis.tools.devkit.local_redis import (
+    LocalRedis,
+    cluster_node_args,
+    free_port,
+    terminate,
+)
 
 INSTALL_HINT = "Debian: apt-get install -y redis-server redis-tools (redis-server, redis-cli)"
 SERVICE_NAME = "hma-test"
@@ -116,14 +121,8 @@ class LocalCluster:
         try:
             for port, bus_port in zip(self._planned[::2], self._planned[1::2], strict=True):
                 node = LocalRedis(
-                    port=port,
-                    extra_args=[
-                        "--cluster-enabled", "yes",
-                        "--cluster-config-file", "nodes.conf",
-                        "--cluster-port", str(bus_port),
-                        "--cluster-node-timeout", str(self.node_timeout_ms),
-                    ],
-                )  # fmt: skip
+                    port=port, extra_args=cluster_node_args(bus_port, self.node_timeout_ms)
+                )
                 self.nodes.append(node)
                 node.start()
             self._create()

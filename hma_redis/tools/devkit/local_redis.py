@@ -129,3 +129,13 @@ def redis_or_local(url: str | None) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+def cluster_node_args(bus_port: int, node_timeout_ms: int) -> list[str]:
+    """The ``redis-server`` arguments of a Cluster node whose bus listens on ``bus_port``."""
+    return [
+        "--cluster-enabled", "yes",
+        "--cluster-config-file", "nodes.conf",
+        "--cluster-port", str(bus_port),
+        "--cluster-node-timeout", str(node_timeout_ms),
+    ]  # fmt: skip

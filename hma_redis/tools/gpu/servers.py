@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import redis
 
-from hma_redis.tools.devkit.local_redis import LocalRedis, free_port
+from hma_redis.tools.devkit.local_redis import LocalRedis, cluster_node_args, free_port
 
 CLUSTER_SLOTS = 16384
 _READY_TIMEOUT_S = 30.0
@@ -105,15 +105,8 @@ class LocalShards:
         bus_ports = ordered[1::2]
         for port, bus_port in zip(ordered[::2], bus_ports, strict=True):
             node = LocalRedis(
-                port=port,
-                extra_args=[
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf",
-                    "--cluster-port", str(bus_port),
-                    "--cluster-node-timeout", "5000",
-                    *self._extra,
-                ],
-            )  # fmt: skip
+                port=port, extra_args=[*cluster_node_args(bus_port, 5000), *self._extra]
+            )
             self.nodes.append(node)
             node.start()
         return bus_ports
