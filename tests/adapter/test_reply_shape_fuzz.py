@@ -160,9 +160,18 @@ def _report(what: str, cases: int, started: float, server: ShapeServer) -> None:
 def test_the_manager_never_raises_nor_hits_on_replies_of_the_wrong_shape(
     server: ShapeServer, admission: str, thread_errors: list[threading.ExceptHookArgs]
 ) -> None:
+    # The removal watcher subscribes (CONFIG GET of the flags first) while the server is
+    # honest, as a watcher of a real deployment does; a server hostile from the first byte
+    # left it backing off through the cases on a loaded machine, never reaching CONFIG (the
+    # flaky "CONFIG never seen" below).
+    server.hostile = False
     manager = _manager(server, admission)
     started = time.monotonic()
     try:
+        deadline = time.monotonic() + 10
+        while not server.counts[b"CONFIG"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.counts[b"CONFIG"], (server.counts, manager._removals.detail)
         for seed in range(CASES):
             _hostile_case(
                 server,
