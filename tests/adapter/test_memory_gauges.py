@@ -38,8 +38,11 @@ def _manager(url: str, interval_s: float = 0.0) -> RedisOffloadingManager:
 
 
 def _gauges(manager: RedisOffloadingManager) -> dict[str, float]:
-    """The memory gauges of the manager's next report, after one fetch has finished."""
-    manager.get_stats()  # starts the fetch (never waits for it)
+    """The memory gauges of the manager's next report, from a fetch started by this call: one
+    still in flight from an earlier report (started before what the test did since) is
+    finished and taken first."""
+    manager._memory.wait(10.0)
+    manager.get_stats()  # takes what an earlier fetch found; starts one now (never waits)
     manager._memory.wait(10.0)
     stats = manager.get_stats()
     reduced = {} if stats is None else stats.reduce()
