@@ -7,7 +7,7 @@
 # behaviour, aborts the run and fails the stage.
 #
 #   bash scripts/asan.sh                   # the extension as it is
-#   bash scripts/asan.sh path/to/other.c   # another version of _fastpath.c (e.g. a planted bug)
+#   bash scripts/asan.sh path/to/other.c   # another version of _wire.c (e.g. a planted bug)
 #
 # Python is not built with ASan, so libasan is preloaded; leak checks are off (the interpreter's
 # own allocations at exit are not leaks of this code); PYTHONMALLOC=malloc routes Python's small
@@ -60,7 +60,7 @@ export PYTHONMALLOC=malloc VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 PYTHONHASHS
 "$VENV_PYTHON" - "$WORK" <<'EOF'
 import subprocess, sys
 from hma_redis.core.redis import _wire
-path = _fastpath.__file__
+path = _wire.__file__
 assert path.startswith(sys.argv[1]), f"asan.sh: loaded {path}, not the ASan build"
 needed = subprocess.run(["ldd", path], capture_output=True, text=True).stdout
 assert "libasan" in needed and "libubsan" in needed, f"asan.sh: {path} lacks the sanitizers"
