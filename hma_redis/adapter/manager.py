@@ -154,6 +154,7 @@ class RedisOffloadingManager(OffloadingManager):
         admission_window_s: int = 3600,
         memory_poll_interval_s: float = MEMORY_POLL_INTERVAL_S,
         pin_sweep_interval_s: float = PIN_SWEEP_INTERVAL_S,
+        loads: bool = True,
     ) -> None:
         """``removals``: a started watcher of this namespace's block keys (its removals become
         events when ``emit_events``, and always forget cached answers); the manager closes it.
@@ -165,9 +166,11 @@ class RedisOffloadingManager(OffloadingManager):
         ``pin_sweep_interval_s``: ended pins get their TTL back at most this often (only with
         the store's ``ttl_s`` set: pinning needs it). Whether requests may pin, for how long
         and how many bytes: the store's config (``pinning``, ``pin_max_s``,
-        ``pin_budget_bytes``)."""
+        ``pin_budget_bytes``). ``loads`` False: every lookup is a miss, asked of nobody (an
+        engine that cannot resume from cached KV); stores go on."""
         self._store = store
         self._keyspace = keyspace
+        self._loads = loads
         self._emit_events = emit_events
         self._store_pending_timeout_s = store_pending_timeout_s
         self._stats = SchedulerStats(store.counters)
@@ -219,6 +222,8 @@ class RedisOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """Answer from the cache; queue unknown keys and answer RETRY (never blocks)."""
+        if not self._loads:
+            return LookupResult.MISS
         if self._store_pending(key):
             self._record_answer(key, req_context, hit=True)
             self._pin_once_stored(key, req_context)

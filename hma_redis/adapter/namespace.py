@@ -52,7 +52,13 @@ MODEL_FACTORS = (
 CACHE_FACTORS = ("cache_dtype", "kv_cache_dtype_skip_layers", "sliding_window")
 # The same for models with Mamba groups only: vLLM resolves them per host (on the CPU by the
 # instruction set), and they would split the namespace of attention-only models for nothing.
-MAMBA_CACHE_FACTORS = ("mamba_cache_dtype", "mamba_ssm_cache_dtype")
+# ``mamba_cache_mode`` decides which states a block holds (``align``: the state at the block's
+# last token; ``all``: every step's), so two modes must not read each other's pages.
+MAMBA_CACHE_FACTORS = ("mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_cache_mode")
+# For Mamba groups too: the conv state's byte order in a page, (state_len, dim) or (dim,
+# state_len), which vLLM takes from its VLLM_SSM_CONV_STATE_LAYOUT environment variable; the
+# page size is the same either way, so only this factor tells the two apart.
+CONV_STATE_LAYOUT = "conv_state_layout"
 # The checkpoint's own config, read from disk (never from the live hf_config, see above).
 _CHECKPOINT_CONFIG_FILES = ("config.json", "params.json")
 
@@ -170,8 +176,8 @@ def group_kind(spec: KVCacheSpec) -> str:
 
 def model_config_factors(vllm_config: VllmConfig, mamba: bool = False) -> str:
     """Canonical JSON of the model and cache options that change KV bytes and have no
-    fingerprint field of their own (docs/key-layout.md lists them); the Mamba cache dtypes
-    only when the model has ``mamba`` groups.
+    fingerprint field of their own (docs/key-layout.md lists them); the Mamba cache dtypes,
+    mode and conv-state layout only when the model has ``mamba`` groups.
 
     Read only from fields the workers never modify and from the checkpoint's config file on
     disk, so the scheduler and every worker derive the same text.
@@ -180,8 +186,19 @@ def model_config_factors(vllm_config: VllmConfig, mamba: bool = False) -> str:
     factors: dict[str, Any] = {name: _normalized(getattr(model, name)) for name in MODEL_FACTORS}
     cache_factors = CACHE_FACTORS + (MAMBA_CACHE_FACTORS if mamba else ())
     factors.update({name: _normalized(getattr(cache, name)) for name in cache_factors})
+    if mamba:
+        factors[CONV_STATE_LAYOUT] = conv_state_layout()
     factors["checkpoint_config"] = _checkpoint_config_digest(model)
     return json.dumps(factors, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def conv_state_layout() -> str:
+    """vLLM's conv-state layout as its ``get_conv_state_layout`` resolves it (``SD`` unless
+    VLLM_SSM_CONV_STATE_LAYOUT says ``DS``), read from the environment each call (vLLM's own
+    function caches the first answer of the process)."""
+    from vllm import envs
+
+    return str(envs.VLLM_SSM_CONV_STATE_LAYOUT or "SD")
 
 
 def _normalized(value: Any) -> Any:

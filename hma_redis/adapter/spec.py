@@ -186,7 +186,7 @@ class RedisOffloadingSpec(OffloadingSpec):
             self.tier_config.redacted_url,
         )
         _warn_if_failed_loads_fail_requests(self.vllm_config)
-        return lookup_manager(self, store, self.keyspace, self.tier_config)
+        return lookup_manager(self, store, self.keyspace, self.tier_config, self.vllm_config)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         cfg = self.tier_config
@@ -210,12 +210,24 @@ class RedisOffloadingSpec(OffloadingSpec):
 
 
 def lookup_manager(
-    spec: OffloadingSpec, store: RedisBlockStore, keyspace: KeySpace, cfg: RedisTierConfig
+    spec: OffloadingSpec,
+    store: RedisBlockStore,
+    keyspace: KeySpace,
+    cfg: RedisTierConfig,
+    vllm_config: VllmConfig,
 ) -> RedisOffloadingManager:
     """The scheduler side's manager over ``store`` for ``spec``'s groups, in both modes (the
     direct spec's manager; the secondary tier's lookups). With vLLM's KV events on and
     ``removal_events``, a removal watcher (Redis' keyspace notifications) feeds it the chunks
-    Redis removed (docs/operations.md)."""
+    Redis removed (docs/operations.md). Where the engine cannot resume a prompt from cached KV
+    (:func:`no_resume_reason`) it finds nothing: every lookup is a miss, stores go on."""
+    reason = no_resume_reason(vllm_config)
+    if reason is not None:
+        logger.warning(
+            "hma_redis: %s; the engine cannot resume a prompt from cached KV, so the tier "
+            "loads nothing into it (every lookup is a miss; its stores go on)",
+            reason,
+        )
     emit_events = spec.kv_events_config.enable_kv_cache_events
     removals = None
     if emit_events and cfg.removal_events:
@@ -232,7 +244,27 @@ def lookup_manager(
         admission=cfg.admission,
         admission_window_s=cfg.admission_window_s,
         pin_sweep_interval_s=cfg.pin_sweep_interval_s,
+        loads=reason is None,
     )
+
+
+def no_resume_reason(vllm_config: VllmConfig) -> str | None:
+    """Why this engine cannot take a prompt's prefix from cached KV, or None when it can.
+
+    vLLM turns prefix caching off where its attention cannot start a prefill after computed
+    tokens (MLA on a CPU without AMX, whose reference backend has no prefill with context;
+    models with non-causal layers): KV loaded there gives other tokens than a recompute. The
+    connector sees only the result, so prefix caching off (by vLLM or by the operator) means
+    no loads: exact or nothing."""
+    if vllm_config.cache_config.enable_prefix_caching:
+        return None
+    mla = " (an MLA model: on this platform vLLM runs it so)" if _uses_mla(vllm_config) else ""
+    return f"vLLM runs this deployment without prefix caching{mla}"
+
+
+def _uses_mla(vllm_config: VllmConfig) -> bool:
+    model = vllm_config.model_config
+    return bool(getattr(model, "use_mla", False)) if model is not None else False
 
 
 def lower_gil_switch_interval(seconds: float) -> None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import redis
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 
 from hma_redis.adapter.manager import RedisOffloadingManager
+from hma_redis.adapter.spec import no_resume_reason
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis.store import RedisBlockStore
+from tests.support.scheduler_harness import make_vllm_config, write_tiny_model_config
 
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
@@ -159,3 +162,31 @@ def test_completing_one_load_keeps_the_requests_other_load(
     other = ReqContext(req_id="r2")
     assert manager.lookup(first, other) is LookupResult.HIT  # loaded fine: still a hit
     assert manager.lookup(second, other) is LookupResult.MISS
+
+
+def test_an_engine_that_cannot_resume_from_cached_kv_finds_nothing(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """With prefix caching off (vLLM turns it off where its attention cannot start after
+    computed tokens: MLA on a CPU without AMX), a chunk in Redis is a miss at once, asked of
+    nobody; its stores go on."""
+    vllm_config = make_vllm_config(write_tiny_model_config(tmp_path / "m"), redis_url)
+    assert no_resume_reason(vllm_config) is None
+    vllm_config.cache_config.enable_prefix_caching = False
+    assert "without prefix caching" in str(no_resume_reason(vllm_config))
+
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": redis_url}, env={}))
+    keyspace = KeySpace("hma", "noresume")
+    manager = RedisOffloadingManager(store, keyspace, lookup_wait_s=1.0, loads=False)
+    block_hash = b"\x21" * 32
+    key = make_offload_key(block_hash, 0)
+    redis_client.set(keyspace.block_key(0, block_hash), b"x")
+    redis_client.config_resetstat()
+    assert manager.lookup(key, ReqContext(req_id="r1")) is LookupResult.MISS
+    manager.on_schedule_end(END_OF_STEP)
+    assert manager.lookup(key, ReqContext(req_id="r1")) is LookupResult.MISS
+    calls = redis_client.info("commandstats")
+    assert not [name for name in calls if "exists" in name or "evalsha" in name], calls
+    other = make_offload_key(b"\x22" * 32, 0)
+    out = manager.prepare_store([other], ReqContext(req_id="r1"))
+    assert out is not None and out.keys_to_store == [other]

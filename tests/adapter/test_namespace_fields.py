@@ -178,6 +178,12 @@ def _variants(model_dir: str, other_model_dir: str) -> dict[str, Deployment]:
         "model_config.mamba_ssm_cache_dtype": d(
             model_dir, cache={"mamba_ssm_cache_dtype": "float16"}, kv_cache_config=mamba
         ),
+        "model_config.mamba_cache_mode": d(
+            model_dir, cache={"mamba_cache_mode": "all"}, kv_cache_config=mamba
+        ),
+        "model_config.conv_state_layout": d(
+            model_dir, env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}, kv_cache_config=mamba
+        ),
         "model_config.checkpoint_config": d(str(Path(model_dir).parent / "rewritten")),
     }
 
@@ -185,7 +191,7 @@ def _variants(model_dir: str, other_model_dir: str) -> dict[str, Deployment]:
 # What each variant is compared with: the base deployment, or (Mamba factors) the base with the
 # Mamba group, whose factors include the Mamba dtypes.
 def _base_of(name: str, model_dir: str) -> Deployment:
-    if name.startswith("model_config.mamba_"):
+    if name.startswith(("model_config.mamba_", "model_config.conv_state")):
         return Deployment(model_dir, kv_cache_config=_mamba_kv_cache_config)
     return Deployment(model_dir)
 
@@ -225,6 +231,7 @@ FIELD_NAMES = sorted(
             *namespace.MODEL_FACTORS,
             *namespace.CACHE_FACTORS,
             *namespace.MAMBA_CACHE_FACTORS,
+            namespace.CONV_STATE_LAYOUT,
             "checkpoint_config",
         )
     ]

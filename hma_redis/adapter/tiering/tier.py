@@ -139,7 +139,9 @@ class RedisSecondaryTier(SecondaryTierManager):
         self.keyspace = KeySpace(self.config.key_prefix, namespace, 1)
         self._store = RedisBlockStore(self.config, stats_key=self.keyspace.stats_key())
         self._announce()
-        self._lookups = lookup_manager(offloading_spec, self._store, self.keyspace, self.config)
+        self._lookups = lookup_manager(
+            offloading_spec, self._store, self.keyspace, self.config, context.vllm_config
+        )
         self._engine: TransferEngine | None = self._make_engine(primary_kv_view)
         self._jobs: dict[int, Job] = {}
         self._done: list[JobResult] = []

