@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -22,6 +23,8 @@ from hma_redis.core.keys import parse_block_key
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.redis_server import LocalRedis
+from tests.support.step_hold import ENV as HOLD_ENV
+from tests.support.step_hold import QUALNAME as HOLD_PROCESSOR
 from tests.support.tier import tier_config
 
 pytestmark = pytest.mark.engine
@@ -125,6 +128,16 @@ def _lower_maxmemory_once_filled(url: str, min_keys: int, done: threading.Event)
     client.close()
 
 
+def _release_after_an_expiry(hold: Path, removals: _RedisRemovals, done: threading.Event) -> None:
+    """Let the held engine step again once Redis expired a value and the tier had a moment to
+    hear of it: the steps after that publish the removal."""
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline and not done.is_set() and not removals.keys["expired"]:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    hold.unlink(missing_ok=True)
+
+
 def _hashes_of(keys: set[str]) -> dict[int, set[int]]:
     """Block hash (as vLLM's events carry it: its low 64 bits) -> groups, of block keys."""
     out: dict[int, set[int]] = {}
@@ -151,23 +164,32 @@ def test_router_hears_of_evicted_and_expired_chunks(
         target=_lower_maxmemory_once_filled, args=(evicting_redis.url, 12, done), daemon=True
     )
     capper.start()
-    # Four prompts are stored; the last one decodes long enough for their values to expire
-    # (ttl_s) while the engine still steps and publishes: 1400 tokens take several times
-    # TTL_S even on a quiet machine (600 did not always: a fast run ended before the expiry).
+    # Four prompts are stored; while the last one decodes, the engine is held between two steps
+    # (tests/support/step_hold.py) until Redis has expired a value (ttl_s), then it steps on and
+    # publishes. A decode long enough on its own was not: a fast machine finished 1400 tokens
+    # before the first expiry and the router heard of none.
+    hold = tmp_path_factory.mktemp("hold") / "hold"
+    hold.touch()
+    releaser = threading.Thread(
+        target=_release_after_an_expiry, args=(hold, removals, done), daemon=True
+    )
+    releaser.start()
     prompts = [make_prompts(70 + i, 1, 600, VOCAB_SIZE)[0] for i in range(5)]
     try:
         run = run_engine(
             model,
             prompts,
-            [8, 8, 8, 8, 1400],  # 600 + 1400 tokens fit max_model_len 2048
+            [8, 8, 8, 8, 1000],  # the hold comes at the 200th step: in the last prompt's decode
             tier_config(evicting_redis.url, ttl_s=TTL_S),
+            extra_env={HOLD_ENV: str(hold)},
             llm_kwargs={
+                "logits_processors": [HOLD_PROCESSOR],
                 "kv_events_config": {
                     "enable_kv_cache_events": True,
                     "publisher": "zmq",
                     "endpoint": endpoint,
                     "topic": "kv",
-                }
+                },
             },
         )
     finally:
@@ -176,6 +198,7 @@ def test_router_hears_of_evicted_and_expired_chunks(
         router.close()
         removals.close()
     assert run.num_kv_cache_groups == 2, run.stderr_tail
+    assert Path(f"{hold}.held").exists(), "the engine was never held (the hold processor unused)"
     flags = str(admin.config_get("notify-keyspace-events")["notify-keyspace-events"])
     admin.close()
     assert "E" in flags and "K" in flags  # the tier kept the flags it found
