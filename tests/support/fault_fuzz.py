@@ -1,7 +1,8 @@
 """A seeded differential fault fuzz at engine level: the tier is exact or it is nothing.
 
 Each round draws, from its own seed: a model (:data:`ENGINE_MODELS`: Gemma-3-shaped sliding
-window, one-group Llama, and the hybrid families GDN, MLA, short conv, chunked local), the data
+window, one-group Llama, and the hybrid families GDN, MLA, short conv, chunked local), the mode
+(:data:`MODES`: the direct spec, or vLLM's tiering spec with the Redis secondary tier), the data
 path of the engine that stores (A) and of the engine that loads (B) (native or
 ``HMA_REDIS_NATIVE=0``), prompts that share prefixes (several lengths, chunk-aligned or not), a
 fault and a moment: before B serves, or at a random instant while it does. Faults: random bytes
@@ -10,7 +11,7 @@ deletion, FLUSHALL, Redis killed and restarted, paused, or answering one byte at
 in front of it). B's greedy tokens and their logprobs are compared with an engine without the
 tier. Engines live across rounds (one per model and path), as in a deployment.
 
-``python -m tests.support.fault_fuzz --rounds N [--seed S] [--models a,b]``
+``python -m tests.support.fault_fuzz --rounds N [--seed S] [--models a,b] [--modes a,b]``
 (``scripts/fault_fuzz.sh``) prints one line per round and a summary table;
 ``tests/engine/test_fault_fuzz.py`` runs a few rounds.
 """
@@ -49,6 +50,7 @@ from hma_redis.tools.devkit.tiny_models import (
     build_gemma3,
     build_llama,
 )
+from tests.support.cpu_tiering import cpu_tiering_config
 from tests.support.engine_runner import child_env, make_prompts, shared_prefix_prompts
 from tests.support.fuzz_child import READY_LINE
 from tests.support.loopback import LoopbackServer
@@ -77,6 +79,14 @@ ENGINE_MODELS: dict[str, Family] = {
 # pick others).
 MODELS = tuple(name for name, model in ENGINE_MODELS.items() if model.refused() is None)
 PATHS = {"native": "1", "python": "0"}
+# The modes a round draws: the direct spec, or vLLM's tiering spec with the Redis secondary tier
+# (tests/support/cpu_tiering.py: on this CPU with only vLLM's GPU copy replaced). A tiering
+# engine empties its CPU tier before each prompt (``reset_prefix_cache(reset_connector=True)``),
+# so what it loads comes from Redis by promotions.
+MODES = ("direct", "tiering")
+TIERING_PRIMARY_BYTES = 64 << 20
+# What an engine logs for a failed load: the whole job, or (a promotion) some of its chunks.
+FAILED_LOAD_LINES = ("will be recomputed", "chunk(s) were loaded")
 MAX_TOKENS = 4
 # Logprobs of the same greedy tokens may differ by rounding where a prefix came from the tier
 # (the rest of the prompt attends to cached KV instead of one whole prefill).
@@ -191,6 +201,7 @@ class RoundResult:
     model: str
     path_a: str
     path_b: str
+    mode: str
     fault: str
     moment: str
     prompts: int
@@ -204,7 +215,8 @@ class RoundResult:
 
     def line(self) -> str:
         return (
-            f"round {self.round:3d}: {self.model:9s} A={self.path_a:6s} B={self.path_b:6s} "
+            f"round {self.round:3d}: {self.model:9s} {self.mode:7s} "
+            f"A={self.path_a:6s} B={self.path_b:6s} "
             f"{self.fault:12s} {self.moment:6s} prompts={self.prompts} stored={self.stored} "
             f"tokens={self.tokens} "
             f"cached={self.cached_tokens} loads_failed={self.loads_failed} "
@@ -216,30 +228,45 @@ class RoundResult:
 class Fuzz:
     """The fuzz's Redis, proxy, models and engines; :meth:`run_round` runs one round."""
 
-    def __init__(self, seed: int, workdir: Path, models: tuple[str, ...] = MODELS) -> None:
+    def __init__(
+        self,
+        seed: int,
+        workdir: Path,
+        models: tuple[str, ...] = MODELS,
+        modes: tuple[str, ...] = MODES,
+    ) -> None:
         self.seed = seed
         self.workdir = workdir
         self.redis = LocalRedis().start()
         self.proxy = TrickleProxy(self.redis.port)
         self.pool = models
+        self.modes = modes
         self._model_dirs: dict[str, str] = {}
-        self._engines: dict[tuple[str, str | None], Engine] = {}
-        self._failed_seen: dict[tuple[str, str | None], int] = collections.Counter()
+        self._engines: dict[tuple[str, str | None, str], Engine] = {}
+        self._failed_seen: dict[tuple[str, str | None, str], int] = collections.Counter()
 
     def _client(self) -> redis.Redis:
         return redis.Redis(port=self.redis.port, socket_timeout=5)
 
-    def engine(self, model: str, path: str | None) -> Engine:
-        """The engine of ``model`` on data ``path`` (None: without the tier), started once."""
-        key = (model, path)
+    def engine(self, model: str, path: str | None, mode: str = "direct") -> Engine:
+        """The engine of ``model`` on data ``path`` (None: without the tier) in ``mode``,
+        started once."""
+        key = (model, path, mode if path else "")
         if key not in self._engines:
             url = f"redis://127.0.0.1:{self.proxy.port}/0"
-            job = {
-                **engine_job(model, self._model_dir(model)),
-                "kv_transfer_config": kv_transfer_config(url, **TIER_OPTIONS) if path else None,
-            }
+            job: dict[str, Any] = {**engine_job(model, self._model_dir(model))}
+            if not path:
+                job["kv_transfer_config"] = None
+            elif mode == "tiering":
+                job["kv_transfer_config"] = cpu_tiering_config(
+                    url, TIERING_PRIMARY_BYTES, **TIER_OPTIONS
+                )
+                job["reset_connector"] = True
+            else:
+                job["kv_transfer_config"] = kv_transfer_config(url, **TIER_OPTIONS)
             env = {NATIVE_ENV: PATHS[path]} if path else {}
-            log = self.workdir / f"engine-{model}-{path or 'no-tier'}.log"
+            name = f"{path}-{mode}" if path else "no-tier"
+            log = self.workdir / f"engine-{model}-{name}.log"
             self._engines[key] = Engine(job, env, log)
         return self._engines[key]
 
@@ -249,10 +276,10 @@ class Fuzz:
             self._model_dirs[model] = ENGINE_MODELS[model].build(self.workdir / model)
         return self._model_dirs[model]
 
-    def _loads_failed(self, model: str, path: str) -> int:
+    def _loads_failed(self, model: str, path: str, mode: str) -> int:
         """Failed loads the engine logged since this was last asked."""
-        key = (model, path)
-        total = self.engine(model, path).log_text().count("will be recomputed")
+        key = (model, path, mode)
+        total = _failed_loads(self.engine(model, path, mode))
         new = total - self._failed_seen[key]
         self._failed_seen[key] = total
         return new
@@ -299,18 +326,19 @@ class Fuzz:
         rng = random.Random(self.seed * 1_000_003 + index)
         model = rng.choice(self.pool)
         path_a, path_b = rng.choice(list(PATHS)), rng.choice(list(PATHS))
+        mode = rng.choice(self.modes)
         fault = rng.choice(FAULTS)
         moment = "during" if fault in LIVE_FAULTS or rng.random() < 0.4 else "before"
         prompts = self._prompts(rng)
 
         before = set(self._client().keys("hma:*:g*"))
-        self.engine(model, path_a).serve(prompts)
+        self.engine(model, path_a, mode).serve(prompts)
         self._wait_stores()
         keys = sorted(set(self._client().keys("hma:*:g*")) - before)
-        self._loads_failed(model, path_b)
+        self._loads_failed(model, path_b, mode)
         if moment == "before":
             self._damage(fault, keys, rng)
-            served = self.engine(model, path_b).serve(prompts)
+            served = self.engine(model, path_b, mode).serve(prompts)
         else:
             delay = rng.uniform(0.0, 1.5)
 
@@ -323,10 +351,10 @@ class Fuzz:
 
             thread = threading.Thread(target=strike, daemon=True)
             thread.start()
-            served = self.engine(model, path_b).serve(prompts)
+            served = self.engine(model, path_b, mode).serve(prompts)
             thread.join(30)
         baseline = self.engine(model, None).serve(prompts)
-        result = self._judge(index, model, path_a, path_b, fault, moment, served, baseline)
+        result = self._judge(index, model, (path_a, path_b, mode), fault, moment, served, baseline)
         result.stored = len(keys)
         if fault in LIVE_FAULTS:
             self._settle(rng)
@@ -336,26 +364,21 @@ class Fuzz:
         """After an outage, let every engine with the tier notice that Redis is back (one
         request each, then the breaker's retry interval), so the next round's engine A
         stores instead of dropping its stores while its breaker is open."""
-        tiered = [engine for (_, path), engine in self._engines.items() if path is not None]
+        tiered = [engine for (_, path, _), engine in self._engines.items() if path is not None]
         for engine in tiered:  # long enough for whole chunks: a lookup and a store
             engine.serve(make_prompts(rng.randrange(1 << 30), 1, 700, VOCAB_SIZE))
         time.sleep(2 * float(TIER_OPTIONS["retry_interval_s"]))
         for engine in tiered:
             engine.serve(make_prompts(rng.randrange(1 << 30), 1, 700, VOCAB_SIZE))
         self._failed_seen.update(
-            {
-                key: self.engine(*key).log_text().count("will be recomputed")
-                for key in self._engines
-                if key[1]
-            }
+            {key: _failed_loads(self.engine(*key)) for key in self._engines if key[1]}
         )
 
     def _judge(
         self,
         index: int,
         model: str,
-        path_a: str,
-        path_b: str,
+        lanes: tuple[str, str, str],
         fault: str,
         moment: str,
         served: list[dict[str, Any]],
@@ -379,8 +402,9 @@ class Fuzz:
         return RoundResult(
             round=index,
             model=model,
-            path_a=path_a,
-            path_b=path_b,
+            path_a=lanes[0],
+            path_b=lanes[1],
+            mode=lanes[2],
             fault=fault,
             moment=moment,
             prompts=len(served),
@@ -388,7 +412,7 @@ class Fuzz:
             tokens=sum(len(r["token_ids"]) for r in served),
             wrong=wrong,
             cached_tokens=sum(r["num_cached_tokens"] for r in served),
-            loads_failed=self._loads_failed(model, path_b),
+            loads_failed=self._loads_failed(model, lanes[1], lanes[2]),
             max_logprob_diff=diff,
             notes=notes,
         )
@@ -402,6 +426,11 @@ class Fuzz:
             engine.close()
         self.proxy.close()
         self.redis.stop()
+
+
+def _failed_loads(engine: Engine) -> int:
+    text = engine.log_text()
+    return sum(text.count(line) for line in FAILED_LOAD_LINES)
 
 
 def engine_job(model: str, model_dir: str) -> dict[str, Any]:
@@ -477,11 +506,14 @@ def _damaged(fault: str, value: bytes, rng: random.Random) -> bytes:
 
 def summary(results: list[RoundResult], errors: list[str]) -> str:
     by_fault = collections.Counter(r.fault for r in results)
+    by_mode = collections.Counter(r.mode for r in results)
     rows = [
-        "| rounds | tokens compared | faults by kind | loads failed (recomputed) "
+        "| rounds | by mode | tokens compared | faults by kind | loads failed (recomputed) "
         "| rounds with hits from Redis | max abs logprob diff | engine errors | wrong |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| {len(results)} | {sum(r.tokens for r in results)} | "
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {len(results)} | "
+        + ", ".join(f"{m} {by_mode[m]}" for m in MODES if by_mode[m])
+        + f" | {sum(r.tokens for r in results)} | "
         + ", ".join(f"{k} {by_fault[k]}" for k in FAULTS if by_fault[k])
         + f" | {sum(r.loads_failed for r in results)} | "
         f"{sum(1 for r in results if r.cached_tokens)} | "
@@ -492,15 +524,21 @@ def summary(results: list[RoundResult], errors: list[str]) -> str:
 
 
 def run(
-    rounds: int, seed: int, workdir: Path | None = None, models: tuple[str, ...] = MODELS
+    rounds: int,
+    seed: int,
+    workdir: Path | None = None,
+    models: tuple[str, ...] = MODELS,
+    modes: tuple[str, ...] = MODES,
 ) -> tuple[list[RoundResult], list[str]]:
     """Run ``rounds`` rounds, each on a model drawn from ``models``; each round's line is
     printed as it ends."""
     unknown = sorted(set(models) - set(ENGINE_MODELS))
     if unknown or not models:
         raise ValueError(f"models: {unknown or 'none'}; known: {', '.join(ENGINE_MODELS)}")
+    if not modes or set(modes) - set(MODES):
+        raise ValueError(f"modes: {', '.join(modes) or 'none'}; known: {', '.join(MODES)}")
     with tempfile.TemporaryDirectory(prefix="hma-fuzz-") as tmp:
-        fuzz = Fuzz(seed, workdir or Path(tmp), models)
+        fuzz = Fuzz(seed, workdir or Path(tmp), models, modes)
         results: list[RoundResult] = []
         try:
             for index in range(rounds):
@@ -522,12 +560,18 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("HMA_FUZZ_MODELS", ",".join(MODELS)),
         help=f"comma-separated pool to draw from (default: all of {', '.join(MODELS)})",
     )
+    parser.add_argument(
+        "--modes",
+        default=os.environ.get("HMA_FUZZ_MODES", ",".join(MODES)),
+        help=f"comma-separated modes to draw from (default: {', '.join(MODES)})",
+    )
     args = parser.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
+    modes = tuple(m for m in args.modes.split(",") if m)
     t0 = time.monotonic()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    results, errors = run(args.rounds, args.seed, args.workdir, models)
+    results, errors = run(args.rounds, args.seed, args.workdir, models, modes)
     print(f"\nseed {args.seed}, {time.monotonic() - t0:.0f} s\n")
     print(summary(results, errors))
     for error in errors:

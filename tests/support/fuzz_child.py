@@ -6,7 +6,9 @@
 ``READY_LINE``, then serves one JSON request per stdin line, ``{"prompts": [[ids]], "max_tokens":
 n}``, with one JSON reply line: per prompt its greedy token ids, the logprob of each, and the
 tokens that came from the KV connector. The engine's own prefix cache is emptied before every
-prompt, so every cached token comes from the tier. EOF shuts the engine down.
+prompt, so every cached token comes from the tier; with the job's ``reset_connector`` the
+connector's own cache too (a tiering engine's CPU tier: its tokens then come from Redis). EOF
+shuts the engine down.
 
 Not a test module (pytest does not collect it).
 """
@@ -23,7 +25,7 @@ from hma_redis.tools.devkit.engine import LLM_DEFAULTS
 READY_LINE = "@@HMA_FUZZ_ENGINE_READY@@"
 
 
-def _serve(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+def _serve(llm: Any, request: dict[str, Any], reset_connector: bool) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -32,7 +34,7 @@ def _serve(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     )
     results = []
     for prompt in request["prompts"]:
-        llm.reset_prefix_cache()
+        llm.reset_prefix_cache(reset_connector=reset_connector)
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         completion = out.outputs[0]
         logprobs = [
@@ -69,7 +71,8 @@ def main() -> int:
     print(READY_LINE, flush=True)
     for line in sys.stdin:
         if line.strip():
-            print(json.dumps(_serve(llm, json.loads(line))), flush=True)
+            request = json.loads(line)
+            print(json.dumps(_serve(llm, request, bool(job.get("reset_connector")))), flush=True)
     llm.llm_engine.engine_core.shutdown()
     return 0
 
