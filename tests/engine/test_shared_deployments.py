@@ -24,6 +24,10 @@ USER, PASSWORD = "tier", "ha-s3cret"
 # Short timeouts and probes, so an outage costs seconds (as tests/engine/test_faults.py).
 FAULT_OPTIONS = {"read_timeout_s": 1.0, "connect_timeout_s": 0.5, "retry_interval_s": 1.0}
 REQUEST_BOUND_S = 2.0 + 1.0 + 10.0  # the held load, a timeout, and the request itself
+# The kill test's sentinel waits this long before it fails over: well after the held load met
+# the dead master (with 1 s, CI's fast machine had the replica promoted within the hold, and
+# the load read the new master instead; tokens right, but not the case the test is about).
+SLOW_FAILOVER_MS = 8000
 
 
 def _eval_calls(client: redis.Redis) -> int:
@@ -40,6 +44,13 @@ def clean() -> Iterator[LocalCluster]:
 @pytest.fixture
 def fresh_sentinel() -> Iterator[LocalSentinel]:
     setup = started_sentinel(USER, PASSWORD)
+    yield setup
+    setup.stop()
+
+
+@pytest.fixture
+def slow_sentinel() -> Iterator[LocalSentinel]:
+    setup = started_sentinel(USER, PASSWORD, down_after_ms=SLOW_FAILOVER_MS)
     yield setup
     setup.stop()
 
@@ -85,7 +96,7 @@ def test_engines_share_kv_across_a_failover(
 
 
 def test_the_master_killed_during_a_load_then_replaced_by_the_sentinel(
-    fresh_sentinel: LocalSentinel, tmp_path_factory: pytest.TempPathFactory
+    slow_sentinel: LocalSentinel, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Engine A stores; engine B's loads are held for two seconds, and the master is killed as
     soon as B's first lookup reaches it. B serves every prompt with the tokens of a run without
@@ -94,13 +105,13 @@ def test_the_master_killed_during_a_load_then_replaced_by_the_sentinel(
     model = build_llama(tmp_path_factory.mktemp("llama-kill"))
     prompts = [make_prompts(97 + i, 1, n, VOCAB_SIZE)[0] for i, n in enumerate((700, 500))]
     baseline = run_engine(model, prompts, 8, kv_transfer_config=None)
-    config = tier_config(fresh_sentinel.url, **FAULT_OPTIONS)
+    config = tier_config(slow_sentinel.url, **FAULT_OPTIONS)
     engine_a = run_engine(model, prompts, 8, config)
     assert engine_a.token_ids == baseline.token_ids, engine_a.stderr_tail
-    fresh_sentinel.wait_replicated()
-    old_master = fresh_sentinel.master_port()
+    slow_sentinel.wait_replicated()
+    old_master = slow_sentinel.master_port()
 
-    master = fresh_sentinel.data_client(old_master)
+    master = slow_sentinel.data_client(old_master)
     evals = _eval_calls(master)
 
     def kill_after_the_first_lookup() -> None:
@@ -108,7 +119,7 @@ def test_the_master_killed_during_a_load_then_replaced_by_the_sentinel(
         while time.monotonic() < deadline and _eval_calls(master) == evals:
             time.sleep(0.02)
         time.sleep(0.2)  # the scheduler hands the load to the worker, which holds it
-        fresh_sentinel.server(old_master).kill()
+        slow_sentinel.server(old_master).kill()
 
     killer = threading.Thread(target=kill_after_the_first_lookup, daemon=True)
     killer.start()
@@ -121,7 +132,7 @@ def test_the_master_killed_during_a_load_then_replaced_by_the_sentinel(
     assert engine_b.num_cached_tokens[0] == 0, engine_b.stderr_tail
     assert "will be recomputed" in engine_b.stderr, engine_b.stderr_tail
 
-    new_master = fresh_sentinel.wait_for_new_master(old_master)
+    new_master = slow_sentinel.wait_for_new_master(old_master)
     assert new_master != old_master
     engine_c = run_engine(model, prompts, 8, config)
     assert engine_c.token_ids == baseline.token_ids, engine_c.stderr_tail

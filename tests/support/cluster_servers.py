@@ -16,9 +16,12 @@ def started_cluster(username: str, password: str) -> LocalCluster:
         pytest.fail(f"no Redis Cluster for the tests: {exc}", pytrace=False)
 
 
-def started_sentinel(username: str, password: str) -> LocalSentinel:
-    """A started :class:`LocalSentinel`; the test fails (never skips) if none starts."""
+def started_sentinel(username: str, password: str, down_after_ms: int = 1000) -> LocalSentinel:
+    """A started :class:`LocalSentinel` (its sentinel calls a silent master down after
+    ``down_after_ms``); the test fails (never skips) if none starts."""
     try:
-        return LocalSentinel(username=username, password=password).start()
+        return LocalSentinel(
+            username=username, password=password, down_after_ms=down_after_ms
+        ).start()
     except RuntimeError as exc:
         pytest.fail(f"no Redis Sentinel setup for the tests: {exc}", pytrace=False)
