@@ -601,7 +601,7 @@ class RedisOffloadingManager(OffloadingManager):
         its last request never waits for) are counted here, so their per-group hit counters
         reach the stats hash too."""
         self._lookups.shutdown()
-        self._memory.close()
+        self._memory.close(2 * self._store.cfg.read_timeout_s)
         # The pins of the last requests (best effort, bounded like one Redis call).
         self._pins.flush(2 * self._store.cfg.read_timeout_s)
         self._pins.close()

@@ -148,7 +148,7 @@ class RedisOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
-        _adopt_vllm_logging()
+        adopt_vllm_logging()
         context = connector_context(SPEC)
         self.vllm_config = context.vllm_config
         compat.refuse_unsupported_options(config.extra_config)
@@ -287,7 +287,7 @@ def lower_gil_switch_interval(seconds: float) -> None:
         )
 
 
-def _adopt_vllm_logging() -> None:
+def adopt_vllm_logging() -> None:
     """Send hma_redis' log lines through vLLM's handlers and level (vLLM configures only its own
     ``vllm`` logger, so INFO lines of other packages would be dropped)."""
     ours, theirs = logging.getLogger("hma_redis"), logging.getLogger("vllm")

@@ -13,6 +13,8 @@ primary tier with promotions and cascades, and hma_redis' tier run as shipped).
 - Deployments that must not share, under one namespace name: other weights, another rope
   base, another dtype load none of each other's KV.
 - A local hit in an engine's CPU tier never asks Redis; Redis down at start-up.
+- Shutdown with cascades in flight (a Redis that answers slowly): they are finished in bounded
+  time, and Redis then holds every chunk, whole.
 
 The other hybrid families in this mode, and the live faults (Redis killed, paused, dripping
 bytes), run in the fault fuzz (``scripts/fault_fuzz.sh --modes tiering``; its CI rounds draw
@@ -21,6 +23,7 @@ this mode too).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +35,7 @@ from hma_redis.tools.devkit.tiny_models import FAMILIES, VOCAB_SIZE, build_llama
 from tests.support.cpu_tiering import cpu_tiering_config
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.family_checks import check_family
-from tests.support.fault_fuzz import ENGINE_MODELS
+from tests.support.fault_fuzz import ENGINE_MODELS, FAILED_LOAD_LINES, TrickleProxy
 from tests.support.tier import chunk_aligned_prefix
 
 pytestmark = pytest.mark.engine
@@ -131,3 +134,34 @@ def _reads(client: redis.Redis) -> int:
     """Calls of the commands the tier reads with (lookups, promotions), since the last reset."""
     stats = client.info("commandstats")
     return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in READS)
+
+
+def test_shutdown_with_cascades_in_flight_finishes_them_and_leaves_only_whole_values(
+    server: LocalRedis, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Engine A's Redis answers one byte per 3 ms (a proxy), so its cascades (CPU tier to
+    Redis) are still running when its last request ends and the engine shuts down. The shutdown
+    finishes them in bounded time without an error, every chunk is then in Redis, whole: a fresh
+    engine loads all of it, token-identically, without one failed load."""
+    model = build_llama(tmp_path_factory.mktemp("llama-shutdown"))
+    prompts = make_prompts(41, 2, 1100, VOCAB_SIZE)
+    baseline = run_engine(model, prompts, 4, None)
+    proxy = TrickleProxy(server.port)
+    proxy.delay_s = 0.003
+    stored = run_engine(model, prompts, 4, tiering_config(proxy.url, read_timeout_s=5.0))
+    proxy.delay_s = 0.0
+    assert stored.token_ids == baseline.token_ids, stored.stderr_tail
+    in_flight = re.findall(r"(\d+) job\(s\) in flight at shutdown", stored.stderr)
+    assert in_flight and int(in_flight[-1]) > 0, stored.stderr_tail
+    assert "did not report; failed" not in stored.stderr, stored.stderr_tail
+    # Nothing the shutdown itself did (an INFO fetch or counters still reading while the
+    # connections closed) looked like Redis failing.
+    assert "hma_redis: Redis at" not in stored.stderr, stored.stderr_tail
+    tracebacks = stored.stderr.split("Traceback (most recent call last)")[1:]
+    assert not [t for t in tracebacks if "/hma_redis/" in t[:4000]], stored.stderr_tail
+
+    loaded = run_engine(model, prompts, 4, tiering_config(server.url))
+    aligned = chunk_aligned_prefix(1100, loaded.block_size)
+    assert loaded.token_ids == baseline.token_ids, loaded.stderr_tail
+    assert loaded.num_cached_tokens == [aligned] * 2, loaded.stderr_tail
+    assert not any(line in loaded.stderr for line in FAILED_LOAD_LINES), loaded.stderr_tail

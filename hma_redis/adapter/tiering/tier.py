@@ -43,6 +43,7 @@ from hma_redis.adapter.metrics import metric_definitions
 from hma_redis.adapter.namespace import Mode, deployment_fingerprint, namespace_name
 from hma_redis.adapter.spec import (
     SECONDARY_TIER,
+    adopt_vllm_logging,
     check_hash_seed,
     connector_context,
     lookup_manager,
@@ -117,6 +118,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         hands it vLLM's config, the namespace's inputs); under any other connector it refuses
         to start with one line saying so. Connects to Redis once to write the namespace's info
         hash (a Redis that is down only warns)."""
+        adopt_vllm_logging()
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else Locality.REMOTE
         refused = sorted(_REFUSED_OPTIONS & options.keys())
@@ -336,6 +338,13 @@ class RedisSecondaryTier(SecondaryTierManager):
         engine = self._engine
         if engine is None:
             return
+        if self._jobs:
+            logger.info(
+                "hma_redis: secondary tier: %d job(s) in flight at shutdown; finishing them "
+                "(at most shutdown_timeout_s %.0f s)",
+                len(self._jobs),
+                self.config.shutdown_timeout_s,
+            )
         self.drain_jobs()
         engine.shutdown()
         self._lookups.shutdown()

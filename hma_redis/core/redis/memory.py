@@ -9,6 +9,7 @@ caller's thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -122,7 +123,12 @@ class MemoryPoller:
         if inflight is not None:
             inflight.exception(timeout=timeout_s)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 0.0) -> None:
+        """Stop polling; a fetch in flight is waited for up to ``timeout_s`` first (the
+        store's connections are closed next: a fetch still reading would meet a closed
+        socket and report Redis failed)."""
+        with contextlib.suppress(TimeoutError):
+            self.wait(timeout_s)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _due(self) -> bool:

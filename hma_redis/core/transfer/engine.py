@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import TypeVar
 
@@ -222,6 +222,9 @@ class TransferEngine:
         self._counters_every_s = counters_every_s
         self._counters_sent_at = time.monotonic()
         self._counters_lock = threading.Lock()
+        # The last delivery handed to a store thread: shutdown waits for it before the store
+        # closes its connections (else its read meets a closed socket).
+        self._counters_future: Future[None] | None = None
         self._test_load_delay_s = float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
         # The first job's connections, opened now on a load thread: a fresh engine's first
         # load would otherwise open them itself (in_engine_timeline.py: ~1 ms).
@@ -307,9 +310,10 @@ class TransferEngine:
     def shutdown(self) -> None:
         """Finish stores already submitted (bounded by ``shutdown_timeout_s``), stop the
         threads and deliver the medium's pending counters. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._counters_lock:  # no counters delivery is handed over after this
+            if self._closed:
+                return
+            self._closed = True
         pending = [j.future for j in list(self._jobs.values()) if j.is_store and j.future]
         if pending:
             done, not_done = wait(pending, timeout=self._shutdown_timeout_s)
@@ -318,6 +322,10 @@ class TransferEngine:
                 len(done),
                 len(not_done),
             )
+        with self._counters_lock:
+            delivery = self._counters_future
+        if delivery is not None:
+            wait([delivery], timeout=self._shutdown_timeout_s)
         self._stores.shutdown(wait=False, cancel_futures=True)
         self._loads.shutdown(wait=False, cancel_futures=True)
         if self._parts is not None:
@@ -340,8 +348,8 @@ class TransferEngine:
             if self._closed or now - self._counters_sent_at < self._counters_every_s:
                 return
             self._counters_sent_at = now
-        with contextlib.suppress(RuntimeError):  # shut down meanwhile: shutdown() flushes
-            self._stores.submit(self._store.flush)
+            with contextlib.suppress(RuntimeError):  # shut down meanwhile: shutdown() flushes
+                self._counters_future = self._stores.submit(self._store.flush)
 
     def _in_parts(
         self, sizes: Sequence[int], run: Callable[[slice], list[_T] | None]
