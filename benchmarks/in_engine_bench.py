@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/in_engine_bench.py            # the full run, ~10-15 min here
     .venv/bin/python benchmarks/in_engine_bench.py --quick    # smoke check, ~2-3 min
     .venv/bin/python benchmarks/in_engine_bench.py --tier-option gil_switch_interval_ms=0
+    .venv/bin/python benchmarks/in_engine_bench.py --modes direct   # the direct mode only
 
 The model is e2e_bench's (random-weight Llama shape: hidden 1024, 8 layers, 16 query / 8 KV
 heads of 64, fp32: 32 KiB of KV per token); a private ``redis-server`` is started. Each round
@@ -16,6 +17,13 @@ runs three fresh engines, each in its own process with the CPU defaults of
 - ``load`` (tier on, a new engine): P (its KV comes from Redis: the engine's first request),
   P again (now in the engine's own prefix cache), then each Ri twice the same way (repeats).
 
+``on`` and ``load`` run once per mode (``--modes``, both by default): ``direct`` (hma_redis'
+spec: Redis to the KV cache) and ``tiering`` (vLLM's ``TieringOffloadingSpec`` with the Redis
+secondary tier behind its CPU tier, on this CPU with only vLLM's GPU copy replaced:
+tests/support/cpu_tiering.py). A tiering engine's first request waits for the promotion
+(Redis to its CPU tier) and then for vLLM's copy into the KV cache: the table puts both
+modes' TTFT from Redis side by side, and the hop the promotion adds.
+
 Printed, per round and as the median over rounds:
 
 - effective load bandwidth inside the engine = KV bytes loaded / (TTFT from Redis - TTFT of
@@ -23,6 +31,8 @@ Printed, per round and as the median over rounds:
   (target 2: >= 0.8x the standalone GB/s at the same value size, measured at the end with the
   transfer engine alone, same layout, same Redis);
 - TTFT from Redis / cold prefill, first request of a fresh engine (target 3: <= 0.03);
+- tiering - direct: the first request's TTFT from Redis in the tiering mode minus the direct
+  mode's, the same round (the promotion's hop);
 - cold prefill tier on / off (target 4: <= 1.05) and decode tokens/s tier on / off (>= 0.97).
 
 Progress goes to stderr, the table to stdout (``--json FILE`` writes every sample). The greedy
@@ -61,6 +71,15 @@ from hma_redis.tools.devkit.local_redis import LocalRedis
 VOCAB = 32000
 GB = 1e9
 MIB = 1 << 20
+MODES = ("direct", "tiering")
+
+# The tiering mode's CPU engine (tests/support/cpu_tiering.py) is imported from the repository,
+# here and in the engine processes.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p
+)
 
 
 @dataclass(frozen=True)
@@ -92,12 +111,10 @@ QUICK = Plan(
 
 
 @dataclass
-class Round:
-    """What one round of three engines measured (seconds; tok/s; bytes)."""
+class ModeRun:
+    """What one mode's two engines measured in a round (seconds; tok/s; bytes)."""
 
-    cold_off_s: float
     cold_on_s: float
-    decode_off: float
     decode_on: float
     first_redis_s: float
     first_own_s: float
@@ -105,7 +122,7 @@ class Round:
     repeat_own_s: list[float]
     loaded_bytes: int  # KV bytes of the first request's tokens from Redis
     tokens_from_redis: list[int]
-    value_bytes: int  # bytes of one value (header included)
+    value_bytes: int  # bytes of one value (header included); 0 where the mode logs none
     layout: dict[str, Any] = field(default_factory=dict)
     data_path: str = ""
 
@@ -115,6 +132,15 @@ class Round:
     def repeat_gbps(self) -> float:
         gaps = [r - o for r, o in zip(self.repeat_redis_s, self.repeat_own_s, strict=True)]
         return _gbps(self.loaded_bytes, statistics.median(gaps))
+
+
+@dataclass
+class Round:
+    """What one round measured: the engine without the tier, and each mode's two engines."""
+
+    cold_off_s: float
+    decode_off: float
+    modes: dict[str, ModeRun]
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -173,7 +199,12 @@ def tok_s(result: dict[str, Any]) -> float:
 
 
 def run_round(
-    idx: int, plan: Plan, model: str, server: LocalRedis, tier: dict[str, Any], seed: int
+    idx: int,
+    plan: Plan,
+    model: str,
+    server: LocalRedis,
+    tiers: dict[str, dict[str, Any]],
+    seed: int,
 ) -> Round:
     rng = random.Random(seed)
     prompt = [rng.randrange(4, VOCAB) for _ in range(plan.prompt_tokens)]
@@ -181,52 +212,71 @@ def run_round(
         [rng.randrange(4, VOCAB) for _ in range(plan.prompt_tokens)] for _ in range(plan.repeats)
     ]
     decode = [[rng.randrange(4, VOCAB) for _ in range(64)] for _ in range(plan.decode_prompts)]
-    with redis.Redis(port=server.port) as client:
-        client.flushall()
 
-    # Both engines run the same requests: the prompt (the engine's first request), the repeat
+    # Every engine runs the same requests: the prompt (the engine's first request), the repeat
     # prompts, then the decode prompts (whose decode no store of a long prompt overlaps).
     prompts = [prompt, *repeats, *decode]
     budgets = [4] * (1 + len(repeats)) + [plan.decode_tokens] * len(decode)
     log(f"round {idx}: engine 'off' (no tier): cold prefills, then decode")
     off, _, _ = run_job(model, prompts, budgets, None)
-    log(f"round {idx}: engine 'on' (tier on, empty Redis): cold prefills (stored), then decode")
-    on, _, _ = run_job(model, prompts, budgets, tier)
-    log(f"round {idx}: engine 'load' (tier on, fresh): each prompt from Redis, then again")
-    twice = [p for p in [prompt, *repeats] for _ in range(2)]
-    load, kv_cache, output = run_job(model, twice, [4] * len(twice), tier)
-
     expected = [r["token_ids"] for r in off[: 1 + len(repeats)] for _ in "ab"]
-    for n, (got, want) in enumerate(zip((r["token_ids"] for r in load), expected, strict=True)):
-        if got != want:
-            raise SystemExit(
-                f"in_engine_bench: request {n} of the loading engine gave other tokens"
-            )
-    totals = worker_totals(output)
-    from_redis = [r["num_cached_tokens"] for r in load[0::2]]
-    if min(from_redis) < plan.prompt_tokens // 2:
-        raise SystemExit(f"in_engine_bench: too few tokens came from Redis: {from_redis}")
+    modes = {}
+    for mode, tier in tiers.items():
+        with redis.Redis(port=server.port) as client:
+            client.flushall()
+        log(f"round {idx}, {mode}: engine 'on' (tier on, empty Redis): cold prefills, decode")
+        on, _, _ = run_job(model, prompts, budgets, tier)
+        log(f"round {idx}, {mode}: engine 'load' (tier on, fresh): each prompt from Redis, twice")
+        twice = [p for p in [prompt, *repeats] for _ in range(2)]
+        load, kv_cache, output = run_job(model, twice, [4] * len(twice), tier)
+        for n, (got, want) in enumerate(zip((r["token_ids"] for r in load), expected, strict=True)):
+            if got != want:
+                raise SystemExit(
+                    f"in_engine_bench: request {n} of the {mode} loading engine gave other tokens"
+                )
+        from_redis = [r["num_cached_tokens"] for r in load[0::2]]
+        if min(from_redis) < plan.prompt_tokens // 2:
+            raise SystemExit(f"in_engine_bench: too few tokens came from Redis: {from_redis}")
+        totals = worker_totals(output) if mode == "direct" else {}
+        modes[mode] = ModeRun(
+            cold_on_s=on[0]["ttft_s"],
+            decode_on=statistics.median(tok_s(r) for r in on[1 + len(repeats) :]),
+            first_redis_s=load[0]["ttft_s"],
+            first_own_s=load[1]["ttft_s"],
+            repeat_redis_s=[r["ttft_s"] for r in load[2::2]],
+            repeat_own_s=[r["ttft_s"] for r in load[3::2]],
+            loaded_bytes=from_redis[0] * kv_bytes_per_token(kv_cache),
+            tokens_from_redis=from_redis,
+            value_bytes=totals.get("loaded_bytes", 0) // max(1, totals.get("loaded_chunks", 1)),
+            layout=kv_cache,
+            data_path=data_path(output) if mode == "direct" else "vLLM's copy (CPU tier)",
+        )
     return Round(
         cold_off_s=off[0]["ttft_s"],
-        cold_on_s=on[0]["ttft_s"],
         decode_off=statistics.median(tok_s(r) for r in off[1 + len(repeats) :]),
-        decode_on=statistics.median(tok_s(r) for r in on[1 + len(repeats) :]),
-        first_redis_s=load[0]["ttft_s"],
-        first_own_s=load[1]["ttft_s"],
-        repeat_redis_s=[r["ttft_s"] for r in load[2::2]],
-        repeat_own_s=[r["ttft_s"] for r in load[3::2]],
-        loaded_bytes=from_redis[0] * kv_bytes_per_token(kv_cache),
-        tokens_from_redis=from_redis,
-        value_bytes=totals["loaded_bytes"] // max(1, totals["loaded_chunks"]),
-        layout=kv_cache,
-        data_path=data_path(output),
+        modes=modes,
     )
+
+
+def tier_configs(url: str, modes: Sequence[str], options: dict[str, Any], plan: Plan) -> dict:
+    """Each mode's kv-transfer-config: the direct spec, or vLLM's tiering spec on this CPU
+    with a CPU tier that holds every prompt of a round (32 KiB of KV per token, 2x room)."""
+    tiers: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        if mode == "direct":
+            tiers[mode] = engine.kv_transfer_config(url, **options)
+        else:
+            from tests.support.cpu_tiering import cpu_tiering_config
+
+            tokens = plan.prompt_tokens * (1 + plan.repeats) + 64 * plan.decode_prompts
+            tiers[mode] = cpu_tiering_config(url, max(64 * MIB, 2 * tokens * 32 * 1024), **options)
+    return tiers
 
 
 # ---------------------------------------------------------------------------------- standalone
 
 
-def standalone_load_gbps(url: str, sample: Round, plan: Plan, tier: dict[str, Any]) -> float:
+def standalone_load_gbps(url: str, sample: ModeRun, plan: Plan, tier: dict[str, Any]) -> float:
     """The same load outside vLLM: a transfer engine over CPU tensors of the engine's layout
     (layers, page size, blocks per chunk, value size), the tier's options, the same Redis;
     one job of the prompt's blocks stored once, then loaded ``standalone_reps`` times; the
@@ -305,54 +355,96 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(finite) if finite else math.nan
 
 
-def report(rounds: list[Round], plan: Plan, standalone: float, seconds: float) -> str:
-    first = rounds[0]
+def report(rounds: list[Round], plan: Plan, standalone: float | None, seconds: float) -> str:
+    modes = list(rounds[0].modes)
+    first = rounds[0].modes[modes[0]]
     ms = 1e3
 
     def row(label: str, values: Sequence[float], fmt: str = "{:10.1f}", note: str = "") -> str:
         cells = "".join(fmt.format(v) for v in values)
         pad = " " * 10 * (plan.rounds - len(values))
-        return f"  {label:<44}{cells}{pad}{fmt.format(_median(values))}  {note}".rstrip()
+        return f"  {label:<46}{cells}{pad}{fmt.format(_median(values))}  {note}".rstrip()
 
-    cold_ratio = [r.cold_on_s / r.cold_off_s for r in rounds]
-    decode_ratio = [r.decode_on / r.decode_off for r in rounds]
-    redis_ratio = [r.first_redis_s / r.cold_off_s for r in rounds]
-    first_gbps = [r.first_gbps() for r in rounds]
-    repeat_gbps = [r.repeat_gbps() for r in rounds]
     header = "".join(f"{'round ' + str(i + 1):>10}" for i in range(plan.rounds))
     lines = [
         f"in-engine benchmark: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at "
-        f"end, run took {seconds:.0f} s",
+        f"end, run took {seconds:.0f} s; modes: {', '.join(modes)}",
         f"prompt {plan.prompt_tokens} tokens ({first.loaded_bytes / MIB:.1f} MiB of KV from "
-        f"Redis), values of {first.value_bytes / MIB:.2f} MiB, {plan.repeats} repeat(s), decode "
-        f"{plan.decode_tokens} tokens x {plan.decode_prompts}",
-        f"data path: {first.data_path}",
+        f"Redis), {plan.repeats} repeat(s), decode {plan.decode_tokens} tokens x "
+        f"{plan.decode_prompts}",
+        *(f"{mode} data path: {r.data_path}" for mode, r in rounds[0].modes.items()),
         "",
-        f"  {'':<44}{header}{'median':>10}",
+        f"  {'':<46}{header}{'median':>10}",
         row("cold prefill, tier off: TTFT ms", [r.cold_off_s * ms for r in rounds]),
-        row("cold prefill, tier on, empty Redis: TTFT ms", [r.cold_on_s * ms for r in rounds]),
-        row("  on / off", cold_ratio, "{:10.3f}", "(target <= 1.05)"),
         row("decode tok/s, tier off", [r.decode_off for r in rounds], "{:10.2f}"),
-        row("decode tok/s, tier on, 0 % hits", [r.decode_on for r in rounds], "{:10.2f}"),
-        row("  on / off", decode_ratio, "{:10.3f}", "(target >= 0.97)"),
-        row("first request, KV from Redis: TTFT ms", [r.first_redis_s * ms for r in rounds]),
-        row("  same request, own prefix cache: TTFT ms", [r.first_own_s * ms for r in rounds]),
-        row("  effective load GB/s", first_gbps, "{:10.2f}"),
-        row(
-            "repeats, KV from Redis: TTFT ms (median)",
-            [_median(r.repeat_redis_s) * ms for r in rounds],
-        ),
-        row("  own prefix cache: TTFT ms (median)", [_median(r.repeat_own_s) * ms for r in rounds]),
-        row("  effective load GB/s", repeat_gbps, "{:10.2f}"),
-        row("TTFT from Redis / cold prefill (first)", redis_ratio, "{:10.3f}", "(target <= 0.03)"),
-        "",
-        f"  standalone load (transfer engine alone, same layout and values): {standalone:.2f} GB/s",
-        f"  in-engine / standalone: first {_median(first_gbps) / standalone:.2f}, repeats "
-        f"{_median(repeat_gbps) / standalone:.2f}  (target >= 0.8)",
-        f"  tokens from Redis per request: {[r.tokens_from_redis for r in rounds]}; every "
-        "request's tokens equal the cold run's",
     ]
-    if any(math.isnan(v) for v in first_gbps + repeat_gbps):
+    gbps: dict[str, list[float]] = {}
+    for mode in modes:
+        runs = [r.modes[mode] for r in rounds]
+        first_gbps = [m.first_gbps() for m in runs]
+        repeat_gbps = [m.repeat_gbps() for m in runs]
+        gbps[mode] = first_gbps + repeat_gbps
+        value = f", values of {runs[0].value_bytes / MIB:.2f} MiB" if runs[0].value_bytes else ""
+        lines += [
+            f"  {mode} mode{value}",
+            row("cold prefill, tier on, empty Redis: TTFT ms", [m.cold_on_s * ms for m in runs]),
+            row(
+                "  on / off",
+                [m.cold_on_s / r.cold_off_s for m, r in zip(runs, rounds, strict=True)],
+                "{:10.3f}",
+                "(target <= 1.05)",
+            ),
+            row("decode tok/s, tier on, 0 % hits", [m.decode_on for m in runs], "{:10.2f}"),
+            row(
+                "  on / off",
+                [m.decode_on / r.decode_off for m, r in zip(runs, rounds, strict=True)],
+                "{:10.3f}",
+                "(target >= 0.97)",
+            ),
+            row("first request, KV from Redis: TTFT ms", [m.first_redis_s * ms for m in runs]),
+            row("  same request, own prefix cache: TTFT ms", [m.first_own_s * ms for m in runs]),
+            row("  effective load GB/s", first_gbps, "{:10.2f}"),
+            row(
+                "repeats, KV from Redis: TTFT ms (median)",
+                [_median(m.repeat_redis_s) * ms for m in runs],
+            ),
+            row(
+                "  own prefix cache: TTFT ms (median)",
+                [_median(m.repeat_own_s) * ms for m in runs],
+            ),
+            row("  effective load GB/s", repeat_gbps, "{:10.2f}"),
+            row(
+                "TTFT from Redis / cold prefill (first)",
+                [m.first_redis_s / r.cold_off_s for m, r in zip(runs, rounds, strict=True)],
+                "{:10.3f}",
+                "(target <= 0.03)",
+            ),
+        ]
+    if {"direct", "tiering"} <= set(modes):
+        hop = [(r.modes["tiering"].first_redis_s - r.modes["direct"].first_redis_s) for r in rounds]
+        ratio = [r.modes["tiering"].first_redis_s / r.modes["direct"].first_redis_s for r in rounds]
+        lines += [
+            "  tiering vs direct, first request from Redis",
+            row("  tiering - direct: TTFT ms (promotion hop)", [h * ms for h in hop]),
+            row("  TTFT tiering / direct", ratio, "{:10.3f}"),
+        ]
+    lines.append("")
+    if standalone is not None:
+        direct = [r.modes["direct"] for r in rounds]
+        lines += [
+            "  standalone load (transfer engine alone, direct mode's layout and values): "
+            f"{standalone:.2f} GB/s",
+            f"  direct in-engine / standalone: first "
+            f"{_median([m.first_gbps() for m in direct]) / standalone:.2f}, repeats "
+            f"{_median([m.repeat_gbps() for m in direct]) / standalone:.2f}  (target >= 0.8)",
+        ]
+    for mode in modes:
+        lines.append(
+            f"  {mode}: tokens from Redis per request: "
+            f"{[r.modes[mode].tokens_from_redis for r in rounds]}"
+        )
+    lines.append("  every request's tokens equal the run without the tier's")
+    if any(math.isnan(v) for values in gbps.values() for v in values):
         lines.append(
             "  (nan: the TTFT from Redis was not above the own-prefix-cache TTFT: noise "
             "exceeded the load; medians skip nan)"
@@ -388,8 +480,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a kv_connector_extra_config option of the tier (repeatable), e.g. "
         "gil_switch_interval_ms=0 or connections_per_job=2",
     )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated: direct (hma_redis' spec), tiering (vLLM's tiering spec with the "
+        "Redis secondary tier); default both, side by side",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every sample as JSON")
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}")
     plan = QUICK if args.quick else FULL
     overrides = {
         "rounds": args.rounds,
@@ -406,19 +507,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = build_model(os.path.join(workdir, "llama-1024x8"))
         server = LocalRedis().start()
         try:
-            tier = engine.kv_transfer_config(server.url, **options)
+            tiers = tier_configs(server.url, modes, options, plan)
             rounds = [
-                run_round(i + 1, plan, model, server, tier, seed=i) for i in range(plan.rounds)
+                run_round(i + 1, plan, model, server, tiers, seed=i) for i in range(plan.rounds)
             ]
-            log("standalone load at the same value size")
-            standalone = standalone_load_gbps(server.url, rounds[0], plan, tier)
+            standalone = None
+            if "direct" in tiers:
+                log("standalone load at the direct mode's value size")
+                sample = rounds[0].modes["direct"]
+                standalone = standalone_load_gbps(server.url, sample, plan, tiers["direct"])
         finally:
             server.stop()
     print(report(rounds, plan, standalone, time.perf_counter() - started))
     if args.json:
         with open(args.json, "w") as fh:
             data = {"plan": asdict(plan), "options": options, "standalone_gbps": standalone}
-            data["rounds"] = [{**asdict(r), "layout": r.layout} for r in rounds]
+            data["rounds"] = [asdict(r) for r in rounds]
             json.dump(data, fh, indent=2)
     return 0
 
