@@ -11,6 +11,11 @@ compared with an engine of the same model without the tier. Engines are the fuzz
 children (:mod:`tests.support.fuzz_child`), which empty vLLM's own prefix cache before every
 prompt: every cached token came from Redis.
 
+With ``modes`` holding ``tiering`` (``--modes direct,tiering``), a hybrid and a Llama engine of
+the tiering mode join them (vLLM's tiering spec with the Redis secondary tier behind its CPU
+tier, tests/support/cpu_tiering.py; each empties its CPU tier before every prompt too, so its
+hits are promotions from the same Redis).
+
 ``python -m tests.support.soak --duration-s S`` (``scripts/soak.sh``) prints one table;
 ``tests/engine/test_soak.py`` runs a bounded one.
 """
@@ -39,11 +44,14 @@ import redis
 from hma_redis.tools.devkit.engine import kv_transfer_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import FAMILIES, VOCAB_SIZE
+from tests.support.cpu_tiering import cpu_tiering_config
 from tests.support.engine_runner import make_prompts
 from tests.support.fault_fuzz import (
     ENGINE_MODELS,
     LOGPROB_TOLERANCE,
+    MODES,
     TIER_OPTIONS,
+    TIERING_PRIMARY_BYTES,
     Engine,
     damage,
     engine_errors,
@@ -83,6 +91,9 @@ class SoakConfig:
     # More models, one tier engine (and one without the tier) each, from the fault fuzz's
     # ENGINE_MODELS (the hybrid families: gdn, mla, short-conv, chunked-local).
     families: tuple[str, ...] = ()
+    # The modes of the tier engines: "direct" (the engines above), "tiering" (one hybrid and
+    # one Llama engine more, in vLLM's tiering mode).
+    modes: tuple[str, ...] = ("direct",)
 
 
 class Workload:
@@ -358,6 +369,8 @@ class Soak:
         # name -> model; the two hybrid engines share one namespace.
         self.tiered = {"hybrid-a": "hybrid", "hybrid-b": "hybrid", "llama": "llama"}
         self.tiered.update({f: f for f in cfg.families})
+        if "tiering" in cfg.modes:
+            self.tiered.update({"hybrid-tiering": "hybrid", "llama-tiering": "llama"})
         self.engines: dict[str, Engine] = {}
 
     def start_engines(self) -> None:
@@ -370,6 +383,12 @@ class Soak:
             }
             for name, model in self.tiered.items()
         }
+        for name, job in jobs.items():
+            if name.endswith("-tiering"):
+                job["kv_transfer_config"] = cpu_tiering_config(
+                    self.redis.url, TIERING_PRIMARY_BYTES, **options
+                )
+                job["reset_connector"] = True
         for model, (family, path) in self.models.items():
             jobs[f"{model}-no-tier"] = engine_job(family, path)
         for name, job in jobs.items():
@@ -550,7 +569,16 @@ def main(argv: list[str] | None = None) -> int:
         "(gdn, mla, short-conv, chunked-local, fp8-e4m3, fp8-e5m2; 'all': every one this "
         "host runs)",
     )
+    parser.add_argument(
+        "--modes",
+        default="direct",
+        help="comma-separated: direct (always), tiering (a hybrid and a Llama engine of vLLM's "
+        "tiering mode join)",
+    )
     args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if set(modes) - set(MODES):
+        parser.error(f"--modes takes {', '.join(MODES)}")
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     families = tuple(
@@ -567,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         maxmemory=args.maxmemory,
         fault_every_s=args.fault_every_s,
         families=families,
+        modes=modes,
     )
     result = run(cfg, args.workdir)
     if args.workdir:  # the RSS samples (bytes, one per second per process), for plots
