@@ -20,7 +20,7 @@ runs three fresh engines, each in its own process with the CPU defaults of
 ``on`` and ``load`` run once per mode (``--modes``, both by default): ``direct`` (hma_redis'
 spec: Redis to the KV cache) and ``tiering`` (vLLM's ``TieringOffloadingSpec`` with the Redis
 secondary tier behind its CPU tier, on this CPU with only vLLM's GPU copy replaced:
-tests/support/cpu_tiering.py). A tiering engine's first request waits for the promotion
+hma_redis/tools/devkit/cpu_tiering.py). A tiering engine's first request waits for the promotion
 (Redis to its CPU tier) and then for vLLM's copy into the KV cache: the table puts both
 modes' TTFT from Redis side by side, and the hop the promotion adds.
 
@@ -66,20 +66,13 @@ from hma_redis.core.transfer.engine import TransferEngine
 from hma_redis.core.transfer.jobs import ChunkTransfer, JobResult, ValueFormat
 from hma_redis.core.transfer.pages import LayerSource
 from hma_redis.tools.devkit import engine
+from hma_redis.tools.devkit.cpu_tiering import cpu_tiering_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
 
 VOCAB = 32000
 GB = 1e9
 MIB = 1 << 20
 MODES = ("direct", "tiering")
-
-# The tiering mode's CPU engine (tests/support/cpu_tiering.py) is imported from the repository,
-# here and in the engine processes.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p
-)
 
 
 @dataclass(frozen=True)
@@ -266,8 +259,6 @@ def tier_configs(url: str, modes: Sequence[str], options: dict[str, Any], plan: 
         if mode == "direct":
             tiers[mode] = engine.kv_transfer_config(url, **options)
         else:
-            from tests.support.cpu_tiering import cpu_tiering_config
-
             tokens = plan.prompt_tokens * (1 + plan.repeats) + 64 * plan.decode_prompts
             tiers[mode] = cpu_tiering_config(url, max(64 * MIB, 2 * tokens * 32 * 1024), **options)
     return tiers

