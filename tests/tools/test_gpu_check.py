@@ -79,6 +79,8 @@ def test_cpu_check_moves_every_byte_and_refuses_a_corrupted_value(tmp_path: Path
         assert all(float(r[4].split()[0]) > 0 for r in where(name))
     assert {r[1] for r in where("load timing")} == {"single", "cluster"}
     assert [r[1] for r in where("compute rate")] == ["single"]
+    (tiering,) = where("tiering")
+    assert tiering[4].startswith("not run: vLLM is not importable here"), tiering
     assert "WRONG" not in table
     assert "RESULT: every byte correct, every corrupted value refused: exit 0" in table
 
@@ -86,11 +88,34 @@ def test_cpu_check_moves_every_byte_and_refuses_a_corrupted_value(tmp_path: Path
 def test_cpu_check_exits_1_when_a_loaded_byte_is_wrong(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "table.txt"
     argv = ["--device", "cpu", "--no-cluster", "--connections", "1", "--output", str(out)]
-    assert check.main([*argv, "--flip-a-loaded-byte"]) == check.EXIT_WRONG
+    assert check.main([*argv, "--no-tiering", "--flip-a-loaded-byte"]) == check.EXIT_WRONG
     table = out.read_text()
     loads = [r for r in _rows(table) if r[0] == "load GB/s"]
     assert loads and all(r[-1] == "WRONG" and "1 WRONG pages" in r[4] for r in loads)
     assert "RESULT: 2 row(s) with a WRONG byte or a failed load: exit 1" in table
+
+
+def test_tiering_rows_run_vllms_cpu_tier_with_the_redis_tier_and_catch_a_wrong_byte(
+    tmp_path: Path,
+) -> None:
+    """With vLLM importable the check runs vLLM's own CPU tier (its worker over the check's
+    KV cache, its copy replaced on the CPU) with the Redis secondary tier: every page comes back
+    from Redis through the primary tier into other blocks; a byte flipped in the primary tier
+    after the promotion is a WRONG row and exit 1."""
+    out = tmp_path / "table.txt"
+    argv = ["--device", "cpu", "--no-cluster", "--connections", "1", "--output", str(out)]
+    assert check.main(argv) == check.EXIT_OK
+    rows = _rows(out.read_text())
+    exact = [r for r in rows if r[0] == "tiering bytes"]
+    assert [r[2] for r in exact] == ["1 blk", "16 blk"], exact
+    assert all(r[-1] == "ok" and "0 page(s) wrong, 0 other" in r[4] for r in exact), exact
+    legs = {r[0].removeprefix("tiering GB/s ") for r in rows if r[0].startswith("tiering GB/s")}
+    assert legs == {"KV->primary", "cascade", "promotion", "primary->KV", "Redis->KV"}
+    assert all(float(r[4]) > 0 for r in rows if r[0].startswith("tiering GB/s"))
+
+    assert check.main([*argv, "--flip-a-loaded-byte"]) == check.EXIT_WRONG
+    flipped = [r for r in _rows(out.read_text()) if r[0] == "tiering bytes"]
+    assert flipped and all(r[-1] == "WRONG" and "1 page(s) wrong" in r[4] for r in flipped)
 
 
 # ---------------------------------------------------------------------------------- the script

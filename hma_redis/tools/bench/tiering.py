@@ -43,7 +43,7 @@ class TieringBench:
         self._job_id = 0
         self._keys = OffloadKeys()
         self._rng = np.random.default_rng(3)
-        self.tiers = {size: _Tier(self.cfg, job_bytes, size, layer_bytes) for size in sizes}
+        self.tiers = {size: SpecTier(self.cfg, job_bytes, size, layer_bytes) for size in sizes}
 
     def run(self, size: int, samples: Samples) -> None:
         tier = self.tiers[size]
@@ -74,7 +74,7 @@ class TieringBench:
             tier.close()
 
 
-class _Tier:
+class SpecTier:
     """One spec, its primary buffer and its Redis tier (chunks of ``size`` bytes)."""
 
     def __init__(self, cfg: RedisTierConfig, job_bytes: int, size: int, layer_bytes: int) -> None:
@@ -85,6 +85,7 @@ class _Tier:
         self.size = size
         entry = _tier_entry(cfg)
         spec = TieringOffloadingSpec(_offloading_config(job_bytes, size, layer_bytes, entry))
+        self.spec = spec  # its create_worker: vLLM's worker on this primary (the GPU check)
         with _password_in_env(cfg), _connector_context():
             self.manager = spec.get_manager()
         (tier,) = self.manager.secondary_tiers  # type: ignore[attr-defined]

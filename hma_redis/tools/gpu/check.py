@@ -13,7 +13,10 @@ with and without loads running. Exit status: 0 every byte right, 1 a wrong byte 
 value let through, or a load that failed), 2 the check could not run. Speed targets are shown
 (``below`` / ``BLOCKED``) but do not change the exit status.
 
-Imports torch, redis-py and hma_redis.core only: no vLLM.
+Imports torch, redis-py and hma_redis.core only, no vLLM, except for the ``tiering`` rows
+(:mod:`hma_redis.tools.gpu.tiering`): where vLLM is installed they run vLLM's own CPU tier
+(``TieringOffloadingSpec``, its real GPU copy on CUDA) with the Redis secondary tier on the same
+KV cache; where it is not, one row says so (``--no-tiering`` leaves them out).
 """
 
 from __future__ import annotations
@@ -100,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--budget-s", type=float, default=200.0,
         help="after this many seconds of measuring, cells run once (default 200)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-tiering", action="store_true",
+        help="leave out the tiering rows (vLLM's CPU tier with the Redis secondary tier)",
     )  # fmt: skip
     parser.add_argument(
         "--flip-a-loaded-byte", action="store_true",
@@ -252,6 +259,20 @@ def _cell(
     return rows
 
 
+def _tiering(plan: Plan, cache: KVCache, target: Target, flip: bool) -> list[Row]:
+    """The tiering rows on the first deployment (the single server), or why they cannot run."""
+    from hma_redis.tools.gpu import tiering
+
+    missing = tiering.vllm_missing()
+    if missing is not None:
+        return [tiering.skipped_row(missing, target.name)]
+    rows = tiering.tiering_rows(
+        cache, target.url, target.name, plan.job_blocks, plan.chunk_blocks, plan.reps, flip
+    )
+    target.flushall()
+    return rows
+
+
 def summary_rows(sections: dict[str, list[Row]], gpu: bool) -> list[Row]:
     """The best store and load rate over every cell, per Redis, against the targets."""
     rows: list[Row] = []
@@ -348,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = run_cells(
                 plan, cache, targets, Budget(args.budget_s), args.flip_a_loaded_byte
             )
+            if not args.no_tiering:
+                results.rows += _tiering(plan, cache, targets[0], args.flip_a_loaded_byte)
     except (CheckError, RuntimeError, OSError, redis.RedisError) as exc:
         print(f"hma_redis GPU check could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
