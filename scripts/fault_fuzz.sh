@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine-level fault fuzz (tests/support/fault_fuzz.py): `bash scripts/fault_fuzz.sh --rounds N
-# [--seed S]` prints one line per round and a summary table; exits 1 if any token was wrong or an
-# exception reached an engine. Needs the .venv of scripts/setup.sh.
+# [--seed S] [--models hybrid,gdn,...] [--modes direct,tiering] [--faults killed,paused,...]`
+# prints one line per round and a summary table; exits 1 if any token was wrong or an exception
+# reached an engine. Needs the .venv of scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null

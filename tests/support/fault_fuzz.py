@@ -234,6 +234,7 @@ class Fuzz:
         workdir: Path,
         models: tuple[str, ...] = MODELS,
         modes: tuple[str, ...] = MODES,
+        faults: tuple[str, ...] = FAULTS,
     ) -> None:
         self.seed = seed
         self.workdir = workdir
@@ -241,6 +242,7 @@ class Fuzz:
         self.proxy = TrickleProxy(self.redis.port)
         self.pool = models
         self.modes = modes
+        self.faults = faults
         self._model_dirs: dict[str, str] = {}
         self._engines: dict[tuple[str, str | None, str], Engine] = {}
         self._failed_seen: dict[tuple[str, str | None, str], int] = collections.Counter()
@@ -327,7 +329,7 @@ class Fuzz:
         model = rng.choice(self.pool)
         path_a, path_b = rng.choice(list(PATHS)), rng.choice(list(PATHS))
         mode = rng.choice(self.modes)
-        fault = rng.choice(FAULTS)
+        fault = rng.choice(self.faults)
         moment = "during" if fault in LIVE_FAULTS or rng.random() < 0.4 else "before"
         prompts = self._prompts(rng)
 
@@ -529,6 +531,7 @@ def run(
     workdir: Path | None = None,
     models: tuple[str, ...] = MODELS,
     modes: tuple[str, ...] = MODES,
+    faults: tuple[str, ...] = FAULTS,
 ) -> tuple[list[RoundResult], list[str]]:
     """Run ``rounds`` rounds, each on a model drawn from ``models``; each round's line is
     printed as it ends."""
@@ -537,8 +540,10 @@ def run(
         raise ValueError(f"models: {unknown or 'none'}; known: {', '.join(ENGINE_MODELS)}")
     if not modes or set(modes) - set(MODES):
         raise ValueError(f"modes: {', '.join(modes) or 'none'}; known: {', '.join(MODES)}")
+    if not faults or set(faults) - set(FAULTS):
+        raise ValueError(f"faults: {', '.join(faults) or 'none'}; known: {', '.join(FAULTS)}")
     with tempfile.TemporaryDirectory(prefix="hma-fuzz-") as tmp:
-        fuzz = Fuzz(seed, workdir or Path(tmp), models, modes)
+        fuzz = Fuzz(seed, workdir or Path(tmp), models, modes, faults)
         results: list[RoundResult] = []
         try:
             for index in range(rounds):
@@ -565,13 +570,19 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("HMA_FUZZ_MODES", ",".join(MODES)),
         help=f"comma-separated modes to draw from (default: {', '.join(MODES)})",
     )
+    parser.add_argument(
+        "--faults",
+        default=os.environ.get("HMA_FUZZ_FAULTS", ",".join(FAULTS)),
+        help=f"comma-separated faults to draw from (default: all of {', '.join(FAULTS)})",
+    )
     args = parser.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
     modes = tuple(m for m in args.modes.split(",") if m)
+    faults = tuple(f for f in args.faults.split(",") if f)
     t0 = time.monotonic()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    results, errors = run(args.rounds, args.seed, args.workdir, models, modes)
+    results, errors = run(args.rounds, args.seed, args.workdir, models, modes, faults)
     print(f"\nseed {args.seed}, {time.monotonic() - t0:.0f} s\n")
     print(summary(results, errors))
     for error in errors:
