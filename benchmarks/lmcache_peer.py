@@ -60,6 +60,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import resource
 import select
 import sys
 import threading
@@ -110,6 +111,62 @@ class Client(Protocol):
     def get(self, tag: str, payloads: list[bytes]) -> float:
         """Fetch the values of ``tag`` and check them against ``payloads``; seconds of the fetch."""
         ...
+
+
+class _Span:
+    """What the timed span of a put or a get cost besides its time, as ``hma-redis bench``
+    meters its own clients: CPU seconds of this process's threads and of its live child
+    processes (LMCache's MP workers, if any: /proc), redis-server's CPU seconds and the commands
+    it ran (one ``INFO cpu commandstats`` before and after; the second INFO not counted)."""
+
+    def __init__(self) -> None:
+        self.server: redis.Redis | None = None
+        self._start: tuple[float, float, int] = (0.0, 0.0, 0)
+        self.last: dict[str, float] = {}
+
+    def _server(self) -> tuple[float, int]:
+        if self.server is None:
+            return 0.0, 0
+        info = self.server.execute_command("INFO", "cpu", "commandstats")
+        cpu = float(info.get("used_cpu_user", 0)) + float(info.get("used_cpu_sys", 0))
+        calls = sum(int(v["calls"]) for k, v in info.items() if k.startswith("cmdstat_"))
+        return cpu, calls
+
+    def begin(self) -> None:
+        cpu, calls = self._server()
+        self._start = (_tree_cpu_s(), cpu, calls)
+
+    def end(self) -> None:
+        mine = _tree_cpu_s()
+        cpu, calls = self._server()
+        self.last = {
+            "client_cpu_s": mine - self._start[0],
+            "server_cpu_s": cpu - self._start[1],
+            "commands": calls - self._start[2] - 1,
+        }
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process (getrusage: every thread, microseconds)
+    and of its live children (/proc, clock ticks)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    tick = os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
+    total = usage.ru_utime + usage.ru_stime
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+_SPAN = _Span()
 
 
 def _check(index: int, got: memoryview | bytes | None, want: bytes) -> None:
@@ -222,10 +279,13 @@ class LMCacheClient:
     def put(self, tag: str, payloads: list[bytes]) -> float:
         objs = self.filled(payloads)
         keys = self._keys(tag, len(payloads))
+        _SPAN.begin()
         start = time.perf_counter()
         # Hands the objects' references to the connector, which drops them when done.
         self._run("batched_put", self.connector.batched_put(keys, objs))
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        _SPAN.end()
+        return seconds
 
     def run_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the connector's event loop (bounded by ``--timeout``)."""
@@ -247,12 +307,14 @@ class LMCacheClient:
 
     def get(self, tag: str, payloads: list[bytes]) -> float:
         keys = self._keys(tag, len(payloads))
+        _SPAN.begin()
         start = time.perf_counter()
         if self.connector.support_batched_get():
             objs = self._run("batched_get", self.connector.batched_get(keys))
         else:
             objs = self._run("get of each key", self._get_each(keys))
         seconds = time.perf_counter() - start
+        _SPAN.end()
         try:
             for i, (obj, payload) in enumerate(zip(objs, payloads, strict=True)):
                 _check(i, None if obj is None else memoryview(obj.byte_array).cast("B"), payload)
@@ -347,6 +409,7 @@ class MPClient:
             memoryview(obj.byte_array).cast("B")[:] = payload
         keys = self._keys(tag, len(payloads))
         try:
+            _SPAN.begin()
             start = time.perf_counter()
             task = self.adapter.submit_store_task(keys, objs)
             results: dict[Any, Any] = {}
@@ -357,6 +420,7 @@ class MPClient:
 
             result = self._wait("submit_store_task", self.adapter.get_store_event_fd(), finished)
             seconds = time.perf_counter() - start
+            _SPAN.end()
         finally:
             self.l1.free(objs)
         if not result.is_successful():
@@ -367,6 +431,7 @@ class MPClient:
         objs = self._allocate(len(payloads))
         keys = self._keys(tag, len(payloads))
         try:
+            _SPAN.begin()
             start = time.perf_counter()
             task = self.adapter.submit_load_task(keys, objs)
             loaded = self._wait(
@@ -375,6 +440,7 @@ class MPClient:
                 lambda: self.adapter.query_load_result(task),
             )
             seconds = time.perf_counter() - start
+            _SPAN.end()
             for i, (obj, payload) in enumerate(zip(objs, payloads, strict=True)):
                 got = memoryview(obj.byte_array).cast("B") if loaded.test(i) else None
                 _check(i, got, payload)
@@ -397,16 +463,20 @@ class RedisPyClient:
         return f"{tag}:*"
 
     def put(self, tag: str, payloads: list[bytes]) -> float:
+        _SPAN.begin()
         start = time.perf_counter()
         for first in range(0, len(payloads), self.pipeline):
             pipe = self.redis.pipeline(transaction=False)
             for i, payload in enumerate(payloads[first : first + self.pipeline], first):
                 pipe.set(f"{tag}:{i}", payload)
             pipe.execute()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        _SPAN.end()
+        return seconds
 
     def get(self, tag: str, payloads: list[bytes]) -> float:
         got: list[bytes | None] = []
+        _SPAN.begin()
         start = time.perf_counter()
         for first in range(0, len(payloads), self.pipeline):
             pipe = self.redis.pipeline(transaction=False)
@@ -414,6 +484,7 @@ class RedisPyClient:
                 pipe.get(f"{tag}:{i}")
             got.extend(pipe.execute())
         seconds = time.perf_counter() - start
+        _SPAN.end()
         for i, (value, payload) in enumerate(zip(got, payloads, strict=True)):
             _check(i, value, payload)
         return seconds
@@ -580,25 +651,34 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
         )
     put_s: list[float] = []
     get_s: list[float] = []
+    put_cost: list[dict[str, float]] = []
+    get_cost: list[dict[str, float]] = []
+    _SPAN.server = r
     for rep in range(args.warmup + args.reps):
         tag = f"{prefix}r{rep}"
         payloads = [os.urandom(args.size) for _ in range(args.count)]
         put = client.put(tag, payloads)
+        put_spent = _SPAN.last
         stored = sum(1 for _ in r.scan_iter(match=client.pattern(tag), count=_SCAN_COUNT))
         expected = args.count * client.keys_per_value
         if stored != expected:
             raise BenchError(f"repetition {rep}: Redis holds {stored} keys, expected {expected}")
         get = client.get(tag, payloads)
+        get_spent = _SPAN.last
         _unlink(r, client.pattern(tag))
         if rep >= args.warmup:  # the first ones open connections and touch fresh memory
             put_s.append(put)
             get_s.append(get)
+            put_cost.append(put_spent)
+            get_cost.append(get_spent)
     return {
         "client": client.name,
         "size": args.size,
         "count": args.count,
         "put_s": put_s,
         "get_s": get_s,
+        "put_cost": put_cost,
+        "get_cost": get_cost,
         "lmcache_version": lmcache.__version__,
         "redis_py_version": redis.__version__,
         "threads": getattr(client, "threads", None),

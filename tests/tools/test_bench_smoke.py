@@ -35,6 +35,28 @@ def test_tier_benchmark_smoke_round_trips_its_bytes(capsys) -> None:  # type: ig
     assert "redis-benchmark -h 127.0.0.1 -p " in out  # it ran, told where by host and port
 
 
+def test_the_cost_columns_meter_every_in_process_client(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Each metered client's row of the JSON report holds its CPU and redis-server's CPU
+    (positive: it did work) and exactly the commands its job needs: one GET or SET per value of
+    the job, 8 MiB in 512 KiB to 8 MiB values (the tiering cascade also checks which values
+    Redis holds already, so at least that many)."""
+    assert main(["--json", "bench", "--smoke"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    costs = report["median_cost"]
+    job = report["plan"]["job_bytes"]
+    for client in ("redis-py", "hma_redis", "hma-python", "hma-tiering"):
+        for op in ("load", "store"):
+            for size in report["plan"]["sizes"]:
+                cost = costs[f"{client} {op} {size}"]
+                assert cost["client_cpu_s"] > 0 and cost["server_cpu_s"] > 0, (client, cost)
+                values = job // size
+                if client == "hma-tiering" and op == "store":
+                    assert cost["commands"] >= values, (client, op, size, cost)
+                else:
+                    assert cost["commands"] == values, (client, op, size, cost)
+    assert not any(name.startswith("redis-benchmark") for name in costs)
+
+
 def test_store_benchmark_smoke_round_trips_its_bytes(capsys) -> None:  # type: ignore[no-untyped-def]
     assert bench_store.main(["--smoke"]) == 0  # raises if a round trip came back wrong
     out = capsys.readouterr().out

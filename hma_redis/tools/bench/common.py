@@ -13,6 +13,7 @@ import argparse
 import csv
 import dataclasses
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -76,17 +77,94 @@ class Plan:
         return max(4 * self.depth, self.rb_bytes // size)
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What one sample cost besides its time: the client's CPU seconds (user + system, every
+    thread of its process), redis-server's CPU seconds (``INFO cpu``: ``used_cpu_user`` +
+    ``used_cpu_sys``, its I/O threads included) and the commands Redis ran for it
+    (``INFO commandstats`` calls, the meter's own INFO left out)."""
+
+    client_cpu_s: float
+    server_cpu_s: float
+    commands: int
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Cost:
+        return cls(float(data["client_cpu_s"]), float(data["server_cpu_s"]), int(data["commands"]))
+
+
+def process_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's threads so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def server_counters(client: Any) -> tuple[float, int]:
+    """redis-server's CPU seconds and the calls of every command so far (one ``INFO cpu
+    commandstats``; ``client`` a redis-py client of that server)."""
+    text = client.execute_command("INFO", "cpu", "commandstats")
+    if isinstance(text, bytes):
+        text = text.decode()
+    if isinstance(text, dict):  # a client that parses INFO itself
+        cpu = float(text.get("used_cpu_user", 0)) + float(text.get("used_cpu_sys", 0))
+        calls = sum(int(v.get("calls", 0)) for k, v in text.items() if k.startswith("cmdstat_"))
+        return cpu, calls
+    cpu, calls = 0.0, 0
+    for line in str(text).splitlines():
+        if line.startswith(("used_cpu_user:", "used_cpu_sys:")):
+            cpu += float(line.split(":", 1)[1])
+        elif line.startswith("cmdstat_"):
+            fields = dict(f.split("=", 1) for f in line.split(":", 1)[1].split(","))
+            calls += int(fields.get("calls", 0))
+    return cpu, calls
+
+
+class Meter:
+    """:class:`Cost` of a span of this process's work against one Redis:
+    ``started = meter.start()`` ... ``cost = meter.stop(started)``."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def start(self) -> tuple[float, float, int]:
+        cpu, calls = server_counters(self.client)
+        return process_cpu_s(), cpu, calls
+
+    def stop(self, started: tuple[float, float, int]) -> Cost:
+        mine = process_cpu_s()
+        cpu, calls = server_counters(self.client)
+        # The INFO of start() is counted by the INFO here; this one's own call is not yet.
+        return Cost(mine - started[0], cpu - started[1], calls - started[2] - 1)
+
+
 @dataclass
 class Samples:
-    """Seconds per sample by measurement name, and the most round trips one sample took."""
+    """Seconds per sample by measurement name, the most round trips one sample took, and
+    what each sample cost (:class:`Cost`) where it was metered."""
 
     values: dict[str, list[float]] = field(default_factory=dict)
     round_trips: dict[str, int] = field(default_factory=dict)
+    costs: dict[str, list[Cost]] = field(default_factory=dict)
 
-    def add(self, name: str, seconds: float, round_trips: int | None = None) -> None:
+    def add(
+        self, name: str, seconds: float, round_trips: int | None = None, cost: Cost | None = None
+    ) -> None:
         self.values.setdefault(name, []).append(seconds)
         if round_trips is not None:
             self.round_trips[name] = max(self.round_trips.get(name, 0), round_trips)
+        if cost is not None:
+            self.costs.setdefault(name, []).append(cost)
+
+    def median_cost(self, name: str) -> Cost | None:
+        """The median of each cost field over the metered samples of ``name``, or None."""
+        costs = self.costs.get(name)
+        if not costs:
+            return None
+        return Cost(
+            statistics.median(c.client_cpu_s for c in costs),
+            statistics.median(c.server_cpu_s for c in costs),
+            int(statistics.median(c.commands for c in costs)),
+        )
 
     def median(self, name: str) -> float:
         return statistics.median(self.values[name])

@@ -96,6 +96,8 @@ from hma_redis.tools.bench.common import (
     MOONCAKE_PEER,
     PAGE_BYTES,
     BenchError,
+    Cost,
+    Meter,
     OffloadKeys,
     Plan,
     Samples,
@@ -173,6 +175,7 @@ class RedisPyBench:
 
     def __init__(self, cfg: RedisTierConfig, plan: TierPlan, prefix: str) -> None:
         self.client = redis_py_client(cfg)
+        self.meter = Meter(self.client)
         self.plan = plan
         self.prefix = prefix
         rng = random.Random(1)
@@ -204,15 +207,19 @@ class RedisPyBench:
                 out.extend(pipe.execute())
             return out
 
+        started = self.meter.start()
         put_s, _ = timed(put)
+        put_cost = self.meter.stop(started)
+        started = self.meter.start()
         get_s, got = timed(get)
+        get_cost = self.meter.stop(started)
         check(
             got == values,
             f"redis-py GET returned other bytes than SET wrote ({size} B values)",
         )
         self.client.unlink(*keys)
-        samples.add(f"redis-py store {size}", put_s, -(-count // depth))
-        samples.add(f"redis-py load {size}", get_s, -(-count // depth))
+        samples.add(f"redis-py store {size}", put_s, -(-count // depth), put_cost)
+        samples.add(f"redis-py load {size}", get_s, -(-count // depth), get_cost)
 
     def close(self) -> None:
         self.client.close()
@@ -267,8 +274,12 @@ class LMCachePeer:
                 raise BenchError(f"bench: LMCache {connector}:// peer failed: {why}")
             result = json.loads(lines[-1])
             self.version = result["lmcache_version"]
-            samples.add(f"lmcache-{connector} store {size}", result["put_s"][0])
-            samples.add(f"lmcache-{connector} load {size}", result["get_s"][0])
+            costs = {op: result.get(f"{op}_cost") or [None] for op in ("put", "get")}
+            put_cost, get_cost = (
+                Cost.from_json(costs[op][0]) if costs[op][0] else None for op in ("put", "get")
+            )
+            samples.add(f"lmcache-{connector} store {size}", result["put_s"][0], None, put_cost)
+            samples.add(f"lmcache-{connector} load {size}", result["get_s"][0], None, get_cost)
 
     def _connectors(self) -> tuple[str, ...]:
         """The connectors still to measure: the MP mode is dropped once found absent."""
@@ -346,6 +357,8 @@ class TierBench:
         self.rng = random.Random(2)
         self._keys = OffloadKeys()
         self._job_id = 0
+        self._meter_client = redis_py_client(self.cfg)
+        self.meter = Meter(self._meter_client)
 
     @staticmethod
     def blocks_per_chunk(size: int) -> int:
@@ -412,6 +425,7 @@ class TierBench:
 
         self._job_id += 1
         trips = self.store.round_trips
+        started = self.meter.start()
         t0 = time.perf_counter()
         worker.submit_store(
             self._job_id,
@@ -421,6 +435,7 @@ class TierBench:
         )
         result = self._wait(worker, self._job_id)
         store_s = time.perf_counter() - t0
+        store_cost = self.meter.stop(started)
         store_trips = self.store.round_trips - trips
         check(
             result.transfer_size == expected,
@@ -431,6 +446,7 @@ class TierBench:
 
         self._job_id += 1
         trips = self.store.round_trips
+        started = self.meter.start()
         t0 = time.perf_counter()
         worker.submit_load(
             self._job_id,
@@ -439,6 +455,7 @@ class TierBench:
         )
         result = self._wait(worker, self._job_id)
         load_s = time.perf_counter() - t0
+        load_cost = self.meter.stop(started)
         load_trips = self.store.round_trips - trips
         check(
             self._job_id not in worker.take_failed_load_jobs(),
@@ -451,13 +468,14 @@ class TierBench:
                 f"loaded blocks differ from stored ones (layer {layer}, {size} B values)",
             )
         self.store.delete([self.keyspace.block_key(0, k[:-4]) for k in keys])
-        samples.add(f"{self.name} store {size}", store_s, store_trips)
-        samples.add(f"{self.name} load {size}", load_s, load_trips)
+        samples.add(f"{self.name} store {size}", store_s, store_trips, store_cost)
+        samples.add(f"{self.name} load {size}", load_s, load_trips, load_cost)
 
     def close(self) -> None:
         for worker in self.workers.values():
             worker.shutdown()
         self.store.close()
+        self._meter_client.close()
 
 
 # ---------------------------------------------------------------------------------- (e)
@@ -574,6 +592,11 @@ class Report:
             },
             "median_s": {name: self.samples.median(name) for name in self.samples.values},
             "round_trips": self.samples.round_trips,
+            "median_cost": {
+                name: dataclasses.asdict(cost)
+                for name in self.samples.costs
+                if (cost := self.samples.median_cost(name)) is not None
+            },
         }
 
 
@@ -750,6 +773,7 @@ def format_report(report: Report) -> str:
             if mooncake:
                 cells.append(_ratio(hma, gbps["mooncake"]))
             lines.append(row.format(size_label(size), op, TierBench.blocks_per_chunk(size), *cells))
+    lines += cost_lines(report, [short.get(c, c) for c in report.clients])
     chunks = PROMPT_TOKENS // CHUNK_TOKENS
     keys = chunks * GROUPS
     lines += [
@@ -776,6 +800,46 @@ def format_report(report: Report) -> str:
         "by the Redis secondary tier of TieringOffloadingSpec, on the same engine.",
     ]
     return "\n".join(lines)
+
+
+# The cost tables: (title, the figure of one client's median cost for a job of ``nbytes`` that
+# took ``seconds``).
+_COST_TABLES: tuple[tuple[str, Callable[[Cost, int, float], str]], ...] = (
+    ("client CPU s per GB (user + system, every thread of the client's process)",
+     lambda c, n, s: f"{c.client_cpu_s / (n / GB):.3f}"),
+    ("redis-server CPU s per GB (INFO cpu: used_cpu_user + used_cpu_sys)",
+     lambda c, n, s: f"{c.server_cpu_s / (n / GB):.3f}"),
+    ("redis-server busy: its CPU s / the job's wall s (1.00: the server bounds the job)",
+     lambda c, n, s: f"{c.server_cpu_s / s:.2f}"),
+    ("Redis commands per job (INFO commandstats calls)", lambda c, n, s: f"{c.commands}"),
+)  # fmt: skip
+
+
+def cost_lines(report: Report, labels: Sequence[str]) -> list[str]:
+    """The cost tables, one row per value size and operation, one column per metered client
+    (``-`` where a client was not metered); nothing when no client was."""
+    plan, samples = report.plan, report.samples
+    metered = [
+        (client, label)
+        for client, label in zip(report.clients, labels, strict=True)
+        if any(samples.costs.get(f"{client} {op} {s}") for op in OPS for s in plan.sizes)
+    ]
+    if not metered:
+        return []
+    row = "{:<8}{:<7}" + "{:>13}" * len(metered)
+    lines: list[str] = []
+    for title, figure in _COST_TABLES:
+        lines += ["", title, row.format("value", "op", *(label for _, label in metered))]
+        for size in plan.sizes:
+            for op in OPS:
+                cells = []
+                for client, _ in metered:
+                    name = f"{client} {op} {size}"
+                    cost = samples.median_cost(name)
+                    cells.append("-" if cost is None else figure(cost, plan.job_bytes,
+                                                                 samples.median(name)))  # fmt: skip
+                lines.append(row.format(size_label(size), op, *cells))
+    return lines
 
 
 def draw_plot(report: Report, path: str) -> bool:

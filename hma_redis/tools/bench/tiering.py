@@ -24,7 +24,7 @@ import numpy as np
 
 from hma_redis.core.config import PASSWORD_ENV, RedisTierConfig, strip_userinfo
 from hma_redis.core.redis.store import RedisBlockStore
-from hma_redis.tools.bench.common import MIB, OffloadKeys, Samples, check
+from hma_redis.tools.bench.common import MIB, Meter, OffloadKeys, Samples, check
 
 NAME = "hma-tiering"
 
@@ -44,6 +44,7 @@ class TieringBench:
         self._keys = OffloadKeys()
         self._rng = np.random.default_rng(3)
         self.tiers = {size: SpecTier(self.cfg, job_bytes, size, layer_bytes) for size in sizes}
+        self.meter = Meter(next(iter(self.tiers.values())).store.client)
 
     def run(self, size: int, samples: Samples) -> None:
         tier = self.tiers[size]
@@ -53,8 +54,12 @@ class TieringBench:
         tier.rows[src, :size] = self._rng.integers(0, 256, (chunks, size), dtype=np.uint8)
         tier.rows[dst] = 0
 
+        started = self.meter.start()
         store_s, stored = tier.transfer(self._next_id(), keys, src, promotion=False)
+        store_cost = self.meter.stop(started)
+        started = self.meter.start()
         load_s, loaded = tier.transfer(self._next_id(), keys, dst, promotion=True)
+        load_cost = self.meter.stop(started)
         check(stored.success, f"{NAME}: cascade failed ({size} B values)")
         check(loaded.success, f"{NAME}: promotion failed ({size} B values)")
         check(
@@ -62,8 +67,8 @@ class TieringBench:
             f"{NAME}: promoted rows differ from cascaded ones ({size} B values)",
         )
         tier.delete(keys)
-        samples.add(f"{NAME} store {size}", store_s, 0)
-        samples.add(f"{NAME} load {size}", load_s, 0)
+        samples.add(f"{NAME} store {size}", store_s, 0, store_cost)
+        samples.add(f"{NAME} load {size}", load_s, 0, load_cost)
 
     def _next_id(self) -> int:
         self._job_id += 1
