@@ -66,6 +66,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
@@ -121,8 +122,9 @@ class _Span:
 
     def __init__(self) -> None:
         self.server: redis.Redis | None = None
+        self.counter: Any = None  # --count-syscalls: hma_redis' SyscallCounter
         self._start: tuple[float, float, int] = (0.0, 0.0, 0)
-        self.last: dict[str, float] = {}
+        self.last: dict[str, Any] = {}
 
     def _server(self) -> tuple[float, int]:
         if self.server is None:
@@ -134,16 +136,34 @@ class _Span:
 
     def begin(self) -> None:
         cpu, calls = self._server()
+        if self.counter is not None:  # after the INFO: its calls are not the span's
+            self.counter.begin()
         self._start = (_tree_cpu_s(), cpu, calls)
 
     def end(self) -> None:
         mine = _tree_cpu_s()
+        syscalls = self.counter.end() if self.counter is not None else None
         cpu, calls = self._server()
         self.last = {
             "client_cpu_s": mine - self._start[0],
             "server_cpu_s": cpu - self._start[1],
             "commands": calls - self._start[2] - 1,
+            "syscalls": syscalls,
         }
+
+
+def _syscall_counter() -> Any:
+    """hma_redis' ``SyscallCounter``, loaded from this checkout's file (standard library only:
+    this interpreter has no hma_redis)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "hma_redis" / "tools" / "bench" / "syscalls.py"
+    spec = importlib.util.spec_from_file_location("hma_bench_syscalls", path)
+    if spec is None or spec.loader is None:
+        raise BenchError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SyscallCounter()
 
 
 def _tree_cpu_s() -> float:
@@ -654,6 +674,8 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
     put_cost: list[dict[str, float]] = []
     get_cost: list[dict[str, float]] = []
     _SPAN.server = r
+    if args.count_syscalls:
+        _SPAN.counter = _syscall_counter()
     for rep in range(args.warmup + args.reps):
         tag = f"{prefix}r{rep}"
         payloads = [os.urandom(args.size) for _ in range(args.count)]
@@ -715,6 +737,11 @@ def _parse_args() -> argparse.Namespace:
         help="with --concurrency: compare every load and every put value, not the last ones",
     )
     parser.add_argument("--pipeline", type=int, default=4, help="redis-py commands per pipeline")
+    parser.add_argument(
+        "--count-syscalls",
+        action="store_true",
+        help="count each put's and get's system calls (strace -c -f attached; slow, untimed)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="seconds one LMCache batch may take"
     )

@@ -14,6 +14,11 @@ if ! command -v gcc >/dev/null; then
     apt-get update
     apt-get install -y gcc python3-dev
 fi
+# hma-redis bench --syscalls (and its test) counts system calls with strace.
+if ! command -v strace >/dev/null; then
+    apt-get update
+    apt-get install -y strace
+fi
 
 [ -d .venv ] || python3 -m venv .venv
 

@@ -87,10 +87,17 @@ class Cost:
     client_cpu_s: float
     server_cpu_s: float
     commands: int
+    # System calls per name (hma_redis.tools.bench.syscalls), in a counting run only.
+    syscalls: dict[str, int] | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Cost:
-        return cls(float(data["client_cpu_s"]), float(data["server_cpu_s"]), int(data["commands"]))
+        return cls(
+            float(data["client_cpu_s"]),
+            float(data["server_cpu_s"]),
+            int(data["commands"]),
+            data.get("syscalls"),
+        )
 
 
 def process_cpu_s() -> float:
@@ -121,20 +128,26 @@ def server_counters(client: Any) -> tuple[float, int]:
 
 class Meter:
     """:class:`Cost` of a span of this process's work against one Redis:
-    ``started = meter.start()`` ... ``cost = meter.stop(started)``."""
+    ``started = meter.start()`` ... ``cost = meter.stop(started)``. With ``counter`` set (a
+    :class:`~hma_redis.tools.bench.syscalls.SyscallCounter`: the counting run) the span's
+    system calls too."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
+        self.counter: Any = None
 
     def start(self) -> tuple[float, float, int]:
         cpu, calls = server_counters(self.client)
+        if self.counter is not None:  # after the INFO: its calls are not the span's
+            self.counter.begin()
         return process_cpu_s(), cpu, calls
 
     def stop(self, started: tuple[float, float, int]) -> Cost:
         mine = process_cpu_s()
+        syscalls = self.counter.end() if self.counter is not None else None
         cpu, calls = server_counters(self.client)
         # The INFO of start() is counted by the INFO here; this one's own call is not yet.
-        return Cost(mine - started[0], cpu - started[1], calls - started[2] - 1)
+        return Cost(mine - started[0], cpu - started[1], calls - started[2] - 1, syscalls)
 
 
 @dataclass
@@ -160,10 +173,12 @@ class Samples:
         costs = self.costs.get(name)
         if not costs:
             return None
+        counted = [c.syscalls for c in costs if c.syscalls is not None]
         return Cost(
             statistics.median(c.client_cpu_s for c in costs),
             statistics.median(c.server_cpu_s for c in costs),
             int(statistics.median(c.commands for c in costs)),
+            counted[-1] if counted else None,
         )
 
     def median(self, name: str) -> float:

@@ -257,13 +257,15 @@ class LMCachePeer:
         self.version = "?"
         self.notes: list[str] = []  # why a column is absent
 
-    def run(self, size: int, samples: Samples) -> None:
+    def run(self, size: int, samples: Samples, count_syscalls: bool = False) -> None:
         for connector in self._connectors():
             args = [
                 self.python, str(LMCACHE_PEER), "--url", self.url, "--connector", connector,
                 "--size", str(size), "--count", str(self.plan.job_bytes // size),
                 "--reps", "1", "--threads", "2",
             ]  # fmt: skip
+            if count_syscalls:
+                args.append("--count-syscalls")
             proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
             lines = proc.stdout.strip().splitlines()
             why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -559,6 +561,8 @@ class Report:
     mooncake_version: str | None = None
     notes: tuple[str, ...] = ()
     data_path: str = ""
+    # name -> calls per system call of one job, from the counting run (--syscalls).
+    syscalls: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def clients(self) -> list[str]:
@@ -592,6 +596,7 @@ class Report:
             },
             "median_s": {name: self.samples.median(name) for name in self.samples.values},
             "round_trips": self.samples.round_trips,
+            "syscalls": self.syscalls,
             "median_cost": {
                 name: dataclasses.asdict(cost)
                 for name in self.samples.costs
@@ -620,6 +625,7 @@ def measure(
     smoke: bool = False,
     tiering: bool = True,
     mooncake_python: str | None = None,
+    count_syscalls: bool = False,
 ) -> Report:
     """Every measurement, interleaved, against the Redis ``cfg`` names. The worker runs on the
     data path its transfer engine picks; with ``python_path`` (always with ``smoke``) also
@@ -672,6 +678,7 @@ def measure(
                     runner()
             for _ in range(plan.lookup_samples):
                 lookups.run(samples)
+        syscalls = _count_syscalls(plan, tiers, plain, peer) if count_syscalls else {}
         return Report(
             plan=plan,
             samples=samples,
@@ -686,12 +693,47 @@ def measure(
             mooncake_version=mooncake.version if mooncake is not None else None,
             notes=(*notes, *(peer.notes if peer is not None else ())),
             data_path=tier.data_path,
+            syscalls=syscalls,
         )
     finally:
         lookups.close()
         plain.close()
         for bench in tiers:
             bench.close()
+
+
+def _count_syscalls(
+    plan: TierPlan,
+    tiers: Sequence[TierBench | TieringBench],
+    plain: RedisPyBench,
+    peer: LMCachePeer | None,
+) -> dict[str, dict[str, int]]:
+    """The counting run: one more job per client, size and operation, with ``strace -c -f``
+    attached for the span its meter times (never timed: a traced process is many times
+    slower); the calls per system call of each."""
+    from hma_redis.tools.bench.syscalls import SyscallCounter
+
+    counter = SyscallCounter()
+    meters = [bench.meter for bench in (*tiers, plain)]
+    counted = Samples()
+    for meter in meters:
+        meter.counter = counter
+    try:
+        for size in plan.sizes:
+            for bench in tiers:
+                bench.run(size, counted)
+            plain.run(size, counted)
+            if peer is not None:
+                peer.run(size, counted, count_syscalls=True)
+    finally:
+        for meter in meters:
+            meter.counter = None
+    return {
+        name: cost.syscalls
+        for name, costs in counted.costs.items()
+        for cost in costs[-1:]
+        if cost.syscalls is not None
+    }
 
 
 # ---------------------------------------------------------------------------------- report
@@ -774,6 +816,7 @@ def format_report(report: Report) -> str:
                 cells.append(_ratio(hma, gbps["mooncake"]))
             lines.append(row.format(size_label(size), op, TierBench.blocks_per_chunk(size), *cells))
     lines += cost_lines(report, [short.get(c, c) for c in report.clients])
+    lines += syscall_lines(report, [short.get(c, c) for c in report.clients])
     chunks = PROMPT_TOKENS // CHUNK_TOKENS
     keys = chunks * GROUPS
     lines += [
@@ -839,6 +882,48 @@ def cost_lines(report: Report, labels: Sequence[str]) -> list[str]:
                     cells.append("-" if cost is None else figure(cost, plan.job_bytes,
                                                                  samples.median(name)))  # fmt: skip
                 lines.append(row.format(size_label(size), op, *cells))
+    return lines
+
+
+# The system calls of a job, in four groups and the rest.
+_SYSCALL_GROUPS = (
+    ("send", ("sendmsg", "sendto", "write", "writev")),
+    ("recv", ("recvmsg", "recvfrom", "read", "readv")),
+    ("wait", ("poll", "ppoll", "epoll_wait", "epoll_pwait", "select", "pselect6")),
+    ("futex", ("futex",)),
+    ("other", ("other",)),
+)
+
+
+def syscall_lines(report: Report, labels: Sequence[str]) -> list[str]:
+    """System calls per job from the counting run, ``send/recv/wait/futex/other`` per client
+    (nothing without ``--syscalls``)."""
+    if not report.syscalls:
+        return []
+    counted = [
+        (client, label)
+        for client, label in zip(report.clients, labels, strict=True)
+        if any(f"{client} {op} {s}" in report.syscalls for op in OPS for s in report.plan.sizes)
+    ]
+    row = "{:<8}{:<7}" + "{:>22}" * len(counted)
+    lines = [
+        "",
+        "system calls per job (strace -c -f, a counting run): send / recv / wait / futex / other",
+        row.format("value", "op", *(label for _, label in counted)),
+    ]
+    for size in report.plan.sizes:
+        for op in OPS:
+            cells = []
+            for client, _ in counted:
+                calls = report.syscalls.get(f"{client} {op} {size}")
+                cells.append(
+                    "-"
+                    if calls is None
+                    else "/".join(
+                        str(sum(calls.get(n, 0) for n in names)) for _, names in _SYSCALL_GROUPS
+                    )
+                )
+            lines.append(row.format(size_label(size), op, *cells))
     return lines
 
 
@@ -969,6 +1054,12 @@ def build_parser() -> argparse.ArgumentParser:
         "resp:// client does the same in the same run (hma_redis.tools.bench.concurrency)",
     )
     parser.add_argument(
+        "--syscalls",
+        action="store_true",
+        help="after the timed runs, one counting job per client, size and operation with "
+        "strace -c -f attached: system calls per job (needs strace)",
+    )
+    parser.add_argument(
         "--lmcache-python",
         metavar="PYTHON",
         help="also measure LMCache's redis:// and resp:// connectors and its MP mode's Redis "
@@ -1063,6 +1154,7 @@ def _measure_and_print(
             args.python_path,
             smoke=args.smoke,
             mooncake_python=args.mooncake_python,
+            count_syscalls=args.syscalls,
         )
     print(format_report(report))
     if args.smoke:
