@@ -15,6 +15,7 @@ its CPU primary tier with promotions and cascades, and hma_redis' tier run as sh
 - A local hit in an engine's CPU tier never asks Redis; Redis down at start-up.
 - Shutdown with cascades in flight (a Redis that answers slowly): they are finished in bounded
   time, and Redis then holds every chunk, whole.
+- vLLM's canonical primary-tier layout shares, and never mixes with the direct layout.
 
 The other hybrid families in this mode, and the live faults (Redis killed, paused, dripping
 bytes), run in the fault fuzz (``scripts/fault_fuzz.sh --modes tiering``; its CI rounds draw
@@ -165,3 +166,26 @@ def test_shutdown_with_cascades_in_flight_finishes_them_and_leaves_only_whole_va
     assert loaded.token_ids == baseline.token_ids, loaded.stderr_tail
     assert loaded.num_cached_tokens == [aligned] * 2, loaded.stderr_tail
     assert not any(line in loaded.stderr for line in FAILED_LOAD_LINES), loaded.stderr_tail
+
+
+def test_the_canonical_layout_shares_and_never_mixes_with_the_direct_layout(
+    server: LocalRedis, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM's canonical primary-tier layout (``canonical_layout``: the copy plan's fragments,
+    vLLM's ``_build_copy_plan``) in engines: a second engine loads the first one's chunks
+    token-identically, and an engine of the direct layout under the same namespace name loads
+    none of them (the namespace carries the layout)."""
+    model = build_llama(tmp_path_factory.mktemp("llama-canonical"))
+    prompts = make_prompts(51, 2, 700, VOCAB_SIZE)
+    baseline = run_engine(model, prompts, 4, None)
+    canonical = tiering_config(server.url, namespace="shared")
+    canonical["kv_connector_extra_config"]["canonical_layout"] = True
+    stored = run_engine(model, prompts, 4, canonical)
+    loaded = run_engine(model, prompts, 4, canonical)
+    aligned = chunk_aligned_prefix(700, loaded.block_size)
+    assert stored.token_ids == baseline.token_ids, stored.stderr_tail
+    assert loaded.token_ids == baseline.token_ids, loaded.stderr_tail
+    assert loaded.num_cached_tokens == [aligned] * 2, loaded.stderr_tail
+    direct = run_engine(model, prompts, 4, tiering_config(server.url, namespace="shared"))
+    assert direct.token_ids == baseline.token_ids, direct.stderr_tail
+    assert direct.num_cached_tokens == [0, 0], direct.stderr_tail
