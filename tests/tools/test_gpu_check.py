@@ -95,6 +95,7 @@ def test_cpu_check_exits_1_when_a_loaded_byte_is_wrong(tmp_path: Path, capsys) -
     assert "RESULT: 2 row(s) with a WRONG byte or a failed load: exit 1" in table
 
 
+@pytest.mark.cpu_platform
 def test_tiering_rows_run_vllms_cpu_tier_with_the_redis_tier_and_catch_a_wrong_byte(
     tmp_path: Path,
 ) -> None:

