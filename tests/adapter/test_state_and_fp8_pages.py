@@ -41,7 +41,17 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 )
 from vllm.utils.torch_utils import get_kv_cache_torch_dtype
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+try:  # vLLM 0.33 moved them to kv_cache_planning (same signatures)
+    from vllm.v1.core.kv_cache_planning import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
@@ -187,7 +197,7 @@ def deploy(
     cache = vllm_config.cache_config
     # Set after the config is built, as tests/adapter/test_namespace_fields.py does: building
     # it with fp8 asks the CPU platform, which refuses fp8 where the host lacks AVX-512/AMX.
-    cache.cache_dtype = cache_dtype  # type: ignore[assignment]
+    cache.cache_dtype = cache_dtype
     cache.mamba_cache_mode = "align"
     cache.num_gpu_blocks_override = NUM_BLOCKS
     record_kv_cache_layout(cache, RedisOffloadingConnector.get_required_kvcache_layout(vllm_config))
@@ -237,7 +247,7 @@ def deployments(
     made: list[Deployment] = []
 
     def make(**kwargs: object) -> Deployment:
-        made.append(deployment := deploy(redis_url, model_dir, **kwargs))  # type: ignore[arg-type]
+        made.append(deployment := deploy(redis_url, model_dir, **kwargs))
         return deployment
 
     yield make
@@ -442,7 +452,7 @@ def _answers(spec: RedisOffloadingSpec, keys: Sequence[bytes]) -> list[LookupRes
         context = ReqContext(req_id="reader")
         deadline = time.monotonic() + 10
         while True:
-            answers = [manager.lookup(key, context) for key in keys]  # type: ignore[arg-type]
+            answers = [manager.lookup(key, context) for key in keys]
             if LookupResult.RETRY not in answers or time.monotonic() > deadline:
                 return answers
             manager.on_schedule_end(END_OF_STEP)

@@ -21,16 +21,26 @@ from typing import Any
 
 import pytest
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-    get_sliding_window_size_in_chunks,
-)
+
+try:  # vLLM 0.33 moved it to the offloading config module (same signature)
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_sliding_window_size_in_chunks,
+    )
+except ImportError:  # vLLM 0.32
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        get_sliding_window_size_in_chunks,
+    )
 from vllm.model_executor.layers.attention.attention import _largest_kernel_block_within
 from vllm.model_executor.models import ModelRegistry
 from vllm.platforms.interface import Platform
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
-from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+try:  # vLLM 0.33 moved it to kv_cache_planning (same signature)
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
