@@ -179,11 +179,7 @@ class RedisOffloadingWorker(OffloadingWorker):
     def memory(self) -> dict[str, int]:
         """The most bytes transfers held at once (of the in-flight budget, and in value
         buffers) next to their bound, ``max_inflight_bytes``; logged at shutdown."""
-        return {
-            "peak_budget_bytes": self._engine.peak_budget_bytes,
-            "peak_buffer_bytes": self._engine.peak_buffer_bytes,
-            "max_inflight_bytes": self._max_inflight_bytes,
-        }
+        return self._engine.memory(self._max_inflight_bytes)
 
     # ------------------------------------------------------------------ planning
 

@@ -354,11 +354,7 @@ class RedisSecondaryTier(SecondaryTierManager):
             "hma_redis: secondary tier totals %s",
             json.dumps(dict(self._store.counters.totals), sort_keys=True),
         )
-        memory = {
-            "peak_budget_bytes": engine.peak_budget_bytes,
-            "peak_buffer_bytes": engine.peak_buffer_bytes,
-            "max_inflight_bytes": self.config.max_inflight_bytes,
-        }
+        memory = engine.memory(self.config.max_inflight_bytes)
         logger.info("hma_redis: secondary tier memory %s", json.dumps(memory))
         self._store.close()
         # The engine's views of the primary buffer must be gone before vLLM closes its mmap.

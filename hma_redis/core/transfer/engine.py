@@ -307,6 +307,15 @@ class TransferEngine:
         by ``max_inflight_bytes``, unless a single job is larger and ran alone)."""
         return self._buffers.peak_bytes
 
+    def memory(self, max_inflight_bytes: int) -> dict[str, int]:
+        """The most bytes transfers held at once (of the in-flight budget, and in value
+        buffers) next to their bound: what the worker and the secondary tier log at shutdown."""
+        return {
+            "peak_budget_bytes": self.peak_budget_bytes,
+            "peak_buffer_bytes": self.peak_buffer_bytes,
+            "max_inflight_bytes": max_inflight_bytes,
+        }
+
     def shutdown(self) -> None:
         """Finish stores already submitted (bounded by ``shutdown_timeout_s``), stop the
         threads and deliver the medium's pending counters. Idempotent."""
