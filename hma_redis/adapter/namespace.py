@@ -5,9 +5,9 @@ must. :func:`deployment_fingerprint` derives it from the same inputs in the dire
 (:class:`~hma_redis.adapter.spec.RedisOffloadingSpec`) and in the secondary tier of vLLM's
 ``TieringOffloadingSpec`` (:class:`~hma_redis.adapter.tiering.tier.RedisSecondaryTier`):
 vLLM's offloading config, its model and cache config and its KV-cache groups, and the
-``auth_key``'s id. The modes differ only in the byte layout they pass (the direct spec's
-KV-cache layout, the primary tier's row) and in :class:`Mode`'s suffix, so a field that
-changes KV bytes cannot be known to one mode and missing from the other
+``auth_key``'s id and the encryption key's. The modes differ only in the byte layout they
+pass (the direct spec's KV-cache layout, the primary tier's row) and in :class:`Mode`'s suffix,
+so a field that changes KV bytes cannot be known to one mode and missing from the other
 (``tests/adapter/test_namespace_fields.py`` changes each field of docs/key-layout.md and
 checks both modes).
 """
@@ -79,6 +79,7 @@ def deployment_fingerprint(
     *,
     kv_cache_layout: str,
     auth_key_id: str,
+    encryption_key_id: str = "",
 ) -> NamespaceFingerprint:
     """Everything that makes KV bytes incompatible, for either mode.
 
@@ -119,6 +120,7 @@ def deployment_fingerprint(
         model_dtype=str(model.dtype).removeprefix("torch."),
         model_config=model_config_factors(vllm_config, mamba),
         auth_key_id=auth_key_id,
+        encryption_key_id=encryption_key_id,
         format_version=FORMAT_VERSION,
     )
 
@@ -131,8 +133,9 @@ def namespace_name(cfg: RedisTierConfig, fingerprint: NamespaceFingerprint, mode
     values' headers cannot tell them apart where only the weights differ (two fine-tunes of one
     base model have the same layout): one would load the other's KV and answer wrong. With the
     id, deployments share a named namespace exactly when they would share a computed one. The
-    fingerprint holds the ``auth_key``'s id, so instances with different shared secrets never
-    meet either (each would find the other's values corrupt and delete them).
+    fingerprint holds the ``auth_key``'s id and the encryption key's, so instances with different
+    shared secrets never meet either (each would find the other's values corrupt and delete
+    them, or never be able to read them).
     """
     named = f"{cfg.namespace}." if cfg.namespace is not None else ""
     return f"{named}{fingerprint.namespace_id()}{mode.value}"

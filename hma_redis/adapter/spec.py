@@ -160,6 +160,7 @@ class RedisOffloadingSpec(OffloadingSpec):
             context.kv_cache_config,
             kv_cache_layout=config.kv_cache_layout or "",
             auth_key_id=self.tier_config.auth_key_id,
+            encryption_key_id=self.tier_config.encryption_key_id,
         )
         namespace = namespace_name(self.tier_config, self.fingerprint, Mode.DIRECT)
         self.keyspace = KeySpace(self.tier_config.key_prefix, namespace, config.parallel.world_size)
@@ -205,6 +206,8 @@ class RedisOffloadingSpec(OffloadingSpec):
             shutdown_timeout_s=cfg.shutdown_timeout_s,
             auth_key=cfg.auth_key,
             kv_cache_layout=self.config.kv_cache_layout or "",
+            encryption_key=cfg.encryption_key,
+            encryption_key_previous=cfg.encryption_key_previous,
             idle_wait_s=cfg.idle_wait_ms / 1e3,
         )
 

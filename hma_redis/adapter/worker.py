@@ -58,6 +58,8 @@ class RedisOffloadingWorker(OffloadingWorker):
         shutdown_timeout_s: float,
         auth_key: bytes | None = None,
         kv_cache_layout: str = "",
+        encryption_key: bytes | None = None,
+        encryption_key_previous: bytes | None = None,
         connections_per_job: int | None = None,
         idle_wait_s: float = 0.0,
     ) -> None:
@@ -74,7 +76,9 @@ class RedisOffloadingWorker(OffloadingWorker):
         self._engine = TransferEngine(
             store,
             layer_groups(kv_caches),
-            ValueFormat(kv_dtype, kv_cache_layout, auth_key),
+            ValueFormat(
+                kv_dtype, kv_cache_layout, auth_key, encryption_key, encryption_key_previous
+            ),
             blocks_per_chunk=blocks_per_chunk,
             io_threads=io_threads,
             max_inflight_bytes=max_inflight_bytes,

@@ -5,20 +5,26 @@ Byte layout (all integers big-endian)::
 
     offset 0   4 bytes  magic  b"HMAK"
     offset 4   2 bytes  format version
-    offset 6   2 bytes  flags (bit 0: the MAC field holds a keyed MAC)
+    offset 6   2 bytes  flags (bit 0: the MAC field holds a keyed MAC; bit 1: the body is
+                        sealed, the MAC field holds its AES-GCM tag and value nonce)
     offset 8   4 bytes  header length H
-    offset 12  4 bytes  CRC32C of (header ‖ body)
+    offset 12  4 bytes  CRC32C of (header ‖ body), the body as stored (sealed: its ciphertext)
     offset 16 32 bytes  MAC: keyed BLAKE3 of (body ‖ header ‖ bytes 0-11) with the auth_key,
                         all zero without one (the body first: BLAKE3 is ~3.5x slower when
-                        its big input starts at an offset that is not a multiple of 1 KiB)
+                        its big input starts at an offset that is not a multiple of 1 KiB);
+                        sealed: the 16-byte tag, then the 16-byte value nonce
     offset 48  H bytes  msgpack header (see :class:`BlockHeader`)
     offset 48+H         body: for each layer, ``num_blocks`` pages of ``page_bytes[layer]`` bytes
+                        (sealed: AES-256-GCM of them, the same length; :mod:`.sealing`)
 
 The header echoes the Redis key it was written under, so a value copied onto another key (or
 another namespace) is rejected. With an auth_key (:class:`MacKey`) every value carries a MAC,
 and a reader with a key accepts only values MAC'd with that key; a reader without one refuses
-MAC'd values (and a keyed reader unkeyed ones). The MAC field is always there, so a value's size
-does not depend on the key. Encoding writes the body once, straight from the KV cache into the
+MAC'd values (and a keyed reader unkeyed ones). With an encryption_key (:class:`~.sealing.Keyring`)
+the body is sealed instead: encrypted and authenticated together with the prefix's signed fields
+and the header (which names the key's id); a reader with a keyring accepts only sealed values of
+its keys, one without refuses them. The MAC field is always there, so a value's size does not
+depend on the key. Encoding writes the body once, straight from the KV cache into the
 value buffer (or sends the pages in place); decoding returns zero-copy views of the reply. Every
 mismatch raises :class:`CorruptBlockError`; partial data is never returned.
 """
@@ -26,15 +32,19 @@ mismatch raises :class:`CorruptBlockError`; partial data is never returned.
 from __future__ import annotations
 
 import hmac
+import os
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TypeVar
 
 import blake3
 import crc32c
 import msgpack
+
+from hma_redis.core import sealing
+from hma_redis.core.sealing import Keyring, SealKey
 
 _Bytes = bytes | bytearray | memoryview
 
@@ -54,6 +64,8 @@ HEADER_LEN_AT = _SIGNED.size - 4
 CRC_AT = _SIGNED.size
 MAC_AT = CRC_AT + 4
 FLAG_MAC = 0x0001
+FLAG_SEALED = 0x0002
+_KNOWN_FLAGS = FLAG_MAC | FLAG_SEALED
 MAX_HEADER_BYTES = 64 * 1024
 _NO_MAC = bytes(MAC_BYTES)
 # blake3 key-derivation context: the MAC key is derived from the shared secret, never used raw.
@@ -63,6 +75,12 @@ _T = TypeVar("_T")
 
 class CorruptBlockError(ValueError):
     """A stored value is not a valid block for the key it was read from."""
+
+
+class ForeignKeyError(CorruptBlockError):
+    """A sealed value names an encryption key this reader does not hold (during a rotation,
+    an instance that has not been given the new key yet): it cannot be judged, so it is a miss
+    and is left in Redis for the instances that can read it."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,9 @@ class BlockHeader:
     kv_dtype: str = ""
     # vLLM's kv_cache_layout of the writer ("" when vLLM reports none), e.g. "NHD" or "HND".
     kv_cache_layout: str = ""
+    # The id of the encryption key a sealed value's body is sealed with ("" unsealed; written
+    # into the header only when set, so unsealed values keep their bytes).
+    key_id: str = ""
 
     @property
     def body_bytes(self) -> int:
@@ -107,19 +128,20 @@ class BlockHeader:
         return self.num_blocks * sum(self.page_bytes[:layer])
 
     def to_msgpack(self) -> bytes:
-        return msgpack.packb(
-            {
-                "v": FORMAT_VERSION,
-                "key": self.key,
-                "g": self.group,
-                "fb": self.first_block,
-                "nb": self.num_blocks,
-                "pages": list(self.page_bytes),
-                "dt": self.kv_dtype,
-                "kl": self.kv_cache_layout,
-                "n": self.body_bytes,
-            }
-        )
+        fields: dict[str, object] = {
+            "v": FORMAT_VERSION,
+            "key": self.key,
+            "g": self.group,
+            "fb": self.first_block,
+            "nb": self.num_blocks,
+            "pages": list(self.page_bytes),
+            "dt": self.kv_dtype,
+            "kl": self.kv_cache_layout,
+            "n": self.body_bytes,
+        }
+        if self.key_id:
+            fields["kid"] = self.key_id
+        return msgpack.packb(fields)
 
 
 @dataclass(frozen=True)
@@ -221,12 +243,61 @@ def encode_parts(
 
 
 def encode(
-    header: BlockHeader, body: bytes | memoryview, mac_key: MacKey | None = None
+    header: BlockHeader,
+    body: bytes | memoryview,
+    mac_key: MacKey | None = None,
+    keyring: Keyring | None = None,
 ) -> memoryview:
-    """Encode a whole value from an existing body (one copy). Mostly for tests and tools."""
-    block = start_encode(header, mac_key=mac_key)
+    """Encode a whole value from an existing body (one copy). Mostly for tests and tools.
+    With ``keyring`` the body is sealed with its write key (a fresh random value nonce)."""
+    if keyring is None:
+        block = start_encode(header, mac_key=mac_key)
+        block.body[:] = memoryview(body).cast("B")
+        return block.seal()
+    header = replace(header, key_id=keyring.write.key_id)
+    block = start_encode(header)
     block.body[:] = memoryview(body).cast("B")
-    return block.seal()
+    signed = signed_prefix(block.header_len, None, sealed=True)
+    packed = block.buffer[PREFIX_BYTES : PREFIX_BYTES + block.header_len]
+    head = seal_head(
+        signed, bytes(packed), header.key, keyring.write, os.urandom(16), [block.body], block.body
+    )
+    block.buffer[: len(head)] = head
+    crc = crc32c.crc32c(block.buffer[PREFIX_BYTES:])
+    struct.pack_into(">I", block.buffer, CRC_AT, crc)
+    return block.buffer
+
+
+def seal_head(
+    signed: bytes,
+    packed: bytes,
+    redis_key: str,
+    key: SealKey,
+    nonce: bytes,
+    pieces: Sequence[_Bytes],
+    out: memoryview,
+) -> bytearray:
+    """Seal a value's body: encrypt ``pieces`` (the plaintext in order; they may be ``out``
+    itself) into ``out`` under ``key`` and ``nonce`` for ``redis_key``, the prefix's
+    ``signed`` fields (the sealed flag set) and the ``packed`` header (naming ``key``'s id)
+    as associated data. Returns the prefix and header with a zero CRC32C (the store job
+    writes it over the sealed body) and the tag and nonce in the MAC field."""
+    tag = sealing.seal_into(key, nonce, redis_key, (signed, packed), pieces, out)
+    return head_without_crc(signed, packed, tag + nonce)
+
+
+def open_sealed(
+    head: memoryview | bytearray, body: memoryview, key: SealKey, redis_key: str
+) -> bool:
+    """Decrypt in place a sealed ``body`` whose prefix and header are ``head`` (sealed with
+    ``key`` for ``redis_key``, as the header the caller expected says); whether its tag
+    holds. On False ``body`` holds garbage."""
+    view = memoryview(head).cast("B")
+    header_len = _SIGNED.unpack_from(view, 0)[3]
+    field = bytes(view[MAC_AT:PREFIX_BYTES])
+    aad = (view[: _SIGNED.size], view[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    tag, nonce = field[: sealing.TAG_BYTES], field[sealing.TAG_BYTES :]
+    return sealing.open_in_place(key, nonce, tag, redis_key, aad, body)
 
 
 def decode(
@@ -234,26 +305,39 @@ def decode(
     expected_key: str | None = None,
     expected_group: int | None = None,
     mac_key: MacKey | None = None,
+    keyring: Keyring | None = None,
 ) -> DecodedBlock:
     """Validate ``value`` and return views of its parts.
 
     Raises :class:`CorruptBlockError` on any mismatch: wrong magic or version, unknown flags,
     bad lengths, checksum failure, a MAC that is missing (``mac_key`` given), unexpected (none
-    given) or wrong, undecodable header, or a key/group other than the expected one. The header
-    is parsed only once checksum and MAC hold.
+    given) or wrong, a sealed value without a ``keyring`` or an unsealed one with it, a sealed
+    body that fails authentication, undecodable header, or a key/group other than the expected
+    one; :class:`ForeignKeyError` for a value sealed with a key ``keyring`` does not hold. The
+    header is parsed only once checksum and MAC hold (a sealed value's before its tag is
+    checked: it names the key). A sealed body is decrypted in place when ``value`` is writable
+    (else into a copy): the returned body is the plaintext, and a failed ``value`` holds garbage.
     """
     view = memoryview(value).cast("B")
     _magic, version, flags, header_len, crc, mac = _prefix(view)
     if version != FORMAT_VERSION:
         raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
-    if flags & ~FLAG_MAC:
+    if flags & ~_KNOWN_FLAGS or flags == _KNOWN_FLAGS:
         raise CorruptBlockError(f"unknown flags {flags:#06x}")
     raw_header = _header_bytes(view, header_len)
     if crc32c.crc32c(view[PREFIX_BYTES:]) != crc:
         raise CorruptBlockError("checksum mismatch")
-    _check_mac(view, flags, mac, mac_key)
-    header = _parse_header(raw_header)
-    body = view[PREFIX_BYTES + header_len :]
+    if flags & FLAG_SEALED:
+        header = _parse_header(raw_header)
+        body = _open(view, header, header_len, mac, keyring)
+    else:
+        if keyring is not None:
+            raise CorruptBlockError(
+                "value is not encrypted, but this reader requires it (encryption_key)"
+            )
+        _check_mac(view, flags, mac, mac_key)
+        header = _parse_header(raw_header)
+        body = view[PREFIX_BYTES + header_len :]
     if body.nbytes != header.body_bytes:
         raise CorruptBlockError(f"body is {body.nbytes} bytes, header says {header.body_bytes}")
     if expected_key is not None and header.key != expected_key:
@@ -261,6 +345,33 @@ def decode(
     if expected_group is not None and header.group != expected_group:
         raise CorruptBlockError(f"value is for group {header.group}, expected {expected_group}")
     return DecodedBlock(header=header, body=body)
+
+
+def _open(
+    view: memoryview, header: BlockHeader, header_len: int, field: bytes, keyring: Keyring | None
+) -> memoryview:
+    """The plaintext body of a sealed value (decrypted in place where ``view`` is writable),
+    or CorruptBlockError / ForeignKeyError."""
+    if keyring is None:
+        raise CorruptBlockError(
+            "value is encrypted (written with an encryption_key); this reader has none"
+        )
+    key = keyring.find(header.key_id)
+    if key is None:
+        raise ForeignKeyError(
+            f"value is sealed with encryption key {header.key_id!r}, which this reader does "
+            "not hold"
+        )
+    body = view[PREFIX_BYTES + header_len :]
+    if body.readonly:
+        body = memoryview(bytearray(body))
+    tag, nonce = field[: sealing.TAG_BYTES], field[sealing.TAG_BYTES :]
+    aad = (view[: _SIGNED.size], view[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    if not sealing.open_in_place(key, nonce, tag, header.key, aad, body):
+        raise CorruptBlockError(
+            "decryption failed: sealed with another key of the same id, or tampered with"
+        )
+    return body
 
 
 def decode_header(value: bytes | memoryview) -> tuple[BlockHeader, bool]:
@@ -302,6 +413,35 @@ def check_mac(value: bytes | memoryview, mac_key: MacKey | None) -> MacCheck:
     return MacCheck.OK if _mac_matches(view, header_len, mac, mac_key) else MacCheck.BAD
 
 
+def check_seal(value: bytes | memoryview, keyring: Keyring | None) -> MacCheck:
+    """A value's encryption checked on its own, for inspection tools: ABSENT (not sealed),
+    UNCHECKED (sealed, and no key here for it), OK (its tag holds with the key its header
+    names), BAD (it does not), UNREADABLE (no prefix or header to check it with)."""
+    view = memoryview(value).cast("B")
+    try:
+        _magic, _version, flags, header_len, _crc, _field = _prefix(view)
+        header = _parse_header(_header_bytes(view, header_len))
+    except CorruptBlockError:
+        return MacCheck.UNREADABLE
+    if not flags & FLAG_SEALED:
+        return MacCheck.ABSENT
+    key = keyring.find(header.key_id) if keyring is not None else None
+    if key is None:
+        return MacCheck.UNCHECKED
+    copy = bytearray(view)  # decrypted in place: never the caller's bytes
+    body = memoryview(copy)[PREFIX_BYTES + header_len :]
+    return MacCheck.OK if open_sealed(copy, body, key, header.key) else MacCheck.BAD
+
+
+def is_sealed(value: bytes | memoryview) -> bool:
+    """Whether a value says its body is sealed (written with an encryption_key); not
+    verified."""
+    view = memoryview(value).cast("B")
+    if view.nbytes < PREFIX_BYTES:
+        return False
+    return bool(_PREFIX.unpack_from(view, 0)[2] & FLAG_SEALED)
+
+
 def has_mac(value: bytes | memoryview) -> bool:
     """Whether a value says it carries a MAC (written with an auth_key); not verified."""
     view = memoryview(value).cast("B")
@@ -328,10 +468,11 @@ def _header_bytes(view: memoryview, header_len: int) -> memoryview:
     return view[PREFIX_BYTES : PREFIX_BYTES + header_len]
 
 
-def signed_prefix(header_len: int, mac_key: MacKey | None) -> bytes:
-    """The prefix fields the MAC covers (all but CRC and MAC): magic, version, flags (the MAC
-    flag with a key) and the header's length."""
-    flags = FLAG_MAC if mac_key is not None else 0
+def signed_prefix(header_len: int, mac_key: MacKey | None, *, sealed: bool = False) -> bytes:
+    """The prefix fields the MAC (or a sealed value's tag) covers (all but CRC and MAC):
+    magic, version, flags (the MAC flag with a key, the sealed flag for a sealed value) and
+    the header's length."""
+    flags = FLAG_MAC if mac_key is not None else FLAG_SEALED if sealed else 0
     return _SIGNED.pack(MAGIC, FORMAT_VERSION, flags, header_len)
 
 
@@ -396,6 +537,7 @@ def _parse_header(raw: memoryview) -> BlockHeader:
             page_bytes=tuple(_typed(p, int) for p in fields["pages"]),
             kv_dtype=_typed(fields["dt"], str),
             kv_cache_layout=_typed(fields["kl"], str),
+            key_id=_typed(fields.get("kid", ""), str),
         )
         declared = _typed(fields["n"], int)
         version = _typed(fields["v"], int)

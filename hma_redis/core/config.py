@@ -1,13 +1,15 @@
 """One validated, immutable configuration for the Redis tier.
 
 Built from vLLM's ``kv_connector_extra_config`` (the keys below, by name) plus the environment
-(``HMA_REDIS_URL``, falling back to ``REDIS_URL``; ``HMA_REDIS_PASSWORD``; ``HMA_REDIS_AUTH_KEY``).
-Every bad value raises one ``ValueError`` whose message names the field; secrets (password,
-auth_key) never appear in messages, logs or ``repr``.
+(``HMA_REDIS_URL``, falling back to ``REDIS_URL``; ``HMA_REDIS_PASSWORD``; ``HMA_REDIS_AUTH_KEY``;
+``HMA_REDIS_ENCRYPTION_KEY`` and ``HMA_REDIS_ENCRYPTION_KEY_PREVIOUS``). Every bad value raises one
+``ValueError`` whose message names the field; secrets (password, auth_key, encryption keys) never
+appear in messages, logs or ``repr``.
 
 vLLM logs ``kv_connector_extra_config`` at start-up, so secrets have ways in that avoid it: the
 password from ``HMA_REDIS_PASSWORD``, ``password_file`` or the URL in ``HMA_REDIS_URL``; the
-auth_key only from ``HMA_REDIS_AUTH_KEY`` or ``auth_key_file`` (refused in the extra config).
+auth_key and the encryption keys only from their environment variables or ``*_file`` options
+(refused in the extra config).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from urllib.parse import SplitResult, parse_qs, unquote, urlsplit, urlunsplit
 import blake3
 
 from hma_redis.core.deadline import MAX_READ_TIMEOUT_S, MIN_WAIT_S
+from hma_redis.core.sealing import Keyring, SealingUnavailable, require_cipher
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,14 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 URL_ENV_VARS = ("HMA_REDIS_URL", "REDIS_URL")
 PASSWORD_ENV = "HMA_REDIS_PASSWORD"
 AUTH_KEY_ENV = "HMA_REDIS_AUTH_KEY"
+ENCRYPTION_KEY_ENV = "HMA_REDIS_ENCRYPTION_KEY"
+ENCRYPTION_KEY_PREVIOUS_ENV = "HMA_REDIS_ENCRYPTION_KEY_PREVIOUS"
+# The secrets that never come from the extra config (vLLM logs it), by the ways they do come.
+SECRETS_NOT_IN_EXTRA = {
+    "auth_key": (AUTH_KEY_ENV, "auth_key_file"),
+    "encryption_key": (ENCRYPTION_KEY_ENV, "encryption_key_file"),
+    "encryption_key_previous": (ENCRYPTION_KEY_PREVIOUS_ENV, "encryption_key_previous_file"),
+}
 # A shorter shared secret is too easy to guess from a value's MAC (or the namespace's key id).
 MIN_AUTH_KEY_BYTES = 16
 # blake3 key-derivation context of auth_key_id (the MAC key has its own, in the codec).
@@ -259,6 +270,13 @@ class RedisTierConfig:
     auth_key: bytes | None = field(default=None, repr=False)
     # A file whose content (one trailing newline stripped) is the auth_key.
     auth_key_file: str | None = None
+    # Secret: every value's body is sealed with it (AES-256-GCM, core/sealing.py), replacing
+    # the auth_key's MAC; never in repr, str or logs. The previous key is accepted for reads
+    # during a rotation (docs/security.md). Each also from a file, like the auth_key.
+    encryption_key: bytes | None = field(default=None, repr=False)
+    encryption_key_file: str | None = None
+    encryption_key_previous: bytes | None = field(default=None, repr=False)
+    encryption_key_previous_file: str | None = None
     # Scheduler, with vLLM's KV events on: watch Redis' keyspace notifications and emit removal
     # events for chunks Redis evicted, expired or deleted (turns the notify-keyspace-events
     # flags it needs on with CONFIG SET where allowed, keeping the others).
@@ -291,8 +309,10 @@ class RedisTierConfig:
                 raise ValueError(
                     f"hma_redis: password_file is not UTF-8 text: {self.password_file}"
                 ) from None
-        if self.auth_key_file is not None and self.auth_key is None:
-            object.__setattr__(self, "auth_key", _read_secret(self.auth_key_file, "auth_key_file"))
+        for name in SECRETS_NOT_IN_EXTRA:
+            path = getattr(self, f"{name}_file")
+            if path is not None and getattr(self, name) is None:
+                object.__setattr__(self, name, _read_secret(path, f"{name}_file"))
         # Credentials and db written in the URL apply unless given as fields (which win).
         for name, value in _url_parts(self.url).items():
             if getattr(self, name) == _DEFAULTS[name]:
@@ -317,6 +337,20 @@ class RedisTierConfig:
         key = blake3.blake3(self.auth_key, derive_key_context=_AUTH_KEY_ID_CONTEXT).digest()
         return blake3.blake3(b"hma_redis auth_key id", key=key).hexdigest()[:16]
 
+    @property
+    def encryption_key_id(self) -> str:
+        """The non-secret id of the encryption key that names the namespace ("" without
+        encryption): the previous key's during a rotation, else the encryption key's
+        (:attr:`hma_redis.core.sealing.Keyring.namespace_key_id`)."""
+        keyring = self.keyring()
+        return keyring.namespace_key_id if keyring is not None else ""
+
+    def keyring(self) -> Keyring | None:
+        """The keys values are sealed and opened with (None without an encryption_key)."""
+        if self.encryption_key is None:
+            return None
+        return Keyring.from_secrets(self.encryption_key, self.encryption_key_previous)
+
     def __repr__(self) -> str:
         shown = []
         for f in dataclasses.fields(self):
@@ -330,6 +364,8 @@ class RedisTierConfig:
             shown.append("password='***'")
         if self.auth_key is not None:
             shown.append(f"auth_key_id={self.auth_key_id!r}")
+        if self.encryption_key is not None:
+            shown.append(f"encryption_key_id={self.encryption_key_id!r}")
         return f"RedisTierConfig({', '.join(shown)})"
 
     @classmethod
@@ -353,12 +389,17 @@ class RedisTierConfig:
         """
         extra = dict(extra or {})
         env = os.environ if env is None else env
-        if "auth_key" in extra:
-            raise ValueError(
-                "hma_redis: auth_key must not be in kv_connector_extra_config (vLLM logs it at "
-                f"start-up); set the {AUTH_KEY_ENV} environment variable or auth_key_file instead"
-            )
-        names = {f.name for f in dataclasses.fields(cls) if f.init} - {"url", "auth_key"}
+        for secret, (env_name, file_option) in SECRETS_NOT_IN_EXTRA.items():
+            if secret in extra:
+                raise ValueError(
+                    f"hma_redis: {secret} must not be in kv_connector_extra_config (vLLM logs it "
+                    f"at start-up); set the {env_name} environment variable or {file_option} "
+                    "instead"
+                )
+        names = {f.name for f in dataclasses.fields(cls) if f.init} - {
+            "url",
+            *SECRETS_NOT_IN_EXTRA,
+        }
         known = names | {"redis_url"} | VLLM_OWNED_KEYS
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
@@ -382,8 +423,9 @@ class RedisTierConfig:
         explicit = kwargs.get("password") is not None or kwargs.get("password_file") is not None
         if not explicit and env.get(PASSWORD_ENV):
             kwargs["password"] = env[PASSWORD_ENV]
-        if kwargs.get("auth_key_file") is None and env.get(AUTH_KEY_ENV):
-            kwargs["auth_key"] = env[AUTH_KEY_ENV].encode()
+        for secret, (env_name, file_option) in SECRETS_NOT_IN_EXTRA.items():
+            if kwargs.get(file_option) is None and env.get(env_name):
+                kwargs[secret] = env[env_name].encode()
         return cls(**kwargs)
 
 
@@ -659,6 +701,7 @@ def _validate(cfg: RedisTierConfig) -> Endpoint:
     if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
         raise ValueError("hma_redis: tls_cert_file and tls_key_file must be given together")
     _validate_auth_key(cfg.auth_key)
+    _validate_encryption(cfg)
     if cfg.pinning and cfg.ttl_s is None:
         raise ValueError(
             "hma_redis: pinning needs ttl_s: a pin keeps a chunk without a TTL among chunks "
@@ -671,16 +714,42 @@ def _validate(cfg: RedisTierConfig) -> Endpoint:
     return endpoint
 
 
-def _validate_auth_key(key: object) -> None:
+def _validate_auth_key(key: object, name: str = "auth_key") -> None:
     if key is None:
         return
     if not isinstance(key, bytes):
-        raise ValueError(f"hma_redis: auth_key must be bytes, got {type(key).__name__}")
+        raise ValueError(f"hma_redis: {name} must be bytes, got {type(key).__name__}")
     if len(key) < MIN_AUTH_KEY_BYTES:
         raise ValueError(
-            f"hma_redis: auth_key must be at least {MIN_AUTH_KEY_BYTES} bytes, got {len(key)} "
+            f"hma_redis: {name} must be at least {MIN_AUTH_KEY_BYTES} bytes, got {len(key)} "
             "(generate one with: openssl rand -hex 32)"
         )
+
+
+def _validate_encryption(cfg: RedisTierConfig) -> None:
+    """The encryption keys: bytes of at least the auth_key's minimum, a previous key only
+    with a current one (and another), never with an auth_key (the cipher's tag authenticates:
+    one check, not two), and the cipher's package installed."""
+    for name in ("encryption_key", "encryption_key_previous"):
+        _validate_auth_key(getattr(cfg, name), name)
+    if cfg.encryption_key is None:
+        if cfg.encryption_key_previous is not None:
+            raise ValueError(
+                "hma_redis: encryption_key_previous needs an encryption_key (the key values "
+                f"are sealed with: {ENCRYPTION_KEY_ENV} or encryption_key_file)"
+            )
+        return
+    if cfg.encryption_key_previous == cfg.encryption_key:
+        raise ValueError("hma_redis: encryption_key_previous is the encryption_key itself")
+    if cfg.auth_key is not None:
+        raise ValueError(
+            "hma_redis: encryption_key and auth_key are both set; give only the encryption_key "
+            "(its cipher authenticates every value: the auth_key's MAC would be a second check)"
+        )
+    try:
+        require_cipher()
+    except SealingUnavailable as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _finite(value: object, name: str) -> None:

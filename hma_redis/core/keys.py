@@ -64,10 +64,18 @@ class NamespaceFingerprint:
     # keys never share a namespace.
     auth_key_id: str = ""
     format_version: int = 1
+    # Which encryption key names this namespace ("" when values are not encrypted): the
+    # previous key's during a rotation, else the key values are sealed with.
+    encryption_key_id: str = ""
 
     def namespace_id(self) -> str:
-        """A short stable id: the first hex digits of a SHA-256 of the canonical fields."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """A short stable id: the first hex digits of a SHA-256 of the canonical fields.
+        Fields added since (``encryption_key_id``) enter only when set, so the namespaces of
+        deployments without them keep their ids."""
+        fields = asdict(self)
+        if not self.encryption_key_id:
+            del fields["encryption_key_id"]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:NAMESPACE_ID_CHARS]
 
     def info_fields(self) -> dict[str, str]:
@@ -95,6 +103,8 @@ class NamespaceFingerprint:
             fields[f"g{idx}.tokens_per_chunk"] = str(group.tokens_per_chunk)
             fields[f"g{idx}.layers"] = ",".join(group.layer_names)
             fields[f"g{idx}.page_bytes"] = ",".join(str(b) for b in group.page_bytes)
+        if self.encryption_key_id:
+            fields["encryption_key_id"] = self.encryption_key_id
         return fields
 
 

@@ -146,6 +146,7 @@ def _variants(model_dir: str, other_model_dir: str) -> dict[str, Deployment]:
         "quantization": d(model_dir, {"quantization": "fp8_per_tensor"}),
         "model_dtype": d(model_dir, {"dtype": "float16"}),
         "auth_key_id": d(model_dir, env={"HMA_REDIS_AUTH_KEY": AUTH_KEY}),
+        "encryption_key_id": d(model_dir, env={"HMA_REDIS_ENCRYPTION_KEY": AUTH_KEY}),
         "kv_dtype": d(
             model_dir, offloading=lambda c: replace(c, model=replace(c.model, dtype="float16"))
         ),

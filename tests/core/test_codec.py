@@ -4,7 +4,19 @@ import crc32c
 import pytest
 
 from hma_redis.core import codec
-from hma_redis.core.codec import BlockHeader, CorruptBlockError, MacKey
+from hma_redis.core.codec import (
+    CRC_AT,
+    MAC_AT,
+    PREFIX_BYTES,
+    BlockHeader,
+    CorruptBlockError,
+    ForeignKeyError,
+    MacCheck,
+    MacKey,
+    check_seal,
+    decode,
+    encode,
+)
 
 KEY = "hma:abc:g0:00ff"
 
@@ -242,3 +254,70 @@ def test_prefix_offsets_and_head_helpers_match_what_encode_writes():
     assert codec.head_mac_matches(head, memoryview(body), key)
     assert not codec.head_mac_matches(head, memoryview(body[:-1] + b"\0"), key)
     assert not codec.head_mac_matches(head, memoryview(body), MacKey.derive(b"o" * 32))
+
+
+# ---------------------------------------------------------------- sealed values
+
+
+def _sealed_header() -> BlockHeader:
+    return BlockHeader(
+        key="hma:ns:g0:ab", group=0, first_block=0, num_blocks=2, page_bytes=(64, 32)
+    )
+
+
+def test_a_sealed_value_decodes_only_with_a_key_it_was_sealed_with() -> None:
+    """The write key and a previous key open it; another key is a ForeignKeyError (no key of
+    that id here), a reader without keys and a MAC reader refuse it."""
+    from hma_redis.core.sealing import Keyring
+
+    body = os.urandom(_sealed_header().body_bytes)
+    value = bytes(encode(_sealed_header(), body, keyring=Keyring.from_secrets(b"k" * 32)))
+    assert body not in value
+    for ring in (Keyring.from_secrets(b"k" * 32), Keyring.from_secrets(b"n" * 32, b"k" * 32)):
+        assert bytes(decode(value, "hma:ns:g0:ab", 0, keyring=ring).body) == body
+    with pytest.raises(ForeignKeyError):
+        decode(value, "hma:ns:g0:ab", 0, keyring=Keyring.from_secrets(b"n" * 32))
+    with pytest.raises(CorruptBlockError, match="encrypted"):
+        decode(value, "hma:ns:g0:ab", 0)
+    with pytest.raises(CorruptBlockError, match="encrypted"):
+        decode(value, "hma:ns:g0:ab", 0, mac_key=MacKey.derive(b"k" * 32))
+    plain = bytes(encode(_sealed_header(), body))
+    with pytest.raises(CorruptBlockError, match="not encrypted"):
+        decode(plain, "hma:ns:g0:ab", 0, keyring=Keyring.from_secrets(b"k" * 32))
+
+
+@pytest.mark.parametrize("where", ["signed-prefix", "header", "body", "tag", "nonce"])
+def test_every_byte_a_sealed_value_authenticates_is_checked(where: str) -> None:
+    """A change to the prefix's signed fields (here: the MAC flag added), the header (the
+    associated data), the body, the tag or the nonce, CRC32C fixed, fails decryption."""
+    from hma_redis.core.sealing import Keyring
+
+    ring = Keyring.from_secrets(b"k" * 32)
+    value = bytearray(
+        encode(_sealed_header(), os.urandom(_sealed_header().body_bytes), keyring=ring)
+    )
+    at = {
+        "signed-prefix": 4,
+        "header": PREFIX_BYTES + 3,
+        "body": len(value) - 1,
+        "tag": MAC_AT,
+        "nonce": PREFIX_BYTES - 1,
+    }[where]
+    value[at] ^= 0x01
+    value[CRC_AT : CRC_AT + 4] = crc32c.crc32c(bytes(value[PREFIX_BYTES:])).to_bytes(4, "big")
+    with pytest.raises(CorruptBlockError):
+        decode(bytes(value), "hma:ns:g0:ab", 0, keyring=ring)
+    assert check_seal(bytes(value), ring) in (MacCheck.BAD, MacCheck.UNREADABLE)
+
+
+def test_check_seal_reports_each_state() -> None:
+    from hma_redis.core.sealing import Keyring
+
+    ring = Keyring.from_secrets(b"k" * 32)
+    body = os.urandom(_sealed_header().body_bytes)
+    sealed = bytes(encode(_sealed_header(), body, keyring=ring))
+    assert check_seal(sealed, ring) is MacCheck.OK
+    assert check_seal(sealed, None) is MacCheck.UNCHECKED
+    assert check_seal(sealed, Keyring.from_secrets(b"n" * 32)) is MacCheck.UNCHECKED
+    assert check_seal(bytes(encode(_sealed_header(), body)), ring) is MacCheck.ABSENT
+    assert check_seal(b"short", ring) is MacCheck.UNREADABLE

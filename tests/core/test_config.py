@@ -552,3 +552,77 @@ def test_auth_key_id_identifies_the_key_without_showing_it():
 def test_short_auth_key_is_refused():
     with pytest.raises(ValueError, match="auth_key must be at least 16 bytes, got 5"):
         RedisTierConfig.from_extra_config({}, env={"HMA_REDIS_AUTH_KEY": "short"})
+
+
+# ------------------------------------------------------------------ encryption keys
+
+ENC_KEY = b"encryption-key-for-the-config-tests-01"
+OLD_KEY = b"encryption-key-for-the-config-tests-00"
+
+
+@pytest.mark.parametrize("name", ["encryption_key", "encryption_key_previous"])
+def test_encryption_keys_in_extra_config_are_refused_saying_what_to_use(name):
+    env_name = "HMA_REDIS_ENCRYPTION_KEY" + ("_PREVIOUS" if name.endswith("previous") else "")
+    with pytest.raises(ValueError, match=rf"{env_name}.*{name}_file") as info:
+        RedisTierConfig.from_extra_config({name: ENC_KEY.decode()}, env={})
+    assert ENC_KEY.decode() not in str(info.value)
+
+
+def test_encryption_keys_from_environment_or_file(tmp_path):
+    path = tmp_path / "enc"
+    path.write_bytes(ENC_KEY + b"\n")
+    old = tmp_path / "old"
+    old.write_bytes(OLD_KEY)
+    env = {
+        "HMA_REDIS_ENCRYPTION_KEY": ENC_KEY.decode(),
+        "HMA_REDIS_ENCRYPTION_KEY_PREVIOUS": OLD_KEY.decode(),
+    }
+    from_env = RedisTierConfig.from_extra_config({}, env=env)
+    from_file = RedisTierConfig.from_extra_config(
+        {"encryption_key_file": str(path), "encryption_key_previous_file": str(old)}, env={}
+    )
+    assert from_env.encryption_key == from_file.encryption_key == ENC_KEY
+    assert from_env.encryption_key_previous == from_file.encryption_key_previous == OLD_KEY
+    with pytest.raises(ValueError, match="encryption_key_file cannot be read"):
+        RedisTierConfig.from_extra_config({"encryption_key_file": str(tmp_path / "no")}, env={})
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"encryption_key": b"short"}, "encryption_key must be at least 16 bytes"),
+        (
+            {"encryption_key": ENC_KEY, "encryption_key_previous": b"short"},
+            "encryption_key_previous must be at least",
+        ),
+        ({"encryption_key_previous": OLD_KEY}, "encryption_key_previous needs an encryption_key"),
+        (
+            {"encryption_key": ENC_KEY, "encryption_key_previous": ENC_KEY},
+            "is the encryption_key itself",
+        ),
+        ({"encryption_key": ENC_KEY, "auth_key": KEY}, "encryption_key and auth_key are both set"),
+    ],
+)
+def test_bad_encryption_settings_fail_with_one_line_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message) as info:
+        RedisTierConfig(**fields)
+    assert "\n" not in str(info.value)
+    for secret in (ENC_KEY, OLD_KEY, KEY):
+        assert secret.decode() not in str(info.value)
+
+
+def test_the_encryption_key_id_names_the_previous_key_during_a_rotation():
+    """Never the key itself in repr or str; the id that names the namespace is the write
+    key's, and the previous key's while one is given (instances moving to a new key keep
+    the namespace they share with those still on the old one)."""
+    old = RedisTierConfig(encryption_key=OLD_KEY)
+    rotating = RedisTierConfig(encryption_key=ENC_KEY, encryption_key_previous=OLD_KEY)
+    new = RedisTierConfig(encryption_key=ENC_KEY)
+    assert RedisTierConfig().encryption_key_id == ""
+    assert re.fullmatch(r"[0-9a-f]{16}", new.encryption_key_id)
+    assert rotating.encryption_key_id == old.encryption_key_id != new.encryption_key_id
+    for cfg in (old, rotating, new):
+        for text in (repr(cfg), str(cfg)):
+            assert ENC_KEY.decode() not in text and OLD_KEY.decode() not in text
+            assert ENC_KEY.hex() not in text and "encryption_key=" not in text
+    assert f"encryption_key_id='{new.encryption_key_id}'" in repr(new)

@@ -34,6 +34,7 @@ MAY_IMPORT = {
         "core",
         "core.transfer",
         "core.codec",
+        "core.sealing",
         "core.counters",
         "core.deadline",
         "core.latency",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -155,12 +155,25 @@ def make_pages(
     auth_key: bytes | None = None,
     partial_loads: bool = False,
     counters_every_s: float = COUNTERS_EVERY_S,
+    encryption_key: bytes | None = None,
+    encryption_key_previous: bytes | None = None,
+    gathered: bool = False,
 ) -> Pages:
+    """``gathered``: the layers are described without their host memory, so the engine takes
+    the path of a GPU KV cache (pages gathered into buffers, loads scattered from them)."""
     tensors = kv_tensors(strided)
+    groups = layer_groups(tensors)
+    if gathered:
+        groups = [[replace(layer, host=None) for layer in group] for group in groups]
     engine = TransferEngine(
         store,
-        layer_groups(tensors),
-        ValueFormat(kv_dtype="int8", auth_key=auth_key),
+        groups,
+        ValueFormat(
+            kv_dtype="int8",
+            auth_key=auth_key,
+            encryption_key=encryption_key,
+            encryption_key_previous=encryption_key_previous,
+        ),
         blocks_per_chunk=BPC,
         io_threads=io_threads,
         max_inflight_bytes=max_inflight_bytes,

@@ -137,6 +137,7 @@ class RedisSecondaryTier(SecondaryTierManager):
             context.kv_cache_config,
             kv_cache_layout=self.row.describe(),
             auth_key_id=self.config.auth_key_id,
+            encryption_key_id=self.config.encryption_key_id,
         )
         namespace = namespace_name(self.config, self.fingerprint, Mode.TIERING)
         self.keyspace = KeySpace(self.config.key_prefix, namespace, 1)
@@ -184,6 +185,8 @@ class RedisSecondaryTier(SecondaryTierManager):
                 kv_dtype=self._offloading_spec.config.model.dtype,
                 kv_cache_layout=self.row.describe(),
                 auth_key=cfg.auth_key,
+                encryption_key=cfg.encryption_key,
+                encryption_key_previous=cfg.encryption_key_previous,
             ),
             blocks_per_chunk=1,
             io_threads=cfg.io_threads,

@@ -59,7 +59,7 @@ from typing import TypeVar
 import torch
 
 from hma_redis.core import codec
-from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock
+from hma_redis.core.codec import BlockHeader, CorruptBlockError, DecodedBlock, ForeignKeyError
 from hma_redis.core.latency import Operation
 from hma_redis.core.medium import (
     BlockStore,
@@ -72,6 +72,7 @@ from hma_redis.core.medium import (
     body_bytes,
     body_pieces,
 )
+from hma_redis.core.sealing import Keyring, NonceSource
 from hma_redis.core.transfer.buffers import BufferPool, ByteBudget, TransferStreams
 from hma_redis.core.transfer.jobs import (
     ChunkTransfer,
@@ -168,6 +169,13 @@ class TransferEngine:
         # With a shared secret every value is MAC'd, and only values MAC'd with it are read.
         key = value_format.auth_key
         self._mac_key = codec.MacKey.derive(key) if key is not None else None
+        # With an encryption key every value's body is sealed (the tag replaces the MAC).
+        self._keyring: Keyring | None = None
+        if value_format.encryption_key is not None:
+            self._keyring = Keyring.from_secrets(
+                value_format.encryption_key, value_format.encryption_key_previous
+            )
+        self._nonces = NonceSource()
         self._shutdown_timeout_s = shutdown_timeout_s
         self._layers: list[list[LayerSource]] = [list(group) for group in groups]
         self._pages = [tuple(layer.page_bytes for layer in group) for group in self._layers]
@@ -197,11 +205,17 @@ class TransferEngine:
             initializer=self._streams.init_thread,
         )
         # Loads land in the KV cache's pages only where it is host memory, values carry no MAC
-        # (a keyed value's MAC is checked before any of its bytes reach a page) and the medium
+        # and are not sealed (a keyed value's MAC, a sealed one's tag, is checked before any of
+        # its bytes reach a page: a sealed body is decrypted in its buffer) and the medium
         # says its data path should (Redis: the C job; its twin receives into buffers and the
         # engine copies once every value is valid, so on the fallback no page ever holds a
         # byte of a load that fails; the cost, one copy, is small beside the twin's own work).
-        self._land_in_place = store.lands_in_place and self._in_place and self._mac_key is None
+        self._land_in_place = (
+            store.lands_in_place
+            and self._in_place
+            and self._mac_key is None
+            and self._keyring is None
+        )
         self._connections = max(1, connections_per_job)
         # Threads that run the other connections' parts of a job (its own thread runs one).
         self._parts: ThreadPoolExecutor | None = None
@@ -347,7 +361,8 @@ class TransferEngine:
             if self._land_in_place
             else "loads received into buffers, copied once valid"
         )
-        return f"{self._store.describe()}; {where}; {self._connections} thread(s) per job"
+        sealed = "; values sealed (AES-256-GCM)" if self._keyring is not None else ""
+        return f"{self._store.describe()}; {where}{sealed}; {self._connections} thread(s) per job"
 
     def _deliver_counters_when_due(self) -> None:
         """After a job: hand the medium's pending counters to a store thread when
@@ -445,7 +460,7 @@ class TransferEngine:
         layouts = [self._expected(chunk) for chunk in chunks]
         sizes = [layout.value_bytes for layout in layouts]
         keys = [chunk.redis_key for chunk in chunks]
-        if self._in_place:
+        if self._in_place and self._keyring is None:
             pages = [self._pages_of(chunk) for chunk in chunks]
             heads = [self._value_head(lay, body) for lay, body in zip(layouts, pages, strict=True)]
             results = self._put_in_parts(job, sizes, keys, heads, pages)
@@ -458,11 +473,16 @@ class TransferEngine:
                 for buf, lay in zip(taken, layouts, strict=True)
             ]
             # Every page is in its buffer when this block ends (CUDA: its copies completed).
-            with self._streams.ordered(job.ready):
-                for chunk, (_, body) in zip(chunks, views, strict=True):
-                    self._gather(chunk, body)
-            for layout, (head, body) in zip(layouts, views, strict=True):
-                head[:] = self._value_head(layout, [body])
+            # A CPU KV cache's pages are sealed straight into the buffers instead.
+            if not self._in_place:
+                with self._streams.ordered(job.ready):
+                    for chunk, (_, body) in zip(chunks, views, strict=True):
+                        self._gather(chunk, body)
+            for chunk, layout, (head, body) in zip(chunks, layouts, views, strict=True):
+                if self._keyring is None:
+                    head[:] = self._value_head(layout, [body])
+                else:
+                    head[:] = self._sealed_head(chunk, layout, body)
             results = self._put_in_parts(
                 job, sizes, keys, [head for head, _ in views], [[body] for _, body in views]
             )
@@ -489,7 +509,8 @@ class TransferEngine:
     def _expected(self, chunk: ChunkTransfer) -> ExpectedValue:
         header = self._header(chunk)
         packed = header.to_msgpack()
-        return ExpectedValue(header, packed, codec.signed_prefix(len(packed), self._mac_key))
+        signed = codec.signed_prefix(len(packed), self._mac_key, sealed=self._keyring is not None)
+        return ExpectedValue(header, packed, signed)
 
     def _value_head(self, layout: ExpectedValue, body: Sequence[memoryview] | Pages) -> bytearray:
         """A value's prefix and header, every field but the CRC32C (zero: the store job
@@ -506,6 +527,23 @@ class TransferEngine:
         if self._mac_key is not None:
             mac = codec.value_mac(self._mac_key, body_pieces(body), layout.packed, layout.signed)
         return codec.head_without_crc(layout.signed, layout.packed, mac)
+
+    def _sealed_head(self, chunk: ChunkTransfer, layout: ExpectedValue, body: memoryview) -> bytes:
+        """Seal a chunk's body into ``body`` (its value's body in a buffer) with the write key
+        and a fresh nonce: from the CPU KV cache's pages, else in place (gathered there
+        already). The value's prefix and header, the CRC32C left to the store job."""
+        assert self._keyring is not None
+        pieces = self._pages_of(chunk).views() if self._in_place else [body]
+        head = codec.seal_head(
+            layout.signed,
+            layout.packed,
+            chunk.redis_key,
+            self._keyring.write,
+            self._nonces.next(),
+            pieces,
+            body,
+        )
+        return bytes(head)
 
     def _count_stored(self, job: Job, sizes: Sequence[int], results: list[PutResult]) -> int:
         """Count a batch's outcome; return the bytes stored."""
@@ -528,6 +566,7 @@ class TransferEngine:
             page_bytes=self._pages[chunk.group_pos],
             kv_dtype=self._format.kv_dtype,
             kv_cache_layout=self._format.kv_cache_layout,
+            key_id=self._keyring.write.key_id if self._keyring is not None else "",
         )
 
     def _pages_of(self, chunk: ChunkTransfer) -> Pages:
@@ -727,6 +766,11 @@ class TransferEngine:
                 got.invalid[key] = CorruptBlockError(
                     f"{key}: MAC mismatch: written with another auth_key, or tampered with"
                 )
+            elif not self._opened(key, targets[idx].head, bodies[idx]):
+                got.invalid[key] = CorruptBlockError(
+                    f"{key}: decryption failed: sealed with another encryption key, or "
+                    "tampered with"
+                )
             else:
                 got.nbytes += result.value_len
                 received = bodies[idx]
@@ -747,6 +791,10 @@ class TransferEngine:
         assert target.staging is not None
         try:
             got.blocks[idx] = self._validate(chunk, target.staging[:value_len])
+        except ForeignKeyError:
+            # Sealed with a key this instance does not hold (a rotation under way): a miss,
+            # left in Redis for the instances that hold it.
+            got.missing.append(chunk.redis_key)
         except CorruptBlockError as exc:
             got.invalid[chunk.redis_key] = exc
         else:
@@ -788,6 +836,14 @@ class TransferEngine:
         assert body is not None  # keyed values always land in buffers
         return codec.head_mac_matches(head, body, self._mac_key)
 
+    def _opened(self, key: str, head: memoryview | bytearray, body: memoryview | None) -> bool:
+        """Decrypt in its buffer the sealed body of a value that landed as expected (its header
+        names the write key); whether its tag holds (True without an encryption key)."""
+        if self._keyring is None:
+            return True
+        assert body is not None  # sealed values always land in buffers
+        return codec.open_sealed(head, body, self._keyring.write, key)
+
     def _value_bound(self, chunk: ChunkTransfer) -> int:
         """The most bytes a valid value under ``chunk``'s key can hold: every block of the
         chunk (a value may hold more blocks than a load needs) and its header. The header's
@@ -813,6 +869,7 @@ class TransferEngine:
             expected_key=chunk.redis_key,
             expected_group=chunk.group,
             mac_key=self._mac_key,
+            keyring=self._keyring,
         )
         header = block.header
         if header.kv_dtype != self._format.kv_dtype:

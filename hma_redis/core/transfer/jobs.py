@@ -75,12 +75,17 @@ class ValueFormat:
 
     ``kv_dtype`` and ``kv_cache_layout`` go into each header and are checked on each load
     (whatever the namespace). With ``auth_key`` every value is MAC'd with it and only values
-    MAC'd with it are read.
+    MAC'd with it are read. With ``encryption_key`` every value's body is sealed with it
+    (:mod:`hma_redis.core.sealing`) and only values sealed with it or with
+    ``encryption_key_previous`` are read; the config never sets both an auth_key and an
+    encryption_key.
     """
 
     kv_dtype: str
     kv_cache_layout: str = ""
     auth_key: bytes | None = field(default=None, repr=False)
+    encryption_key: bytes | None = field(default=None, repr=False)
+    encryption_key_previous: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -447,6 +447,8 @@ def bench_kv_cache(
             max_inflight_bytes=cfg.max_inflight_bytes,
             shutdown_timeout_s=1.0,
             auth_key=cfg.auth_key,
+            encryption_key=cfg.encryption_key,
+            encryption_key_previous=cfg.encryption_key_previous,
             idle_wait_s=cfg.idle_wait_ms / 1e3,
             **worker_options,
         )

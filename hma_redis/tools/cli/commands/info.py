@@ -130,13 +130,17 @@ _FINGERPRINT_ORDER: tuple[tuple[str, str | None, bool], ...] = (
     ("parallel", None, True),
     ("hash", "hash_algo", True),
     ("auth key", "auth_key_id", False),
+    ("encryption key", "encryption_key_id", False),
     ("format", "format_version", True),
 )
 _GROUP_FIELD = re.compile(r"^g(\d+)\.(kind|tokens_per_chunk|layers|page_bytes)$")
 _KNOWN_FIELDS = frozenset(
     {name for _, name, _ in _FINGERPRINT_ORDER if name} | set(_PARALLEL) | {"num_groups"}
 )
-_EMPTY_TEXT = {"auth_key_id": "none (values carry no MAC)"}
+_EMPTY_TEXT = {
+    "auth_key_id": "none (values carry no MAC)",
+    "encryption_key_id": "none (values are not encrypted)",
+}
 _LAYERS_SHOWN = 4
 
 
