@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import redis
 
+from hma_redis.core import codec
 from hma_redis.tools.devkit.cpu_tiering import cpu_tiering_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import FAMILIES, VOCAB_SIZE, build_llama
@@ -47,6 +48,8 @@ PRIMARY_BYTES = 64 << 20
 # Llama shares in the two tests below; every model and the live faults: the fault fuzz,
 # scripts/fault_fuzz.sh --modes tiering).
 CHECKED = ("hybrid", "gdn")
+# An engine whose values are encrypted (another namespace: the key's id is in its fingerprint).
+SEALED = {"HMA_REDIS_ENCRYPTION_KEY": "tiering-encryption-key-0123456789"}
 READS = ("eval", "evalsha", "eval_ro", "evalsha_ro", "get", "mget", "exists")
 
 
@@ -93,6 +96,7 @@ def test_deployments_that_must_not_share_do_not_under_one_namespace_name(
         ),
         "other dtype": (base, {"dtype": "bfloat16"}, config),
         "the canonical layout": (base, {}, canonical),
+        "an encryption key": (base, {"extra_env": SEALED}, config),
     }
     for what, (model, kwargs, cfg) in others.items():
         reads = _reads(client)
@@ -104,6 +108,13 @@ def test_deployments_that_must_not_share_do_not_under_one_namespace_name(
     again = run_engine(base, prompts, 4, canonical)
     assert again.num_cached_tokens == [chunk_aligned_prefix(700, again.block_size)] * 2
     assert again.token_ids == stored.token_ids, again.stderr_tail
+    # So did the encrypting one, sealed: a second engine with its key loads them.
+    sealed = run_engine(base, prompts, 4, config, extra_env=SEALED)
+    assert sealed.num_cached_tokens == [chunk_aligned_prefix(700, sealed.block_size)] * 2
+    assert sealed.token_ids == stored.token_ids, sealed.stderr_tail
+    assert "values sealed (AES-256-GCM)" in sealed.stderr, sealed.stderr_tail
+    values = [client.get(key) for key in client.keys("hma:shared.*.tiering:g*")]
+    assert sum(codec.is_sealed(v) for v in values if v is not None) > 0
 
 
 def test_a_local_hit_never_asks_redis_and_redis_down_at_start_up_is_a_miss(
