@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import jsonschema
 import pytest
 import redis
@@ -26,6 +27,7 @@ from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace, RedisKey
 from hma_redis.core.redis.store import RedisBlockStore
+from hma_redis.core.sealing import Keyring, SealKey
 from hma_redis.tools.cli.main import main
 from hma_redis.tools.cli.schemas import SCHEMAS
 from hma_redis.tools.cli.schemas import markdown as schema_markdown
@@ -607,6 +609,48 @@ def test_inspect_verifies_the_mac_with_the_tier_auth_key(populated, cli, redis_c
     assert wrong["mac"] == "invalid" and not wrong["valid"]
     plain = cli("--auth-key-file", str(key_file), "--json", "inspect", populated.blocks[0][0])
     assert plain.json()["mac"] == "invalid"  # a keyed tier refuses values without a MAC
+
+
+def test_inspect_opens_sealed_values_with_the_tier_encryption_key(
+    populated, cli, redis_client, tmp_path
+):
+    """A sealed value: unverified without the key (never OK), verified and valid with it or
+    with it as the previous key of a rotation, invalid when altered; the key never printed."""
+    secret = b"an encryption key of at least 16 bytes"
+    key = KeySpace("hma", populated.ns).block_key(0, b"\xcf" * 32)
+    header = block_header(key, 0, 4)
+    body = os.urandom(header.body_bytes)
+    value = bytes(codec.encode(header, body, keyring=Keyring.from_secrets(secret)))
+    redis_client.set(key, value)
+    key_file = tmp_path / "encryption_key"
+    key_file.write_bytes(secret)
+    new_file = tmp_path / "new_key"
+    new_file.write_bytes(b"the next encryption key, 16 bytes or more")
+
+    unkeyed = cli("--json", "inspect", key).json()
+    assert unkeyed["encryption"] == "unverified" and not unkeyed["valid"]
+    assert unkeyed["header"]["key_id"] == SealKey.derive(secret).key_id
+    run = cli("--encryption-key-file", str(key_file), "inspect", key)
+    assert run.code == 0 and "OK (decrypted" in run.out, run
+    assert secret.decode() not in run.out + run.err
+    rotating = cli(
+        "--encryption-key-file",
+        str(new_file),
+        "--encryption-key-previous-file",
+        str(key_file),
+        "--json",
+        "inspect",
+        key,
+    ).json()
+    assert rotating["encryption"] == "verified" and rotating["valid"]
+    damaged = bytearray(value)
+    damaged[-10] ^= 0xFF
+    damaged[12:16] = crc32c.crc32c(bytes(damaged[codec.PREFIX_BYTES :])).to_bytes(4, "big")
+    redis_client.set(key, bytes(damaged))
+    bad = cli("--encryption-key-file", str(key_file), "--json", "inspect", key).json()
+    assert bad["encryption"] == "invalid" and not bad["valid"] and bad["checksum_ok"]
+    plain = cli("--encryption-key-file", str(key_file), "--json", "inspect", populated.blocks[0][0])
+    assert plain.json()["encryption"] == "invalid"  # an encrypting tier refuses plain values
 
 
 def _mac_line(out: str) -> str:

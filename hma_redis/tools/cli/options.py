@@ -68,6 +68,18 @@ def add_connection_options(parser: argparse.ArgumentParser, after_command: bool)
         help="the tier's auth_key, to verify MACs (default: $HMA_REDIS_AUTH_KEY)",
     )
     conn.add_argument(
+        "--encryption-key-file",
+        default=default(None),
+        help="the tier's encryption_key, to open sealed values (default: "
+        "$HMA_REDIS_ENCRYPTION_KEY)",
+    )
+    conn.add_argument(
+        "--encryption-key-previous-file",
+        default=default(None),
+        help="a previous encryption key, during a rotation (default: "
+        "$HMA_REDIS_ENCRYPTION_KEY_PREVIOUS)",
+    )
+    conn.add_argument(
         "--connect-timeout", type=float, default=default(None), help="seconds (default 1)"
     )
     conn.add_argument(
@@ -92,6 +104,8 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> RedisTierC
         "tls_cert_file": args.tls_cert_file,
         "tls_key_file": args.tls_key_file,
         "auth_key_file": args.auth_key_file,
+        "encryption_key_file": args.encryption_key_file,
+        "encryption_key_previous_file": args.encryption_key_previous_file,
         "connect_timeout_s": args.connect_timeout,
         "read_timeout_s": args.read_timeout,
     }
@@ -114,6 +128,8 @@ _FLAG_OF_KEY = {
     "tls_key_file": "--tls-key-file",
     "tls_verify": "--no-tls-verify",
     "auth_key_file": "--auth-key-file",
+    "encryption_key_file": "--encryption-key-file",
+    "encryption_key_previous_file": "--encryption-key-previous-file",
     "connect_timeout_s": "--connect-timeout",
     "read_timeout_s": "--read-timeout",
     "namespace": "--namespace",

@@ -120,6 +120,7 @@ INSPECT = _object(
                         "page_bytes": {"type": "array", "items": _INT},
                         "kv_dtype": _STR_OR_NULL,
                         "kv_cache_layout": _STR_OR_NULL,
+                        "key_id": _STR_OR_NULL,
                         "body_bytes": _INT,
                     }
                 ),
@@ -128,6 +129,7 @@ INSPECT = _object(
         "checksum_ok": _BOOL,
         "key_matches": _BOOL,
         "mac": {"enum": ["none", "verified", "unverified", "invalid", "unreadable"]},
+        "encryption": {"enum": ["none", "verified", "unverified", "invalid", "unreadable"]},
         "error": _STR_OR_NULL,
         "valid": _BOOL,
     }

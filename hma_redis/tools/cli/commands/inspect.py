@@ -1,6 +1,6 @@
 """``hma-redis inspect KEY``: decode one stored block's header and verify it (checksum, key
-echo, MAC with the tier's auth_key), and say whether the tier would use it; exit 1 when it
-would not."""
+echo, MAC with the tier's auth_key, decryption with its encryption keys), and say whether the
+tier would use it; exit 1 when it would not."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from hma_redis.core.codec import (
     MacCheck,
     MacKey,
     check_mac,
+    check_seal,
     decode,
     decode_header,
 )
 from hma_redis.core.keys import parse_block_key
+from hma_redis.core.sealing import Keyring
 from hma_redis.tools.cli.admin import RedisAdmin
 from hma_redis.tools.cli.output import EXIT_FAIL, EXIT_OK, CliError, emit, print_json
 
@@ -41,7 +43,7 @@ def run(admin: RedisAdmin, args: argparse.Namespace) -> int:
     value = admin.get(key)
     if value is None:
         raise CliError(f"no such key: {key} (deleted or expired just now)")
-    report = inspect_value(key, value, admin.cfg.auth_key)
+    report = inspect_value(key, value, admin.cfg.auth_key, admin.cfg.keyring())
     report["ttl_s"] = admin.ttl(key)
     if args.json:
         print_json(report)
@@ -50,18 +52,28 @@ def run(admin: RedisAdmin, args: argparse.Namespace) -> int:
     return EXIT_OK if report["valid"] else EXIT_FAIL
 
 
-def inspect_value(key: str, value: bytes, auth_key: bytes | None = None) -> dict[str, Any]:
+def inspect_value(
+    key: str, value: bytes, auth_key: bytes | None = None, keyring: Keyring | None = None
+) -> dict[str, Any]:
     """What ``inspect`` reports about one stored value (no Redis involved): the decoded header,
-    checksum, key echo and MAC (verified with ``auth_key``, the tier's shared secret), and
-    whether the tier would use the value."""
+    checksum, key echo, MAC (verified with ``auth_key``, the tier's shared secret) and
+    encryption (opened with ``keyring``, the tier's encryption keys), and whether the tier
+    would use the value."""
     report: dict[str, Any] = {"key": key, "value_bytes": len(value)}
     mac_key = MacKey.derive(auth_key) if auth_key is not None else None
     try:
-        decode(value, expected_key=key, expected_group=_group_of(key), mac_key=mac_key)
+        decode(
+            value,
+            expected_key=key,
+            expected_group=_group_of(key),
+            mac_key=mac_key,
+            keyring=keyring,
+        )
         report["error"] = None
     except CorruptBlockError as exc:
         report["error"] = str(exc)
     report["mac"] = _mac_state(check_mac(value, mac_key), mac_key is not None)
+    report["encryption"] = _mac_state(check_seal(value, keyring), keyring is not None)
     try:
         header, checksum_ok = decode_header(value)
     except CorruptBlockError:
@@ -75,6 +87,7 @@ def inspect_value(key: str, value: bytes, auth_key: bytes | None = None) -> dict
         "page_bytes": list(header.page_bytes),
         "kv_dtype": header.kv_dtype,
         "kv_cache_layout": header.kv_cache_layout,
+        "key_id": header.key_id or None,
         "body_bytes": header.body_bytes,
     }
     report["checksum_ok"] = checksum_ok
@@ -84,10 +97,10 @@ def inspect_value(key: str, value: bytes, auth_key: bytes | None = None) -> dict
 
 
 def _mac_state(check: MacCheck, have_key: bool) -> str:
-    """``none`` (written without an auth_key), ``verified`` (checked with the auth_key: it
-    matches), ``invalid`` (checked: it does not match; or missing where the key requires one),
-    ``unverified`` (a MAC and no auth_key here to check it) or ``unreadable`` (the value's
-    prefix cannot be read, so nothing was checked)."""
+    """``none`` (written without an auth_key, or unencrypted), ``verified`` (checked with the
+    key: it holds), ``invalid`` (checked: it does not; or missing where the key requires one),
+    ``unverified`` (a MAC or encryption and no key here to check it) or ``unreadable`` (the
+    value's prefix cannot be read, so nothing was checked)."""
     if check is MacCheck.ABSENT:
         return "invalid" if have_key else "none"
     return {
@@ -111,6 +124,14 @@ _MAC_TEXT = {
     "invalid": "BAD (checked with the auth_key: missing, written with another key, or altered)",
     "unreadable": "not checked (decoding stopped before the MAC: the value's prefix is unreadable)",
 }
+_ENCRYPTION_TEXT = {
+    "none": "none (written without an encryption_key)",
+    "verified": "OK (decrypted and authenticated with the encryption key it names)",
+    "unverified": "sealed, not checked (no key of its id here: give it with "
+    "--encryption-key-file or $HMA_REDIS_ENCRYPTION_KEY)",
+    "invalid": "BAD (not sealed where the key requires it, or failed authentication: altered)",
+    "unreadable": "not checked (the value's prefix or header is unreadable)",
+}
 
 
 def _print_inspect(report: Mapping[str, Any]) -> None:
@@ -127,6 +148,7 @@ def _print_inspect(report: Mapping[str, Any]) -> None:
             ("page_bytes", ",".join(str(p) for p in header["page_bytes"])),
             ("kv_dtype", header["kv_dtype"] or "-"),
             ("kv_cache_layout", header["kv_cache_layout"] or "-"),
+            ("key_id", header["key_id"] or "-"),
             ("body_bytes", header["body_bytes"]),
         ]
         rows.append(("checksum", "OK" if report["checksum_ok"] else "MISMATCH"))
@@ -134,6 +156,7 @@ def _print_inspect(report: Mapping[str, Any]) -> None:
     else:
         rows.append(("header", "undecodable"))
     rows.append(("mac", _MAC_TEXT[report["mac"]]))
+    rows.append(("encryption", _ENCRYPTION_TEXT[report["encryption"]]))
     verdict = "OK: a valid block" if report["valid"] else f"INVALID: {report['error']}"
     rows.append(("verdict", verdict))
     width = max(len(name) for name, _ in rows)
