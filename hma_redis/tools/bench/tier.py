@@ -138,6 +138,7 @@ CLIENTS = (
     "mooncake",
     "hma-python",
     "hma_redis",
+    "hma-aead",
     "hma-tiering",
 )
 OPS = ("load", "store")
@@ -375,6 +376,7 @@ class TierBench:
     def _header(self, key: str, size: int) -> Any:
         from hma_redis.core import codec
 
+        keyring = self.cfg.keyring()
         return codec.BlockHeader(
             key=key,
             group=0,
@@ -382,22 +384,30 @@ class TierBench:
             num_blocks=self.blocks_per_chunk(size),
             page_bytes=(PAGE_BYTES,) * LAYERS,
             kv_dtype=KV_DTYPE,
+            key_id=keyring.write.key_id if keyring is not None else "",
         )
 
     def _check_stored(self, keys: Sequence[bytes], src_ids: Sequence[int], size: int) -> None:
         """Every value the store job wrote is, byte for byte, the codec's encoding of its
-        pages (with the auth_key's MAC where there is one)."""
+        pages (with the auth_key's MAC where there is one); a sealed value (encryption_key)
+        is, once opened with the tier's keys, those pages under the header they would have."""
         from hma_redis.core import codec
 
         mac_key = codec.MacKey.derive(self.cfg.auth_key) if self.cfg.auth_key else None
+        keyring = self.cfg.keyring()
         bpc = self.blocks_per_chunk(size)
         for idx, offload_key in enumerate(keys):
             key = self.keyspace.block_key(0, offload_key[:-4])
             ids = src_ids[idx * bpc : (idx + 1) * bpc]
             body = b"".join(array[ids].tobytes() for array in self.arrays)
-            want = bytes(codec.encode(self._header(key, size), body, mac_key))
+            got = self.store.get([key])[0]
+            if keyring is not None and got is not None:
+                block = codec.decode(got, key, 0, keyring=keyring)
+                same = block.header == self._header(key, size) and bytes(block.body) == body
+            else:
+                same = got == bytes(codec.encode(self._header(key, size), body, mac_key))
             check(
-                self.store.get([key])[0] == want,
+                same,
                 f"{self.name}: the value stored under {key} is not the codec's encoding of its "
                 f"pages ({size} B values)",
             )
@@ -626,10 +636,13 @@ def measure(
     tiering: bool = True,
     mooncake_python: str | None = None,
     count_syscalls: bool = False,
+    encrypted: bool = False,
 ) -> Report:
     """Every measurement, interleaved, against the Redis ``cfg`` names. The worker runs on the
     data path its transfer engine picks; with ``python_path`` (always with ``smoke``) also
-    on the Python path, and ``smoke`` checks every stored value byte for byte."""
+    on the Python path, with ``encrypted`` (always with ``smoke``) also with a random
+    encryption key (column hma-aead: the cost of sealing), and ``smoke`` checks every stored
+    value byte for byte (sealed ones once opened)."""
     namespace = f"bench-{os.getpid()}"
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -643,6 +656,9 @@ def measure(
         tiers.append(
             TierBench(cfg, plan, f"{namespace}-py", False, "hma-python", check_values=smoke)
         )
+    if encrypted or smoke:
+        sealed = dataclasses.replace(cfg, auth_key=None, encryption_key=os.urandom(32))
+        tiers.append(TierBench(sealed, plan, f"{namespace}-aead", None, "hma-aead", smoke))
     if tiering:
         tiers.append(TieringBench(cfg, plan.job_bytes, plan.sizes, LAYERS * PAGE_BYTES))
     plain = RedisPyBench(cfg, plan, f"{tier.cfg.key_prefix}:{namespace}")
@@ -783,6 +799,7 @@ def format_report(report: Report) -> str:
     mooncake = report.mooncake_version is not None
     short = {
         "hma-python": "hma-py",
+        "hma-aead": "hma-aead",
         "redis-benchmark": "redis-bench",
         "lmcache-redis": "lmc-redis",
         "lmcache-resp": "lmc-resp",
@@ -951,6 +968,7 @@ def draw_plot(report: Report, path: str) -> bool:
         "mooncake": (140, 86, 75),
         "hma-python": (255, 127, 14),
         "hma_redis": (214, 39, 40),
+        "hma-aead": (227, 119, 194),
     }
     sizes = report.plan.sizes
     clients = report.clients
@@ -1045,6 +1063,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--python-path",
         action="store_true",
         help="also measure the worker on the Python data path (column hma-py)",
+    )
+    parser.add_argument(
+        "--encrypted",
+        action="store_true",
+        help="also measure the worker with a random encryption_key (column hma-aead: the "
+        "cost of AES-256-GCM sealing, beside hma_redis without it)",
     )
     parser.add_argument(
         "--concurrency",
@@ -1155,6 +1179,7 @@ def _measure_and_print(
             smoke=args.smoke,
             mooncake_python=args.mooncake_python,
             count_syscalls=args.syscalls,
+            encrypted=args.encrypted,
         )
     print(format_report(report))
     if args.smoke:
