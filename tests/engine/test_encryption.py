@@ -4,7 +4,8 @@ An engine with the key stores its prompts' chunks: every value in Redis is seale
 the middle of a key rotation (a new key, the old one as previous), on the pure-Python data path,
 loads them and answers exactly as a run without the tier. Then every value is damaged (random
 bytes over the middle half, a NaN/Inf body, another key's valid value) and a fresh engine with the
-key, on the C job, recomputes everything with the same tokens. No key ever reaches a log line.
+key recomputes everything with the same tokens, on the C job, then (its stores damaged again) on
+the Python path. No key ever reaches a log line.
 """
 
 from __future__ import annotations
@@ -67,17 +68,24 @@ def test_encrypted_values_are_shared_across_a_rotation_and_recomputed_when_damag
     assert "transfer data path: pure Python" in loaded.stderr, loaded.stderr_tail
 
     rng = random.Random(47)
-    keys = sorted(values)
-    damaged: dict[bytes, bytes] = {}
-    for idx, key in enumerate(keys):
-        if idx % 3 == 2:  # another key's valid value
-            damaged[key] = values[keys[(idx + 1) % len(keys)]]
-        else:
-            damaged |= (random_middle_half, nan_payload)[idx % 3]({key: values[key]}, rng)
-    client.mset(damaged)
-    recomputed = run_engine(model, prompts, MAX_TOKENS, config, keyed)
-    assert recomputed.token_ids == baseline.token_ids, recomputed.stderr_tail
-    assert recomputed.num_cached_tokens == [0] * len(prompts), recomputed.stderr_tail
-    assert "will be recomputed" in recomputed.stderr, recomputed.stderr_tail
-    for run in (stored, loaded, recomputed):
+    runs = [stored, loaded]
+    # Damage every value, recompute on the C job; that run stores good values again: damage
+    # them the same way and recompute on the Python path.
+    for path_env in ({}, {"HMA_REDIS_NATIVE": "0"}):
+        values = _block_values(client)
+        keys = sorted(values)
+        assert len(keys) > 2
+        damaged: dict[bytes, bytes] = {}
+        for idx, key in enumerate(keys):
+            if idx % 3 == 2:  # another key's valid value
+                damaged[key] = values[keys[(idx + 1) % len(keys)]]
+            else:
+                damaged |= (random_middle_half, nan_payload)[idx % 3]({key: values[key]}, rng)
+        client.mset(damaged)
+        recomputed = run_engine(model, prompts, MAX_TOKENS, config, keyed | path_env)
+        assert recomputed.token_ids == baseline.token_ids, recomputed.stderr_tail
+        assert recomputed.num_cached_tokens == [0] * len(prompts), recomputed.stderr_tail
+        assert "will be recomputed" in recomputed.stderr, recomputed.stderr_tail
+        runs.append(recomputed)
+    for run in runs:
         assert KEY not in run.stderr and NEW_KEY not in run.stderr
