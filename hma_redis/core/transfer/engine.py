@@ -210,6 +210,9 @@ class TransferEngine:
         # says its data path should (Redis: the C job; its twin receives into buffers and the
         # engine copies once every value is valid, so on the fallback no page ever holds a
         # byte of a load that fails; the cost, one copy, is small beside the twin's own work).
+        # Stores send a CPU KV cache's pages in place unless values are sealed (they are
+        # sealed into buffers: the ciphertext must not overwrite the pages).
+        self._sends_in_place = self._in_place and self._keyring is None
         self._land_in_place = (
             store.lands_in_place
             and self._in_place
@@ -415,7 +418,7 @@ class TransferEngine:
                 return
             self._start_clock(job, sum(self._value_bound(chunk) for chunk in chunks))
             plan = self._not_present(job, chunks, known_absent)
-            batch = _PUT_BATCH_IN_PLACE if self._in_place else _PUT_BATCH
+            batch = _PUT_BATCH_IN_PLACE if self._sends_in_place else _PUT_BATCH
             for start in range(0, len(plan), batch):
                 stored_bytes += self._store_batch(job, plan[start : start + batch])
         except Exception:
@@ -460,7 +463,7 @@ class TransferEngine:
         layouts = [self._expected(chunk) for chunk in chunks]
         sizes = [layout.value_bytes for layout in layouts]
         keys = [chunk.redis_key for chunk in chunks]
-        if self._in_place and self._keyring is None:
+        if self._sends_in_place:
             pages = [self._pages_of(chunk) for chunk in chunks]
             heads = [self._value_head(lay, body) for lay, body in zip(layouts, pages, strict=True)]
             results = self._put_in_parts(job, sizes, keys, heads, pages)
