@@ -270,7 +270,7 @@ def quota_keeper(store: RedisBlockStore, cfg: RedisTierConfig) -> QuotaKeeper | 
         default_budget=cfg.tenant_budget_bytes,
         refresh_s=cfg.quota_refresh_interval_s,
         reconcile_s=cfg.quota_reconcile_interval_s,
-    )
+    ).start()
 
 
 def no_resume_reason(vllm_config: VllmConfig) -> str | None:

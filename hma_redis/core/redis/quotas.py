@@ -346,6 +346,12 @@ class QuotaKeeper:
 
     # ------------------------------------------------------------------ scheduler thread
 
+    def start(self) -> QuotaKeeper:
+        """Take the first snapshot now (the budgets, before the first request's stores);
+        returns at once."""
+        self.tick()
+        return self
+
     def note(self, tenant: str) -> None:
         """``tenant`` has a request: its bytes are read from the next snapshot on."""
         self._tenants[tenant] = None
