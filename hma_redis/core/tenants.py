@@ -10,6 +10,7 @@ guess). Requests without a salt are the tenant :data:`DEFAULT_TENANT`.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import blake3
@@ -28,11 +29,17 @@ def tenant_id(salt: str | None, key_prefix: str, auth_key: bytes | None = None) 
     ``hma-redis quota``)."""
     if not salt:
         return DEFAULT_TENANT
-    material = key_prefix.encode() + b"\0" + (auth_key or b"")
-    key = blake3.blake3(material, derive_key_context=_CONTEXT).digest()
+    key = _hash_key(key_prefix, auth_key)
     return blake3.blake3(salt.encode("utf-8", "surrogatepass"), key=key).hexdigest()[
         :TENANT_ID_CHARS
     ]
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_key(key_prefix: str, auth_key: bytes | None) -> bytes:
+    """The 32-byte BLAKE3 key tenant ids are hashed with (derived once per deployment)."""
+    material = key_prefix.encode() + b"\0" + (auth_key or b"")
+    return blake3.blake3(material, derive_key_context=_CONTEXT).digest()
 
 
 def is_tenant_id(text: str) -> bool:
