@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import redis
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
@@ -63,7 +63,7 @@ def _scheduler_row(url: str, chunks: int, repeat: int) -> tuple[float, float]:
         manager = _manager(url, on)
         counter = iter(range(10**9))
 
-        def request(m: RedisOffloadingManager = manager) -> None:
+        def request(m: RedisOffloadingManager = manager, counter: Iterator[int] = counter) -> None:
             n = next(counter)
             req = ReqContext(req_id=f"r{n}")
             m.note_cache_salt(req.req_id, f"salt-{n % 7}")
@@ -91,7 +91,8 @@ def main() -> None:
         rows = ["| what | per | quotas off | quotas on / cost |", "| --- | --- | --- | --- |"]
         off, on = _scheduler_row(url, 16, args.repeat)
         rows.append(
-            f"| scheduler: on_new_request + prepare_store | request of 16 chunks | {off:.0f} µs | {on:.0f} µs |"
+            "| scheduler: on_new_request + prepare_store | request of 16 chunks | "
+            f"{off:.0f} µs | {on:.0f} µs |"
         )
         cfg = RedisTierConfig.from_extra_config({"redis_url": url, "tenant_quotas": True}, env={})
         store = RedisBlockStore(cfg, quota_space=KEYSPACE)
@@ -99,21 +100,22 @@ def main() -> None:
         for n in (1, 16):
             ids = iter(range(10**9))
 
-            def job(n: int = n) -> None:
+            def job(n: int = n, ids: Iterator[int] = ids) -> None:
                 keys = [KEYSPACE.block_key(0, next(ids).to_bytes(32, "big")) for _ in range(n)]
                 pipe = client.pipeline(transaction=False)
                 for key in keys:
                     pipe.set(key, value, nx=True)
                 pipe.execute()
 
-            def account(n: int = n) -> None:
+            def account(n: int = n, ids: Iterator[int] = ids) -> None:
                 keys = [KEYSPACE.block_key(1, next(ids).to_bytes(32, "big")) for _ in range(n)]
                 store.account_stored("0123456789abcdef", keys, [len(value)] * n)
 
             sets = _median_us(job, max(10, args.repeat // 10))
             eval_us = _median_us(account, args.repeat)
             rows.append(
-                f"| store job: SETs of {args.value_kib} KiB values vs the account's EVAL | job of {n} chunks | "
+                f"| store job: SETs of {args.value_kib} KiB values vs the account's EVAL | "
+                f"job of {n} chunks | "
                 f"{sets:.0f} µs | +{eval_us:.0f} µs ({100 * eval_us / sets:.1f} %) |"
             )
         client.flushall()
@@ -124,7 +126,8 @@ def main() -> None:
         batch = keys[:256]
         removal = _median_us(lambda: store.account_removed(batch), 20)
         rows.append(
-            f"| removals (keeper's thread): EXISTS + EVAL | batch of 256 keys | - | {removal:.0f} µs |"
+            "| removals (keeper's thread): EXISTS + EVAL | batch of 256 keys | - | "
+            f"{removal:.0f} µs |"
         )
         rows.append(
             f"| memory: the tenants hash | chunk record | - | {per_record:.0f} bytes "
