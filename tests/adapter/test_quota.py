@@ -6,9 +6,11 @@ tenant's are; the operator's override in the quotas hash lifts or sets a budget.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 
+import pytest
 import redis
 
 from hma_redis.adapter.metrics import OTHER_TENANT, ManagerMetrics, RedisMetricName, TenantLabels
@@ -55,7 +57,9 @@ def _usage(harness: ConnectorHarness, client: redis.Redis) -> dict[str, int]:
 
 
 def test_a_tenant_over_its_budget_is_not_stored_and_the_other_tenant_is(
-    instance: Callable[..., ConnectorHarness], redis_client: redis.Redis
+    instance: Callable[..., ConnectorHarness],
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     harness = instance(extra_config={**QUOTA, "tenant_budget_bytes": 1})
     first_a = _serve(harness, 1, "tenant-a")
@@ -65,7 +69,11 @@ def test_a_tenant_over_its_budget_is_not_stored_and_the_other_tenant_is(
     _refresh(harness)
     assert harness.manager.quotas is not None and harness.manager.quotas.over_budget(A)
 
-    second_a = _serve(harness, 2, "tenant-a")
+    with caplog.at_level(logging.WARNING):
+        second_a = _serve(harness, 2, "tenant-a")
+        _serve(harness, 4, "tenant-a")
+    said = [r.getMessage() for r in caplog.records if "its chunks are not stored" in r.getMessage()]
+    assert len(said) == 1 and A in said[0] and "tenant-a" not in said[0], said
     first_b = _serve(harness, 3, "tenant-b")
     assert redis_client.exists(*second_a) == 0  # refused: recomputed when needed
     assert redis_client.exists(*first_b) == stored_a  # B is stored as A was
@@ -75,15 +83,15 @@ def test_a_tenant_over_its_budget_is_not_stored_and_the_other_tenant_is(
         B: _held(redis_client, first_b),
     }
     refused = harness.manager.detail_stats.quota_refused_chunks
-    assert refused == {A: stored_a}  # as many chunks as the first request stored
-    assert harness.manager._store.counters.totals["quota_refused_chunks"] == stored_a
+    assert refused == {A: 2 * stored_a}  # each refused request: the first one's chunks
+    assert harness.manager._store.counters.totals["quota_refused_chunks"] == 2 * stored_a
     # The scheduler has reported its stats each step already: what a first report says.
     stats = ManagerMetrics().collect(
         ManagerStats(), detail=harness.manager.detail_stats, tenant_used={A: 5}
     )
     assert stats is not None
     reduced = stats.reduce()
-    assert reduced[f"{RedisMetricName.QUOTA_REFUSED_CHUNKS}:{(A,)}"] == stored_a
+    assert reduced[f"{RedisMetricName.QUOTA_REFUSED_CHUNKS}:{(A,)}"] == 2 * stored_a
     assert reduced[f"{RedisMetricName.TENANT_USED_BYTES}:{(A,)}"] == 5
 
 
