@@ -442,6 +442,8 @@ class RedisOffloadingManager(OffloadingManager):
         self._salts[req_id] = cache_salt
 
     def _take_tenant(self, req_context: ReqContext) -> None:
+        """Keep the request's tenant id (of the salt noted for it; none: the default tenant)
+        in its context, and have the keeper read that tenant's bytes."""
         if self._quotas is None:
             return
         salt = self._salts.pop(req_context.req_id, None)
@@ -465,7 +467,7 @@ class RedisOffloadingManager(OffloadingManager):
         assert self._quotas is not None
         if not self._quotas.over_budget(tenant):
             return False
-        self._say_pin(
+        self._say_limited(
             "quota",
             "tenant %s holds %d bytes, its budget is %s; its chunks are not stored",
             tenant,
@@ -493,7 +495,7 @@ class RedisOffloadingManager(OffloadingManager):
         cfg = self._store.cfg
         if not cfg.pinning:
             self._stats.pin_off()
-            self._say_pin(
+            self._say_limited(
                 "off",
                 "request %s asks for a pin (kv_transfer_params %s) but pinning is off (the "
                 "operator's option pinning); served unpinned",
@@ -505,7 +507,7 @@ class RedisOffloadingManager(OffloadingManager):
         seconds = parse_pin_seconds(raw)
         if seconds is None:
             self._stats.pin_invalid()
-            self._say_pin(
+            self._say_limited(
                 "invalid",
                 "request %s: kv_transfer_params %s must be a positive integer of seconds, got "
                 "%.80r; served unpinned",
@@ -521,7 +523,7 @@ class RedisOffloadingManager(OffloadingManager):
         req_context.set_state(pin)
         return pin
 
-    def _say_pin(self, kind: str, message: str, *args: object) -> None:
+    def _say_limited(self, kind: str, message: str, *args: object) -> None:
         """One WARNING per ``kind`` and interval, with how many were held back since."""
         held = self._pin_log.admit(kind)
         if held is None:
@@ -563,7 +565,7 @@ class RedisOffloadingManager(OffloadingManager):
             return None
         self._stats.pins_taken(result.pinned, result.over_budget)
         if result.over_budget:
-            self._say_pin(
+            self._say_limited(
                 "budget",
                 "%d chunks served unpinned: the namespace's pins hold pin_budget_bytes (%d)",
                 result.over_budget,
