@@ -143,3 +143,24 @@ def test_tenant_labels_are_bounded() -> None:
         OTHER_TENANT,
     ]
     assert labels.by_label({"a": 1, "c": 2, "d": 3}) == {"a": 1, OTHER_TENANT: 5}
+
+
+def test_chunks_redis_removed_leave_the_account_through_the_schedulers_watcher(
+    instance: Callable[..., ConnectorHarness], redis_client: redis.Redis
+) -> None:
+    """With quotas the removal watcher runs (vLLM's KV events off here): a chunk deleted in
+    Redis is taken off its tenant within a few scheduler steps, and the tenant's stores
+    resume once it is under its budget again."""
+    harness = instance(extra_config={**QUOTA, "tenant_budget_bytes": 1})
+    watcher = harness.manager._removals
+    assert watcher is not None and watcher.wait_subscribed(10.0)
+    keys = [k for k in _serve(harness, 1, "tenant-a") if redis_client.exists(k)]
+    assert _usage(harness, redis_client) == {A: _held(redis_client, keys)}
+    redis_client.delete(*keys)
+    for _ in range(500):
+        harness.step()
+        if not _usage(harness, redis_client):
+            break
+    assert _usage(harness, redis_client) == {}
+    _refresh(harness)
+    assert redis_client.exists(*_serve(harness, 2, "tenant-a")) > 0
