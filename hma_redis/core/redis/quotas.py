@@ -216,16 +216,19 @@ def snapshot(
                 f"HMGET answered {values!r:.80}, not {len(tenants)} values"
             )
         for tenant, value in zip(tenants, values, strict=True):
-            if value is not None:
-                used[tenant] = _bytes("HMGET", value)
-    return QuotaSnapshot(used, parse_budgets(reply_shapes.text_map("HGETALL", replies[-1])))
+            nbytes = None if value is None else _bytes(value)
+            if nbytes is not None:
+                used[tenant] = nbytes
+    return QuotaSnapshot(used, parse_budgets(_fields("HGETALL", replies[-1])))
 
 
 def usage(client: Any, tenants_key: str) -> dict[str, int]:
     """Every tenant's bytes (``HSCAN MATCH =*`` over the account: the CLI, not the tier)."""
     out: dict[str, int] = {}
     for name, value in client.hscan_iter(tenants_key, match=USAGE_FIELD + "*", count=1000):
-        out[_text(name)[len(USAGE_FIELD) :]] = _bytes("HSCAN", value)
+        nbytes = _bytes(value)
+        if nbytes is not None:
+            out[_text(name)[len(USAGE_FIELD) :]] = nbytes
     return out
 
 
@@ -236,7 +239,7 @@ def record_count(client: Any, tenants_key: str) -> int:
 
 def budgets(client: Any, quotas_key: str) -> dict[str, int]:
     """Every budget the operator set (tenant -> bytes, or :data:`NO_BUDGET`)."""
-    return parse_budgets(reply_shapes.text_map("HGETALL", client.hgetall(quotas_key)))
+    return parse_budgets(_fields("HGETALL", client.hgetall(quotas_key)))
 
 
 def set_budget(client: Any, quotas_key: str, tenant: str, budget: int) -> None:
@@ -481,16 +484,46 @@ class QuotaKeeper:
             )
 
 
+def _fields(command: str, reply: Any) -> dict[str, str]:
+    """A hash's fields as text (bytes that are not UTF-8 escaped: such a budget is then not
+    bytes, and ignored, rather than an outage of the call); a reply that is no map is
+    :class:`~hma_redis.core.redis.reply_shapes.WrongReply`."""
+    if not isinstance(reply, Mapping) or not all(
+        isinstance(x, bytes | str) for pair in reply.items() for x in pair
+    ):
+        raise reply_shapes.WrongReply(f"{command} answered {reply!r:.80}, not a map of strings")
+    return {_text(k): _text(v) for k, v in reply.items()}
+
+
 def _text(value: bytes | str) -> str:
     return value.decode(errors="backslashreplace") if isinstance(value, bytes) else value
 
 
-def _bytes(command: str, value: bytes | str) -> int:
-    """A tenant's bytes as the account holds them (an integer)."""
+def _bytes(value: object) -> int | None:
+    """A tenant's bytes as the account holds them (an integer), or None for anything else
+    (written by hand, say: left out and said once; never an outage of the call, which would
+    open the store's breaker and stop the lookups with it)."""
     try:
-        return int(_text(value))
-    except ValueError:
-        raise reply_shapes.WrongReply(f"{command} answered {value!r:.80}, not bytes") from None
+        return int(_text(value))  # type: ignore[arg-type]
+    except (TypeError, ValueError, UnicodeDecodeError):
+        _say_bad_usage(value)
+        return None
+
+
+_said_bad_usage = False
+
+
+def _say_bad_usage(value: object) -> None:
+    global _said_bad_usage
+    if _said_bad_usage:
+        return
+    _said_bad_usage = True
+    logger.warning(
+        "hma_redis: the tenants' account holds %.40r as a tenant's bytes, not an integer; "
+        "that tenant reads as holding none (logged once; hma-redis quota reconcile does not "
+        "repair it: delete the field)",
+        value,
+    )
 
 
 __all__: Sequence[str] = (

@@ -244,7 +244,7 @@ def test_the_keeper_refuses_a_tenant_over_its_budget_and_the_operator_overrides(
 def test_a_budget_that_is_not_bytes_is_ignored_with_one_warning(
     tier: _Tier, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkey = {"x": "lots", "y": "-5", "z": "7"}
+    monkey = {"x": "lots", "y": "-5", "z": "7", "w": b"\xff\xfe"}
     tier.client.hset(KEYSPACE.quotas_key(), mapping=monkey)  # type: ignore[arg-type]
     quotas._said_bad_budget = False
     with caplog.at_level(logging.WARNING):
@@ -253,11 +253,21 @@ def test_a_budget_that_is_not_bytes_is_ignored_with_one_warning(
     assert sum("not bytes" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_an_account_redis_does_not_answer_is_no_exception(tier: _Tier) -> None:
-    """Odd replies (a usage field that is no integer) and an unreachable Redis: the store's
-    calls answer None (the keeper keeps its last snapshot), never raise."""
+def test_an_account_redis_does_not_answer_is_no_exception(
+    tier: _Tier, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A usage field that is no integer reads as none (one WARNING, the breaker stays
+    closed: lookups go on); an unreachable Redis: the store's calls answer None (the keeper
+    keeps its last snapshot), never raise."""
+    tier.put(B, range(2))
     tier.client.hset(KEYSPACE.tenants_key(), "=" + A, "many")
-    assert tier.store.quota_snapshot([A]) is None
+    quotas._said_bad_usage = False
+    with caplog.at_level(logging.WARNING):
+        taken = tier.store.quota_snapshot([A, B])
+        assert taken is not None and dict(taken.used) == {B: 2 * VALUE}
+        assert tier.account() == {B: 2 * VALUE}
+    assert sum("not an integer" in r.getMessage() for r in caplog.records) == 1
+    assert tier.store.breaker.state.name == "CLOSED"
     down = _store(f"redis://127.0.0.1:{free_port()}/0")
     try:
         assert down.quota_snapshot([A]) is None
