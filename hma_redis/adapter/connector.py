@@ -24,6 +24,9 @@ few cores that loop takes the core the transfer needs. The scheduler marks a ste
 schedules no tokens (:class:`RedisConnectorMetadata`), and in such a step the worker waits up to
 ``idle_wait_ms`` for a running load to finish (it returns the moment one does).
 
+And one for per-tenant quotas: **the manager learns each request's** ``cache_salt`` (vLLM's
+request context does not carry it), the tenant its stores are counted against.
+
 Everything else is the stock connector.
 """
 
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -147,6 +151,14 @@ class RedisOffloadingConnector(OffloadingConnector):
         super().shutdown()
 
     # ------------------------------------------------------------------ scheduler side
+
+    def on_new_request(self, request: Request) -> None:
+        """Tell the manager the request's ``cache_salt`` (its tenant, with ``tenant_quotas``)
+        before vLLM hands it the request's context, which does not carry the salt."""
+        manager = self.scheduler.manager
+        if isinstance(manager, RedisOffloadingManager):
+            manager.note_cache_salt(request.request_id, request.cache_salt)
+        super().on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The stock metadata, marked idle when the step schedules no tokens."""

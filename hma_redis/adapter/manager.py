@@ -26,6 +26,13 @@ kept from eviction for N seconds, at most ``pin_max_s``, while the namespace's p
 ``kv_transfer_params``, so every pin refused, shortened or left over the budget is counted. The
 manager only queues the chunks; a :class:`~hma_redis.core.redis.pins.PinKeeper` pins them,
 and sweeps ended pins, on its own thread.
+
+Quotas (option ``tenant_quotas``): a request's tenant is its ``cache_salt``, named by
+:func:`~hma_redis.core.tenants.tenant_id` (the connector tells the manager the salt). While a
+tenant holds its budget, :meth:`prepare_store` stores none of its chunks (counted per tenant):
+they are recomputed when needed, nothing else changes. A
+:class:`~hma_redis.core.redis.quotas.QuotaKeeper` reads the tenants' bytes and budgets, applies
+removals to the account and reconciles it, on its own thread; the workers count what they store.
 """
 
 from __future__ import annotations
@@ -71,7 +78,9 @@ from hma_redis.core.redis.pins import (
     SweepResult,
     parse_pin_seconds,
 )
+from hma_redis.core.redis.quotas import QuotaKeeper
 from hma_redis.core.redis.store import REFUSAL_LOG_INTERVAL_S, RedisBlockStore
+from hma_redis.core.tenants import tenant_id
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -83,6 +92,10 @@ logger = init_logger(__name__)
 # Removed keys one step handles at most; more waiting is an overflow (every cached answer is
 # forgotten), so a flood of removals never holds a scheduler step for long.
 MAX_REMOVALS_PER_STEP = 2048
+
+# Salts noted for requests vLLM has not handed the manager yet, at most (each is taken at once
+# by on_new_request; a bound all the same).
+MAX_NOTED_SALTS = 4096
 
 # Labels of vLLM's vllm:kv_offload_config_info metric (0.33+), filled by config_info().
 CONFIG_INFO_KEYS = ("key_prefix", "namespace", "redis_url", "format_version")
@@ -120,6 +133,13 @@ class _PinRequest:
     deadline: float
 
 
+@dataclass(frozen=True)
+class _Tenant:
+    """A request's tenant id (kept in its ``ReqContext`` state, with ``tenant_quotas``)."""
+
+    tenant: str
+
+
 @dataclass
 class _StoreMark:
     """Stores of one key this instance has in flight, and since when."""
@@ -155,6 +175,7 @@ class RedisOffloadingManager(OffloadingManager):
         memory_poll_interval_s: float = MEMORY_POLL_INTERVAL_S,
         pin_sweep_interval_s: float = PIN_SWEEP_INTERVAL_S,
         loads: bool = True,
+        quotas: QuotaKeeper | None = None,
     ) -> None:
         """``removals``: a started watcher of this namespace's block keys (its removals become
         events when ``emit_events``, and always forget cached answers); the manager closes it.
@@ -167,7 +188,9 @@ class RedisOffloadingManager(OffloadingManager):
         the store's ``ttl_s`` set: pinning needs it). Whether requests may pin, for how long
         and how many bytes: the store's config (``pinning``, ``pin_max_s``,
         ``pin_budget_bytes``). ``loads`` False: every lookup is a miss, asked of nobody (an
-        engine that cannot resume from cached KV); stores go on."""
+        engine that cannot resume from cached KV); stores go on. ``quotas``: the tenants'
+        bytes and budgets (option ``tenant_quotas``; the manager closes it); None: no
+        quotas, every request is stored as if it had no tenant."""
         self._store = store
         self._keyspace = keyspace
         self._loads = loads
@@ -202,6 +225,9 @@ class RedisOffloadingManager(OffloadingManager):
         # Pins refused or over the budget repeat with every request that asks: one line per
         # kind and interval.
         self._pin_log = RateLimitedLog(REFUSAL_LOG_INTERVAL_S)
+        self._quotas = quotas
+        self._salts: dict[str, str | None] = {}
+        self._reported_refreshes = 0
 
     # ------------------------------------------------------------------ lookups
 
@@ -245,6 +271,8 @@ class RedisOffloadingManager(OffloadingManager):
         """
         self._pins.tick()
         self._absorb_removals()
+        if self._quotas is not None:
+            self._quotas.tick()
         self._lookups.flush()
 
     def has_pending_work(self) -> bool:
@@ -335,6 +363,10 @@ class RedisOffloadingManager(OffloadingManager):
         self._stats.stores_skipped(skipped)
         if self._second_sighting:
             self._stats.admission_decided(deferred, len(to_store))
+        tenant = self._tenant_of(req_context)
+        if to_store and tenant is not None and self._over_budget(tenant):
+            self._stats.quota_refused(tenant, len(to_store))
+            to_store, known_absent = [], []
         now = time.monotonic()
         for key in to_store:
             self._pin_once_stored(key, req_context)
@@ -345,7 +377,7 @@ class RedisOffloadingManager(OffloadingManager):
                 mark.count += 1
         return PrepareStoreOutput(
             keys_to_store=to_store,
-            store_spec=RedisLoadStoreSpec(to_store, known_absent),
+            store_spec=RedisLoadStoreSpec(to_store, known_absent, tenant),
             evicted_keys=[],
         )
 
@@ -376,7 +408,10 @@ class RedisOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """A request that asks for a pin (and may have one) is stored at request level: vLLM
         then offers every chunk of its prefix to :meth:`prepare_store`, its hits (local or in
-        Redis) included, so each can be pinned (chunks Redis holds are not written again)."""
+        Redis) included, so each can be pinned (chunks Redis holds are not written again).
+        With quotas, the request's tenant (from the salt :meth:`note_cache_salt` noted) is
+        kept in its context."""
+        self._take_tenant(req_context)
         if self._parse_pin(req_context) is None:
             return RequestOffloadingContext()
         return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
@@ -395,6 +430,57 @@ class RedisOffloadingManager(OffloadingManager):
         events, self._events = self._events, []
         return events
 
+    # ------------------------------------------------------------------ quotas
+
+    def note_cache_salt(self, req_id: str, cache_salt: str | None) -> None:
+        """The connector, before vLLM calls :meth:`on_new_request` for ``req_id``: the
+        request's ``cache_salt`` (its tenant). Ignored without quotas."""
+        if self._quotas is None:
+            return
+        if len(self._salts) >= MAX_NOTED_SALTS:
+            self._salts.pop(next(iter(self._salts)))
+        self._salts[req_id] = cache_salt
+
+    def _take_tenant(self, req_context: ReqContext) -> None:
+        """Keep the request's tenant id (of the salt noted for it; none: the default tenant)
+        in its context, and have the keeper read that tenant's bytes."""
+        if self._quotas is None:
+            return
+        salt = self._salts.pop(req_context.req_id, None)
+        cfg = self._store.cfg
+        tenant = tenant_id(salt, cfg.key_prefix, cfg.auth_key)
+        req_context.set_state(_Tenant(tenant))
+        self._quotas.note(tenant)
+
+    def _tenant_of(self, req_context: ReqContext) -> str | None:
+        """The request's tenant id with quotas (the default tenant for a request the manager
+        met only now), else None."""
+        if self._quotas is None:
+            return None
+        state = req_context.get_state(_Tenant)
+        if state is None:
+            self._take_tenant(req_context)
+            state = req_context.get_state(_Tenant)
+        return state.tenant if state is not None else None
+
+    def _over_budget(self, tenant: str) -> bool:
+        assert self._quotas is not None
+        if not self._quotas.over_budget(tenant):
+            return False
+        self._say_limited(
+            "quota",
+            "tenant %s holds %d bytes, its budget is %s; its chunks are not stored",
+            tenant,
+            self._quotas.used(tenant),
+            self._quotas.budget(tenant),
+        )
+        return True
+
+    @property
+    def quotas(self) -> QuotaKeeper | None:
+        """The tenants' bytes and budgets (None without ``tenant_quotas``)."""
+        return self._quotas
+
     # ------------------------------------------------------------------ pins
 
     def _parse_pin(self, req_context: ReqContext) -> _PinRequest | None:
@@ -409,7 +495,7 @@ class RedisOffloadingManager(OffloadingManager):
         cfg = self._store.cfg
         if not cfg.pinning:
             self._stats.pin_off()
-            self._say_pin(
+            self._say_limited(
                 "off",
                 "request %s asks for a pin (kv_transfer_params %s) but pinning is off (the "
                 "operator's option pinning); served unpinned",
@@ -421,7 +507,7 @@ class RedisOffloadingManager(OffloadingManager):
         seconds = parse_pin_seconds(raw)
         if seconds is None:
             self._stats.pin_invalid()
-            self._say_pin(
+            self._say_limited(
                 "invalid",
                 "request %s: kv_transfer_params %s must be a positive integer of seconds, got "
                 "%.80r; served unpinned",
@@ -437,7 +523,7 @@ class RedisOffloadingManager(OffloadingManager):
         req_context.set_state(pin)
         return pin
 
-    def _say_pin(self, kind: str, message: str, *args: object) -> None:
+    def _say_limited(self, kind: str, message: str, *args: object) -> None:
         """One WARNING per ``kind`` and interval, with how many were held back since."""
         held = self._pin_log.admit(kind)
         if held is None:
@@ -479,7 +565,7 @@ class RedisOffloadingManager(OffloadingManager):
             return None
         self._stats.pins_taken(result.pinned, result.over_budget)
         if result.over_budget:
-            self._say_pin(
+            self._say_limited(
                 "budget",
                 "%d chunks served unpinned: the namespace's pins hold pin_budget_bytes (%d)",
                 result.over_budget,
@@ -506,6 +592,10 @@ class RedisOffloadingManager(OffloadingManager):
             # nothing believed present can be trusted, ask Redis again.
             self._lookups.forget_all()
             self._stats.removal_overflow()
+            if self._quotas is not None:
+                self._quotas.reconcile_soon()
+        if self._quotas is not None and removed:
+            self._quotas.removed(k for k in removed if self._keyspace.is_block_key(k))
         keys = self._removed_offload_keys(removed)
         if not keys:
             return
@@ -593,7 +683,16 @@ class RedisOffloadingManager(OffloadingManager):
             available=breaker.state is BreakerState.CLOSED,
             latency=self._store.latency,
             memory=self._memory.take(),
+            tenant_used=self._new_tenant_usage(),
         )
+
+    def _new_tenant_usage(self) -> Mapping[str, int] | None:
+        """The tenants' bytes when a snapshot came in since the last report, else None."""
+        quotas = self._quotas
+        if quotas is None or quotas.counts.refreshes == self._reported_refreshes:
+            return None
+        self._reported_refreshes = quotas.counts.refreshes
+        return quotas.snapshot.used
 
     def shutdown(self) -> None:
         """Stop, then deliver the counters. Requests vLLM has not reported finished by now
@@ -607,6 +706,8 @@ class RedisOffloadingManager(OffloadingManager):
         self._pins.close()
         if self._removals is not None:
             self._removals.close()
+        if self._quotas is not None:
+            self._quotas.close()
         for hits in self._request_hits.values():
             self._count_intersection(hits)
         self._request_hits.clear()

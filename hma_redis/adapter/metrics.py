@@ -30,6 +30,15 @@ scheduler side (the manager's :class:`~hma_redis.adapter.types.ManagerStats`, vi
                                                pin_max_s; chunks pinned, and left unpinned over
                                                pin_budget_bytes (the scheduler store's
                                                counters, PIN_COUNTERS)
+    ``vllm:kv_offload_redis_quota_refused_chunks{tenant=...}``  chunks not stored: their
+                                               request's tenant held its byte budget
+    ``vllm:kv_offload_redis_tenant_used_bytes{tenant=...}``  gauge: the tenant's bytes in the
+                                               account (tenant_quotas; read every
+                                               quota_refresh_interval_s)
+                                               The ``tenant`` label is a tenant id (never the
+                                               salt): the first MAX_TENANT_LABELS tenants an
+                                               engine meets keep their own, later ones share
+                                               ``other``, so the series stay bounded
     ``vllm:kv_offload_redis_group_hit_chunks{group="g<N>"}``     per finished request, the
                                                chunks of group N its hits in Redis reached
     ``vllm:kv_offload_redis_usable_hit_chunks{group="g<N>"}``    ... of those, the chunks
@@ -115,6 +124,37 @@ class RedisMetricName:
     PIN_CLAMPED_REQUESTS = PREFIX + "pin_clamped_requests"
     PIN_CHUNKS = PREFIX + "pin_chunks"
     PIN_OVER_BUDGET_CHUNKS = PREFIX + "pin_over_budget_chunks"
+    QUOTA_REFUSED_CHUNKS = PREFIX + "quota_refused_chunks"
+    TENANT_USED_BYTES = PREFIX + "tenant_used_bytes"
+
+
+# Tenants with a label of their own per engine; the others share OTHER_TENANT.
+MAX_TENANT_LABELS = 16
+OTHER_TENANT = "other"
+
+
+class TenantLabels:
+    """The ``tenant`` label of each tenant id: its own for the first :data:`MAX_TENANT_LABELS`
+    met (for the process' life: a counter's series never changes hands), ``other`` after."""
+
+    def __init__(self, limit: int = MAX_TENANT_LABELS) -> None:
+        self._limit = limit
+        self._own: dict[str, None] = {}
+
+    def label(self, tenant: str) -> str:
+        if tenant in self._own:
+            return tenant
+        if len(self._own) < self._limit:
+            self._own[tenant] = None
+            return tenant
+        return OTHER_TENANT
+
+    def by_label(self, values: Mapping[str, int]) -> dict[str, int]:
+        """``values`` by tenant id, summed by label."""
+        out: Counter[str] = Counter()
+        for tenant, value in values.items():
+            out[self.label(tenant)] += value
+        return dict(out)
 
 
 @dataclass
@@ -130,6 +170,8 @@ class ManagerDetailStats:
     # Per KV group: chunks finished requests' hits reached, and those every group reached.
     group_hit_chunks: Counter[int] = field(default_factory=Counter)
     group_usable_chunks: Counter[int] = field(default_factory=Counter)
+    # Per tenant label: chunks not stored because the tenant held its budget.
+    quota_refused_chunks: Counter[str] = field(default_factory=Counter)
 
 
 # ManagerDetailStats scalar field -> counter, with its help text.
@@ -268,6 +310,15 @@ ROUND_TRIP_BUCKETS = (
     10.0,
 )
 
+_QUOTA_REFUSED_HELP = (
+    "KV chunks not stored because their request's tenant (cache_salt, by tenant id) held its "
+    "byte budget (tenant_quotas); the first 16 tenants have a label of their own, the others "
+    'share tenant="other".'
+)
+_TENANT_USED_HELP = (
+    "Bytes a tenant's stored chunks hold in Redis, from the namespace's account "
+    "(tenant_quotas), by tenant label as for quota_refused_chunks."
+)
 _ERRORS_HELP = "Redis calls of the scheduler that failed (connection errors, timeouts)."
 _AVAILABLE_HELP = "1 while the scheduler reaches Redis, 0 while it serves without the tier."
 # One series per engine, summed over a Cluster's masters rather than one per node: vLLM's hooks
@@ -304,6 +355,12 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         definitions[name] = OffloadingCounterMetadata(documentation=doc)
     for name, doc in GROUP_COUNTERS.values():
         definitions[name] = OffloadingCounterMetadata(documentation=doc, labelnames=("group",))
+    definitions[RedisMetricName.QUOTA_REFUSED_CHUNKS] = OffloadingCounterMetadata(
+        documentation=_QUOTA_REFUSED_HELP, labelnames=("tenant",)
+    )
+    definitions[RedisMetricName.TENANT_USED_BYTES] = OffloadingGaugeMetadata(
+        documentation=_TENANT_USED_HELP, labelnames=("tenant",)
+    )
     definitions[RedisMetricName.ERRORS] = OffloadingCounterMetadata(documentation=_ERRORS_HELP)
     definitions[RedisMetricName.AVAILABLE] = OffloadingGaugeMetadata(documentation=_AVAILABLE_HELP)
     definitions[RedisMetricName.USED_MEMORY_BYTES] = OffloadingGaugeMetadata(
@@ -354,6 +411,7 @@ class ManagerMetrics:
     def __init__(self) -> None:
         self._reported: Counter[str] = Counter()
         self._reported_groups: Counter[tuple[str, int]] = Counter()
+        self._reported_tenants: Counter[str] = Counter()
         self._available: bool | None = None
 
     def collect(
@@ -366,8 +424,12 @@ class ManagerMetrics:
         detail: ManagerDetailStats | None = None,
         latency: LatencySamples | None = None,
         memory: TierMemory | None = None,
+        tenant_used: Mapping[str, int] | None = None,
     ) -> OffloadingConnectorStats | None:
         """What changed since the last call, or None if nothing did.
+
+        ``tenant_used``: the tenants' bytes by label (the gauge, set when given); the
+        refused chunks by tenant label come with ``detail``.
 
         ``detail``: removals, admission and the per-group intersection counts (the last as
         counters labelled ``group="g<N>"``).
@@ -392,6 +454,13 @@ class ManagerMetrics:
             _observe_latency(latency, out)
         if detail is not None:
             self._collect_groups(detail, out)
+            for label, value in detail.quota_refused_chunks.items():
+                delta = value - self._reported_tenants[label]
+                if delta > 0:
+                    out.increase_counter(RedisMetricName.QUOTA_REFUSED_CHUNKS, delta, (label,))
+                    self._reported_tenants[label] = value
+        for label, used in (tenant_used or {}).items():
+            out.set_gauge(RedisMetricName.TENANT_USED_BYTES, used, (label,))
         if available != self._available:
             self._available = available
             out.set_gauge(RedisMetricName.AVAILABLE, 1 if available else 0)
@@ -448,6 +517,7 @@ INFO_COUNTER_OF: dict[str, str] = {
     RedisMetricName.REMOVED_CHUNKS: "removed_chunks",
     RedisMetricName.GROUP_HIT_CHUNKS: "g<N>_hit_chunks",
     RedisMetricName.USABLE_HIT_CHUNKS: "g<N>_usable_chunks",
+    RedisMetricName.QUOTA_REFUSED_CHUNKS: "quota_refused_chunks",
     **{name: field for field, (name, _) in WORKER_COUNTERS.items()},
     **{name: field for field, (name, _) in PIN_COUNTERS.items()},
 }

@@ -35,6 +35,7 @@ from hma_redis.adapter.worker import RedisOffloadingWorker
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis.notifications import RemovalWatcher
+from hma_redis.core.redis.quotas import QuotaKeeper
 from hma_redis.core.redis.store import RedisBlockStore
 
 if TYPE_CHECKING:
@@ -169,7 +170,11 @@ class RedisOffloadingSpec(OffloadingSpec):
     @property
     def store(self) -> RedisBlockStore:
         if self._store is None:
-            self._store = RedisBlockStore(self.tier_config, stats_key=self.keyspace.stats_key())
+            self._store = RedisBlockStore(
+                self.tier_config,
+                stats_key=self.keyspace.stats_key(),
+                quota_space=self.keyspace if self.tier_config.tenant_quotas else None,
+            )
         return self._store
 
     def get_manager(self) -> OffloadingManager:
@@ -222,8 +227,10 @@ def lookup_manager(
     """The scheduler side's manager over ``store`` for ``spec``'s groups, in both modes (the
     direct spec's manager; the secondary tier's lookups). With vLLM's KV events on and
     ``removal_events``, a removal watcher (Redis' keyspace notifications) feeds it the chunks
-    Redis removed (docs/operations.md). Where the engine cannot resume a prompt from cached KV
-    (:func:`no_resume_reason`) it finds nothing: every lookup is a miss, stores go on."""
+    Redis removed (docs/operations.md); with ``tenant_quotas`` too (they leave the tenants'
+    account), and a :class:`~hma_redis.core.redis.quotas.QuotaKeeper` keeps the budgets.
+    Where the engine cannot resume a prompt from cached KV (:func:`no_resume_reason`) it
+    finds nothing: every lookup is a miss, stores go on."""
     reason = no_resume_reason(vllm_config)
     if reason is not None:
         logger.warning(
@@ -233,7 +240,9 @@ def lookup_manager(
         )
     emit_events = spec.kv_events_config.enable_kv_cache_events
     removals = None
-    if emit_events and cfg.removal_events:
+    quotas = quota_keeper(store, cfg)
+    # Quotas take removals off the tenants' account (without notifications: the reconcile).
+    if cfg.removal_events and (emit_events or quotas is not None):
         removals = RemovalWatcher(cfg, keyspace.block_pattern()).start()
     return RedisOffloadingManager(
         store,
@@ -248,7 +257,23 @@ def lookup_manager(
         admission_window_s=cfg.admission_window_s,
         pin_sweep_interval_s=cfg.pin_sweep_interval_s,
         loads=reason is None,
+        quotas=quotas,
     )
+
+
+def quota_keeper(store: RedisBlockStore, cfg: RedisTierConfig) -> QuotaKeeper | None:
+    """The scheduler's view of the tenants' bytes and budgets over ``store`` (whose
+    ``quota_space`` names the account), with ``tenant_quotas``; else None."""
+    if not cfg.tenant_quotas or store.quota_space is None:
+        return None
+    return QuotaKeeper(
+        store.quota_snapshot,
+        store.account_removed,
+        store.reconcile_quota,
+        default_budget=cfg.tenant_budget_bytes,
+        refresh_s=cfg.quota_refresh_interval_s,
+        reconcile_s=cfg.quota_reconcile_interval_s,
+    ).start()
 
 
 def no_resume_reason(vllm_config: VllmConfig) -> str | None:

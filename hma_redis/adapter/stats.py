@@ -15,6 +15,8 @@ deltas ride on the store's next round trip to the namespace's stats hash (``hma-
   ``g<N>_hit_chunks`` / ``g<N>_usable_chunks``;
 * ``pin_off``, ``pin_invalid``, ``pin_clamped``, ``pins_taken``: the hash's ``pin_*`` counters
   (the metrics read them back: :data:`~hma_redis.adapter.metrics.PIN_COUNTERS`);
+* ``quota_refused``: per tenant label (:func:`~hma_redis.adapter.metrics.tenant_label`),
+  ``quota_refused_chunks``; the hash's ``quota_refused_chunks``;
 * ``stale_store_mark``, ``removal_overflow``: kept in memory only.
 
 A lookup batch is two events: sent (the metrics show a step's round trip at once) and answered
@@ -25,11 +27,11 @@ trip, never on the batch's own call).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics
+from hma_redis.adapter.metrics import ManagerDetailStats, ManagerMetrics, TenantLabels
 from hma_redis.adapter.types import ManagerStats
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.latency import LatencySamples
@@ -65,6 +67,7 @@ class SchedulerStats:
         self._counters = counters
         self._lock = threading.Lock()
         self._metrics = ManagerMetrics()
+        self.tenant_labels = TenantLabels()
 
     # ------------------------------------------------------------------ lookups
 
@@ -152,6 +155,15 @@ class SchedulerStats:
         unpinned (the namespace's pin budget was full)."""
         self._counters.add(pin_chunks=pinned, pin_over_budget_chunks=over_budget)
 
+    # ------------------------------------------------------------------ quotas
+
+    def quota_refused(self, tenant: str, chunks: int) -> None:
+        """``chunks`` of a request of ``tenant`` were not stored: it holds its budget."""
+        label = self.tenant_labels.label(tenant)
+        with self._lock:
+            self.detail.quota_refused_chunks[label] += chunks
+        self._counters.add(quota_refused_chunks=chunks)
+
     # ------------------------------------------------------------------ report
 
     def report(
@@ -161,16 +173,19 @@ class SchedulerStats:
         available: bool,
         latency: LatencySamples | None = None,
         memory: TierMemory | None = None,
+        tenant_used: Mapping[str, int] | None = None,
     ) -> OffloadingConnectorStats | None:
         """vLLM's metrics: what changed since the last report, or None if nothing did (see
         :meth:`~hma_redis.adapter.metrics.ManagerMetrics.collect` for the arguments; the
-        refusal and pin counters come from the store's counters)."""
+        refusal and pin counters come from the store's counters). ``tenant_used``: the
+        tenants' bytes (quotas), by tenant id; reported by label."""
         with self._lock:
             totals = replace(self.totals)
             detail = replace(
                 self.detail,
                 group_hit_chunks=self.detail.group_hit_chunks.copy(),
                 group_usable_chunks=self.detail.group_usable_chunks.copy(),
+                quota_refused_chunks=self.detail.quota_refused_chunks.copy(),
             )
         return self._metrics.collect(
             totals,
@@ -180,4 +195,5 @@ class SchedulerStats:
             detail=detail,
             latency=latency,
             memory=memory,
+            tenant_used=self.tenant_labels.by_label(tenant_used) if tenant_used else None,
         )

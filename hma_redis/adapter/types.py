@@ -14,12 +14,19 @@ class RedisLoadStoreSpec(LoadStoreSpec):
     Each worker derives its own Redis key (with its rank) from every offload key.
     ``known_absent`` (stores only): the keys Redis answered missing to this manager's lookup
     moments ago; the store job sends them without asking Redis again (``SET NX`` still leaves
-    a value another instance stored in between as it is).
+    a value another instance stored in between as it is). ``tenant`` (stores only, with
+    ``tenant_quotas``): the tenant id the chunks written are counted against (never the salt).
     """
 
-    def __init__(self, keys: Iterable[OffloadKey], known_absent: Iterable[OffloadKey] = ()):
+    def __init__(
+        self,
+        keys: Iterable[OffloadKey],
+        known_absent: Iterable[OffloadKey] = (),
+        tenant: str | None = None,
+    ):
         self.keys: list[bytes] = [bytes(k) for k in keys]
         self.known_absent: frozenset[bytes] = frozenset(bytes(k) for k in known_absent)
+        self.tenant = tenant
 
     def __repr__(self) -> str:
         return f"RedisLoadStoreSpec({len(self.keys)} keys)"

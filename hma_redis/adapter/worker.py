@@ -102,7 +102,8 @@ class RedisOffloadingWorker(OffloadingWorker):
         (``wait`` blocks until it has), then encodes and puts the chunks."""
         assert isinstance(dst_spec, RedisLoadStoreSpec)
         absent = {self._redis_key(key) for key in dst_spec.known_absent}
-        self._engine.submit_store(job_id, self._plan(dst_spec.keys, src_spec), absent)
+        plan = self._plan(dst_spec.keys, src_spec)
+        self._engine.submit_store(job_id, plan, absent, owner=dst_spec.tenant)
         return True
 
     def submit_load(

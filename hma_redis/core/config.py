@@ -87,6 +87,7 @@ MAX_POOL_SIZE = 1024
 MAX_IO_THREADS = 256
 MAX_INFLIGHT_BYTES = 1 << 40
 MAX_PIN_BUDGET_BYTES = 1 << 40
+MAX_TENANT_BUDGET_BYTES = 1 << 50
 # Admission policies (option ``admission``): store every computed chunk, or only one that some
 # instance of the deployment already looked up (the second sighting).
 ADMISSION_POLICIES = ("always", "second_sighting")
@@ -295,6 +296,16 @@ class RedisTierConfig:
     pin_budget_bytes: int = 1 << 30
     # Scheduler: how often pins whose deadline passed get their TTL back.
     pin_sweep_interval_s: float = 60.0
+    # Per-tenant quotas (a tenant: a request's cache_salt; see hma_redis.core.redis.quotas and
+    # docs/operations.md): account the bytes each tenant stores, and refuse a tenant's stores
+    # while it holds its budget: tenant_budget_bytes (salted tenants; None: no default budget)
+    # or the operator's override (hma-redis quota set). Off by default.
+    tenant_quotas: bool = False
+    tenant_budget_bytes: int | None = None
+    # Scheduler: how often the tenants' bytes and budgets are read (the refusal's staleness),
+    # and how often the account is checked against the chunks Redis still holds.
+    quota_refresh_interval_s: float = 1.0
+    quota_reconcile_interval_s: float = 300.0
     # Where to connect: parsed once from ``url`` when the config is built (never passed in).
     endpoint: Endpoint = field(init=False, repr=False, compare=False)
 
@@ -707,6 +718,11 @@ def _validate(cfg: RedisTierConfig) -> Endpoint:
             "hma_redis: pinning needs ttl_s: a pin keeps a chunk without a TTL among chunks "
             "that have one, which maxmemory-policy volatile-lru / volatile-lfu never evicts"
         )
+    if cfg.tenant_budget_bytes is not None and not cfg.tenant_quotas:
+        raise ValueError(
+            "hma_redis: tenant_budget_bytes needs tenant_quotas: true (without it no tenant's "
+            "bytes are counted, and no budget is kept)"
+        )
     if cfg.admission not in ADMISSION_POLICIES:
         raise ValueError(
             f"hma_redis: admission must be one of {list(ADMISSION_POLICIES)}, got {cfg.admission!r}"
@@ -779,16 +795,21 @@ NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "pin_sweep_interval_s": (0.0, MAX_TIMEOUT_S, False),
     "pin_max_s": (1, MAX_EXPIRE_S, True),
     "pin_budget_bytes": (1, MAX_PIN_BUDGET_BYTES, True),
+    "tenant_budget_bytes": (0, MAX_TENANT_BUDGET_BYTES, True),
+    "quota_refresh_interval_s": (0.0, MAX_TIMEOUT_S, False),
+    "quota_reconcile_interval_s": (0.0, MAX_TIMEOUT_S, False),
 }
+# Numeric options that may also be None (no expiry, no default budget).
+_NONE_ALSO = frozenset({"ttl_s", "tenant_budget_bytes"})
 # Options for which 0 also means something ("leave Python's interval alone").
 _ZERO_ALSO = frozenset({"gil_switch_interval_ms"})
 
 
 def _validate_numbers(cfg: RedisTierConfig) -> None:
-    """Every numeric option within its range (``ttl_s`` may also be ``None``: no expiry)."""
+    """Every numeric option within its range (those of ``_NONE_ALSO`` may also be ``None``)."""
     for name, (low, high, low_allowed) in NUMERIC_RANGES.items():
         value = getattr(cfg, name)
-        if value is None and name == "ttl_s":
+        if value is None and name in _NONE_ALSO:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"hma_redis: {name} must be a number, got {value!r}")

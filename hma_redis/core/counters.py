@@ -43,6 +43,8 @@ FIELDS = (
     "pin_clamped_requests",
     "pin_chunks",
     "pin_over_budget_chunks",
+    # Per-tenant quotas: chunks not stored because their request's tenant held its budget.
+    "quota_refused_chunks",
     # Per KV group N (not listed): g<N>_hit_chunks, g<N>_usable_chunks (see adapter/metrics).
 )
 

@@ -6,6 +6,8 @@ Layout (readable in ``redis-cli --scan``)::
     <prefix>:<ns>:g<group>:<block-hash-hex>    one chunk of one KV-cache group (single worker)
     <prefix>:<ns>:g<group>:<block-hash-hex>:r<rank>   the same, for worker ``rank`` of several
     <prefix>:<ns>:seen:g<group>:<block-hash-hex>      admission marker (second_sighting only)
+    <prefix>:<ns>:tenants                      hash: the per-tenant byte account (tenant_quotas)
+    <prefix>:<ns>:quotas                       hash: per-tenant byte budgets set by the operator
 
 ``<ns>`` is a short id derived from everything that makes KV bytes incompatible, so two
 deployments can share one Redis only where their bytes are interchangeable.
@@ -130,6 +132,17 @@ class KeySpace:
         """The sorted set of this namespace's pinned chunks (member: the chunk's key; score:
         the pin's deadline, unix seconds). See :mod:`hma_redis.core.redis.pins`."""
         return RedisKey(f"{self.base}:pins")
+
+    def tenants_key(self) -> RedisKey:
+        """The hash of this namespace's per-tenant byte account (field ``<chunk key>``: the
+        tenant and bytes it is counted against; field ``=<tenant>``: the tenant's bytes). See
+        :mod:`hma_redis.core.redis.quotas`."""
+        return RedisKey(f"{self.base}:tenants")
+
+    def quotas_key(self) -> RedisKey:
+        """The hash of per-tenant byte budgets the operator set (field: tenant id; value:
+        bytes, ``-1`` for none), read by the scheduler, written by ``hma-redis quota``."""
+        return RedisKey(f"{self.base}:quotas")
 
     def block_key(self, group: int, block_hash: bytes, rank: int = 0) -> RedisKey:
         """Key of one chunk of ``group`` whose last block has ``block_hash``, for ``rank``."""

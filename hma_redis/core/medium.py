@@ -275,6 +275,12 @@ class BlockStore(ABC, Generic[JobT]):
     def flush(self) -> None:
         """Deliver the counters now (at shutdown); kept for later when the medium fails."""
 
+    def account_stored(self, owner: str, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        """Count values a :meth:`put_values` wrote (:attr:`PutResult.STORED` only, ``sizes``
+        their bytes) against ``owner`` (a tenant id), where the medium keeps such an account;
+        never raises for the medium's failures. Called by the store job's thread after its
+        puts, only for jobs that name an owner. No-op by default."""
+
     def describe(self) -> str:
         """The data path value calls take, for the engine's start-up line."""
         return type(self).__name__

@@ -184,16 +184,22 @@ def _beyond(value, direction):
     return math.nextafter(value, direction * math.inf)
 
 
+# Options that take effect only with another one on (given with it here).
+_NEEDS: dict[str, dict[str, object]] = {"tenant_budget_bytes": {"tenant_quotas": True}}
+
+
 @pytest.mark.parametrize("field", sorted(NUMERIC_RANGES))
 def test_each_numeric_option_takes_its_bounds_and_refuses_just_beyond(field):
     low, high, low_allowed = NUMERIC_RANGES[field]
     accepted = [high, low] if low_allowed else [high]
+    needs = _NEEDS.get(field, {})
     for value in accepted:
-        assert getattr(RedisTierConfig.from_extra_config({field: value}, env={}), field) == value
+        cfg = RedisTierConfig.from_extra_config({field: value, **needs}, env={})
+        assert getattr(cfg, field) == value
     refused = [_beyond(high, +1), low if not low_allowed else _beyond(low, -1)]
     for value in refused:
         with pytest.raises(ValueError) as info:
-            RedisTierConfig.from_extra_config({field: value}, env={})
+            RedisTierConfig.from_extra_config({field: value, **needs}, env={})
         message = str(info.value)
         assert message.startswith(f"hma_redis: {field} must be ") and "\n" not in message
         shown = str(high) if isinstance(high, int) else f"{high:g}"
@@ -626,3 +632,11 @@ def test_the_encryption_key_id_names_the_previous_key_during_a_rotation():
             assert ENC_KEY.decode() not in text and OLD_KEY.decode() not in text
             assert ENC_KEY.hex() not in text and "encryption_key=" not in text
     assert f"encryption_key_id='{new.encryption_key_id}'" in repr(new)
+
+
+def test_a_tenant_budget_without_quotas_is_refused_naming_both_options():
+    with pytest.raises(ValueError) as info:
+        RedisTierConfig.from_extra_config({"tenant_budget_bytes": 1 << 30}, env={})
+    assert "tenant_budget_bytes needs tenant_quotas" in str(info.value)
+    cfg = RedisTierConfig.from_extra_config({"tenant_quotas": "true"}, env={})
+    assert cfg.tenant_quotas and cfg.tenant_budget_bytes is None

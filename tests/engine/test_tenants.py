@@ -1,6 +1,7 @@
 """Tenants kept apart across real vLLM engines (separate processes) sharing one Redis:
 ``cache_salt`` keeps tenants with different salts apart and still shares within a tenant, and
-only instances with the same ``auth_key`` share KV; tokens are identical to a run without the
+only instances with the same ``auth_key`` share KV; a tenant over its byte budget stores
+nothing while the other's prefixes stay and load; tokens are identical to a run without the
 tier."""
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import pytest
 import redis
 
 from hma_redis.core import codec
-from hma_redis.core.keys import parse_block_key
+from hma_redis.core.keys import KeySpace, parse_block_key
+from hma_redis.core.redis import quotas
+from hma_redis.core.tenants import tenant_id
 from hma_redis.tools.devkit.engine import RESULT_PREFIX
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
 from tests.support.engine_runner import REPO_ROOT, child_env, make_prompts, run_engine
@@ -131,6 +134,57 @@ def test_cache_salt_keeps_tenants_apart_across_engines(
     keys = [k.decode() for k in redis_client.scan_iter(match="hma:*", count=1000)]
     block_keys = [k for k in keys if parse_block_key(k) is not None]
     assert len(block_keys) == 3 * (aligned // int(c["block_size"])), sorted(keys)
+
+
+# ------------------------------------------------------------------------------------ quotas
+
+
+def test_a_tenant_over_its_budget_stores_nothing_and_the_other_keeps_and_loads_its_prefix(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Tenant B stores its prompt; the operator gives tenant A a budget of 0 bytes
+    (``hma-redis quota set``, here its function); A's engine then stores nothing (refused,
+    counted), B's next engine loads its whole prefix, and the account holds exactly B's
+    bytes. Every engine's tokens are the baseline's."""
+    model = build_llama(tmp_path / "llama")
+    prompts = make_prompts(seed=80, n=1, length=SALT_PROMPT_LEN, vocab=VOCAB_SIZE)
+    tier = tier_config(redis_url, tenant_quotas=True, quota_refresh_interval_s=0.05)
+    baseline, b = _salted_runs(
+        [
+            {"salt": None, "tier": None, "prompts": prompts},
+            {"salt": "tenant-b", "tier": tier, "prompts": prompts},
+        ],
+        model,
+    )
+    infos = [k.decode() for k in redis_client.scan_iter(match="hma:*:info")]
+    assert len(infos) == 1, infos
+    space = KeySpace("hma", infos[0].split(":")[1])
+    tenant_a, tenant_b = tenant_id("tenant-a", "hma"), tenant_id("tenant-b", "hma")
+    quotas.set_budget(redis_client, space.quotas_key(), tenant_a, 0)
+    b_keys = sorted(k for k in redis_client.scan_iter(match=space.block_pattern()))
+    a, b_again = _salted_runs(
+        [
+            {"salt": "tenant-a", "tier": tier, "prompts": prompts},
+            {"salt": "tenant-b", "tier": tier, "prompts": prompts},
+        ],
+        model,
+    )
+
+    def cached(run: dict[str, Any]) -> int:
+        return int(run["results"][0]["num_cached_tokens"])
+
+    aligned = chunk_aligned_prefix(SALT_PROMPT_LEN, int(b["block_size"]))
+    assert cached(b) == 0 and cached(a) == 0, a["stderr_tail"]
+    assert cached(b_again) == aligned, f"B's prefix did not survive\n{b_again['stderr_tail']}"
+    for name, run in (("B", b), ("A", a), ("B again", b_again)):
+        assert run["results"][0]["token_ids"] == baseline["results"][0]["token_ids"], name
+    # A stored nothing: the only chunks are B's, and the account holds exactly their bytes.
+    assert sorted(redis_client.scan_iter(match=space.block_pattern())) == b_keys
+    held = sum(int(redis_client.strlen(k)) for k in b_keys)
+    assert quotas.usage(redis_client, space.tenants_key()) == {tenant_b: held}
+    refused = int(redis_client.hget(space.stats_key(), "quota_refused_chunks") or 0)
+    assert refused == len(b_keys), a["stderr_tail"]
+    assert "tenant-a" not in str(redis_client.hgetall(space.tenants_key()))
 
 
 # ---------------------------------------------------------------------------------- auth_key

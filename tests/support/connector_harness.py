@@ -141,8 +141,10 @@ class ConnectorHarness:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, token_ids: list[int], max_tokens: int = 1) -> Request:
-        req = make_request(token_ids, max_tokens, self._block_hasher)
+    def add_request(
+        self, token_ids: list[int], max_tokens: int = 1, cache_salt: str | None = None
+    ) -> Request:
+        req = make_request(token_ids, max_tokens, self._block_hasher, cache_salt)
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         self.load_jobs_of[req.request_id] = []

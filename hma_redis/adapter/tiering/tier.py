@@ -70,13 +70,18 @@ logger = init_logger(__name__)
 
 # Options of the direct spec that mean nothing here: vLLM's connector keys (they belong in
 # kv_connector_extra_config itself), the worker's step-loop knobs (no worker of ours runs) and
-# pinning (this tier never pins: see on_new_request).
+# pinning (this tier never pins: see on_new_request), and per-tenant quotas (direct mode only:
+# vLLM's tiering manager hands the tier no request's cache_salt).
 _REFUSED_OPTIONS = VLLM_OWNED_KEYS | {
     "idle_wait_ms",
     "gil_switch_interval_ms",
     "pinning",
     "pin_max_s",
     "pin_budget_bytes",
+    "tenant_quotas",
+    "tenant_budget_bytes",
+    "quota_refresh_interval_s",
+    "quota_reconcile_interval_s",
 }
 
 

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.counters import PendingCounters
 from hma_redis.core.deadline import Deadline
+from hma_redis.core.keys import KeySpace
 from hma_redis.core.latency import LatencySamples, Operation
 from hma_redis.core.medium import (
     BlockStore,
@@ -36,7 +37,7 @@ from hma_redis.core.medium import (
     Pages,
     PutResult,
 )
-from hma_redis.core.redis import pins, reply_shapes, wire
+from hma_redis.core.redis import pins, quotas, reply_shapes, wire
 from hma_redis.core.redis.breaker import (
     BreakerState,
     CircuitBreaker,
@@ -147,8 +148,12 @@ class RedisBlockStore(BlockStore[RedisJob]):
         stats_key: str | None = None,
         refusal_log_interval_s: float = REFUSAL_LOG_INTERVAL_S,
         native: bool | None = None,
+        quota_space: KeySpace | None = None,
     ):
+        """``quota_space``: the namespace whose per-tenant account stores update (option
+        ``tenant_quotas``; None: no account is kept)."""
         self.cfg = cfg
+        self.quota_space = quota_space
         # The connections of both pools carry this name (CLIENT LIST shows which are the
         # store's); a client handed in keeps its own (None here).
         self.client_name = new_client_name() if client is None else None
@@ -503,6 +508,63 @@ class RedisBlockStore(BlockStore[RedisJob]):
             if result.expired + result.renewed + result.dropped < pins.SWEEP_BATCH:
                 break
         return pins.SweepResult(expired, renewed, dropped)
+
+    # ------------------------------------------------------------------ quotas
+
+    def account_stored(self, owner: str, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        """Count chunks a put just wrote (``PutResult.STORED``) against tenant ``owner`` in
+        the namespace's account (:func:`hma_redis.core.redis.quotas.record_stored`); nothing
+        without ``quota_space``. Best effort: a failure is the guard's (counted, logged), the
+        chunk stays unaccounted (docs/operations.md states the bound)."""
+        space = self.quota_space
+        if space is None or not keys:
+            return
+        sizes_of = dict(zip(keys, sizes, strict=True))
+
+        def call() -> int:
+            self._guard.count_round_trip()
+            return quotas.record_stored(self.client, space.tenants_key(), owner, sizes_of)
+
+        self._guard.run("EVAL", call, None)
+
+    def account_removed(self, keys: Sequence[str]) -> quotas.Freed | None:
+        """Take removed chunks off the account (:func:`hma_redis.core.redis.quotas.
+        record_removed`); None when Redis failed or refused, or without ``quota_space``."""
+        space = self.quota_space
+        if space is None:
+            return None
+
+        def call() -> quotas.Freed:
+            self._guard.count_round_trip()
+            return quotas.record_removed(self.client, space.tenants_key(), keys)
+
+        return self._guard.run("EVAL", call, None)
+
+    def quota_snapshot(self, tenants: Sequence[str]) -> quotas.QuotaSnapshot | None:
+        """The bytes of ``tenants`` and every budget (one round trip); None when Redis
+        failed or refused, or without ``quota_space``."""
+        space = self.quota_space
+        if space is None:
+            return None
+
+        def call() -> quotas.QuotaSnapshot:
+            self._guard.count_round_trip()
+            return quotas.snapshot(self.client, space.tenants_key(), space.quotas_key(), tenants)
+
+        return self._guard.run("HMGET", call, None)
+
+    def reconcile_quota(self, cursor: int) -> quotas.ReconcileRound | None:
+        """One reconcile round of the account from ``cursor`` (:func:`hma_redis.core.redis.
+        quotas.reconcile_round`); None when Redis failed or refused."""
+        space = self.quota_space
+        if space is None:
+            return None
+
+        def call() -> quotas.ReconcileRound:
+            self._guard.count_round_trip()
+            return quotas.reconcile_round(self.client, space, cursor)
+
+        return self._guard.run("HSCAN", call, None)
 
     def memory(self) -> MemoryReading:
         """``used_memory`` and ``maxmemory`` of every data node (each Cluster master, in turn;

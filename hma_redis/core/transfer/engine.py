@@ -250,14 +250,20 @@ class TransferEngine:
     # ------------------------------------------------------------------ API
 
     def submit_store(
-        self, job_id: int, chunks: JobChunks, known_absent: Collection[str] = ()
+        self,
+        job_id: int,
+        chunks: JobChunks,
+        known_absent: Collection[str] = (),
+        owner: str | None = None,
     ) -> None:
         """Queue a store; returns at once. The job reads the page tensors in a background
         thread (:meth:`wait` blocks until it has), then encodes and puts the chunks. Chunks
         Redis holds already are skipped (one EXISTS round trip, not taken for the Redis keys
         in ``known_absent``, which the caller has just seen missing: ``SET NX`` leaves any
-        value stored in between as it is)."""
-        job = Job(job_id, is_store=True, ready=self._streams.mark_submit())
+        value stored in between as it is). With ``owner`` (a tenant id), the chunks this job
+        writes are counted against it (:meth:`~hma_redis.core.medium.BlockStore.account_stored`)
+        once its puts are done."""
+        job = Job(job_id, is_store=True, ready=self._streams.mark_submit(), owner=owner)
         self._jobs[job_id] = job
         try:
             job.future = self._stores.submit(self._run_store, job, chunks, known_absent)
@@ -421,6 +427,8 @@ class TransferEngine:
             batch = _PUT_BATCH_IN_PLACE if self._sends_in_place else _PUT_BATCH
             for start in range(0, len(plan), batch):
                 stored_bytes += self._store_batch(job, plan[start : start + batch])
+            if job.owner is not None and job.stored_keys:
+                self._store.account_stored(job.owner, job.stored_keys, job.stored_sizes)
         except Exception:
             logger.exception(
                 "hma_redis: store job %d failed; its chunks are not stored", job.job_id
@@ -467,7 +475,7 @@ class TransferEngine:
             pages = [self._pages_of(chunk) for chunk in chunks]
             heads = [self._value_head(lay, body) for lay, body in zip(layouts, pages, strict=True)]
             results = self._put_in_parts(job, sizes, keys, heads, pages)
-            return self._count_stored(job, sizes, results)
+            return self._count_stored(job, keys, sizes, results)
         self._budget.acquire(sum(sizes), load=False)
         taken = [self._buffers.take(size) for size in sizes]
         try:
@@ -492,7 +500,7 @@ class TransferEngine:
         finally:
             self._buffers.give(taken)
             self._budget.release(sum(sizes))
-        return self._count_stored(job, sizes, results)
+        return self._count_stored(job, keys, sizes, results)
 
     def _put_in_parts(
         self,
@@ -548,9 +556,17 @@ class TransferEngine:
         )
         return bytes(head)
 
-    def _count_stored(self, job: Job, sizes: Sequence[int], results: list[PutResult]) -> int:
-        """Count a batch's outcome; return the bytes stored."""
+    def _count_stored(
+        self, job: Job, keys: Sequence[str], sizes: Sequence[int], results: list[PutResult]
+    ) -> int:
+        """Count a batch's outcome (with an owner, note the chunks written for its account);
+        return the bytes stored."""
         stored = sum(size for size, r in zip(sizes, results, strict=True) if r is PutResult.STORED)
+        if job.owner is not None:
+            for key, size, result in zip(keys, sizes, results, strict=True):
+                if result is PutResult.STORED:
+                    job.stored_keys.append(key)
+                    job.stored_sizes.append(size)
         self._store.counters.add(
             stored_chunks=results.count(PutResult.STORED),
             stored_bytes=stored,

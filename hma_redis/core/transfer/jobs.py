@@ -117,6 +117,11 @@ class Job:
     # partial_loads: chunks (plan indices) that were missing or invalid while others landed.
     failed_chunks: tuple[int, ...] = ()
     chunks_counted: int = 0  # store: chunks counted as stored, skipped or failed so far
+    # store: the tenant the chunks it writes are counted against (None: no account), and the
+    # keys and bytes it wrote so far.
+    owner: str | None = None
+    stored_keys: list[str] = field(default_factory=list)
+    stored_sizes: list[int] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
     # The job as its medium sees it (its deadline, its calls' one outcome), from when it starts.
     medium: MediumJob | None = None

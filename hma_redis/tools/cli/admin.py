@@ -36,6 +36,7 @@ from redis.sentinel import SentinelConnectionPool
 from hma_redis.core.config import EndpointKind, RedisTierConfig
 from hma_redis.core.keys import KeySpace, parse_block_key
 from hma_redis.core.redis import pins as pin_set
+from hma_redis.core.redis import quotas as quota_account
 from hma_redis.core.redis.client import make_client
 from hma_redis.core.redis.memory import MemoryRefused, NodeMemory, TierMemory, node_memory
 
@@ -617,6 +618,45 @@ class RedisAdmin:
             ns: pin_set.sweep(self.client, KeySpace(self.prefix, ns).pins_key(), ttl_s, now=now)
             for ns in namespaces
         }
+
+    # ------------------------------------------------------------------ quotas
+
+    def quota_namespaces(self, namespace: str | None = None) -> list[str]:
+        """``namespace``, else every namespace under the prefix with a tenants' account or
+        budgets (one SCAN per node)."""
+        if namespace is not None:
+            return [namespace]
+        found: set[str] = set()
+        for node in self.nodes():
+            with self.on(node):
+                for suffix in ("tenants", "quotas"):
+                    for keys in node.scan(f"{glob_escape(self.prefix)}:*:{suffix}"):
+                        found.update(
+                            _text(k).split(":")[1] for k in keys if _text(k).count(":") == 2
+                        )
+        return sorted(found)
+
+    def quota_usage(self, namespace: str) -> dict[str, int]:
+        """Every tenant's bytes in ``namespace``'s account."""
+        return quota_account.usage(self.client, KeySpace(self.prefix, namespace).tenants_key())
+
+    def quota_budgets(self, namespace: str) -> dict[str, int]:
+        """Every budget set in ``namespace`` (tenant -> bytes, or -1: none)."""
+        return quota_account.budgets(self.client, KeySpace(self.prefix, namespace).quotas_key())
+
+    def set_quota(self, namespace: str, tenant: str, budget: int) -> None:
+        quota_account.set_budget(
+            self.client, KeySpace(self.prefix, namespace).quotas_key(), tenant, budget
+        )
+
+    def unset_quota(self, namespace: str, tenant: str) -> bool:
+        return quota_account.unset_budget(
+            self.client, KeySpace(self.prefix, namespace).quotas_key(), tenant
+        )
+
+    def reconcile_quota(self, namespace: str) -> quota_account.Freed:
+        """A whole reconcile pass of ``namespace``'s account."""
+        return quota_account.reconcile(self.client, KeySpace(self.prefix, namespace))
 
     def get(self, key: str) -> bytes | None:
         """The value of a string key; None if missing. Raises ``ResponseError`` for other types."""

@@ -6,6 +6,7 @@
     hma-redis purge --namespace NS      UNLINK a namespace (or --all) after confirmation
     hma-redis pins [--namespace NS]     pinned chunks and their deadlines
     hma-redis unpin --ttl SECONDS       give pinned chunks their TTL back
+    hma-redis quota ls|get|set|unset|reconcile   per-tenant byte budgets and what each holds
     hma-redis doctor                    is this Redis set up well for a KV-cache tier?
     hma-redis bench [--quick|--smoke]   the tier benchmark (hma_redis.tools.bench.tier)
 
@@ -45,6 +46,7 @@ from hma_redis.tools.cli.commands import (
     ls,
     pins,
     purge,
+    quota,
     unpin,
 )
 from hma_redis.tools.cli.options import add_global_options, build_config, config_message
@@ -61,7 +63,7 @@ from hma_redis.tools.cli.output import (
 from hma_redis.tools.cli.text import printable, redis_error_message, scrub
 
 # The commands that run with a connection, in the order --help lists them (bench follows).
-COMMANDS: tuple[Command, ...] = (info, ls, inspect, purge, pins, unpin, doctor)
+COMMANDS: tuple[Command, ...] = (info, ls, inspect, purge, pins, unpin, quota, doctor)
 
 _EPILOG = """\
 connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0;

@@ -74,6 +74,10 @@ INFO = _object(
                     ),
                     # Chunks kept from eviction until a deadline (the namespace's pins set).
                     "pinned_chunks": _INT,
+                    # Per tenant id (quotas): the bytes its chunks hold in the account, and
+                    # the budget the operator set (null: none set, the tier's default
+                    # applies; -1: none at all).
+                    "tenants": _map(_object({"used_bytes": _INT, "budget_bytes": _INT_OR_NULL})),
                 }
             ),
         },
@@ -170,6 +174,24 @@ UNPIN = _object(
     }
 )
 
+# quota: one tenant (get, set, unset; ``budget_bytes`` null: none set, the tier's default
+# applies; -1: none at all), every tenant (ls), or what a reconcile dropped.
+_QUOTA_ENTRY = _object(
+    {
+        "namespace": _STR,
+        "tenant": _STR,
+        "used_bytes": _INT,
+        "budget_bytes": _INT_OR_NULL,
+    }
+)
+QUOTA = {
+    "oneOf": [
+        _QUOTA_ENTRY,
+        _object({"tenants": {"type": "array", "items": _QUOTA_ENTRY}}),
+        _object({"namespace": _STR, "dropped": _INT, "freed_bytes": _INT}),
+    ]
+}
+
 DOCTOR = _object(
     {
         "url": _STR,
@@ -198,6 +220,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "purge": PURGE,
     "pins": PINS,
     "unpin": UNPIN,
+    "quota": QUOTA,
     "doctor": DOCTOR,
     "error": ERROR,
 }

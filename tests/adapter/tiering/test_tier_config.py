@@ -62,6 +62,8 @@ def test_tier_namespace_differs_from_the_direct_specs(
         ("ttl_s", -1),
         ("pinning", True),
         ("pin_budget_bytes", 1 << 20),
+        ("tenant_quotas", True),
+        ("tenant_budget_bytes", 1 << 20),
     ],
 )
 def test_bad_tier_option_fails_at_start_up_naming_it(

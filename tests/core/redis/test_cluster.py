@@ -467,3 +467,36 @@ def test_a_damaged_value_on_any_node_fails_the_load_and_leaves_its_pages_as_befo
         client.close()
         pages.close()
         store.close()
+
+
+def test_the_tenants_account_keeps_true_across_three_masters(clean: LocalCluster) -> None:
+    """Per-tenant quotas on a Cluster: the account's scripts run on its hash's one slot while
+    the chunks they name live on every master; removals and the reconcile check the chunks on
+    their own nodes (one pipeline routed by key)."""
+    space = KeySpace("hma", "quotas")
+    cfg = RedisTierConfig.from_extra_config(
+        {"redis_url": clean.url, "read_timeout_s": READ_TIMEOUT_S, "tenant_quotas": True}, env={}
+    )
+    store = RedisBlockStore(cfg, quota_space=space)
+    keys = [space.block_key(0, i.to_bytes(8, "big")) for i in range(60)]
+    assert len(_per_node(clean, keys)) == 3
+    assert set(store.put_if_absent([(k, b"v" * 10) for k in keys])) == {PutResult.STORED}
+    store.account_stored("aaaaaaaaaaaaaaaa", keys[:40], [10] * 40)
+    store.account_stored("bbbbbbbbbbbbbbbb", keys[40:], [10] * 20)
+    snapshot = store.quota_snapshot(["aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"])
+    assert snapshot is not None and dict(snapshot.used) == {
+        "aaaaaaaaaaaaaaaa": 400,
+        "bbbbbbbbbbbbbbbb": 200,
+    }
+    assert store.delete(keys[:10] + keys[50:]) == 20
+    freed = store.account_removed(keys[:5])
+    assert freed is not None and freed.records == 5
+    done = store.reconcile_quota(0)
+    while done is not None and done.cursor:
+        done = store.reconcile_quota(done.cursor)
+    snapshot = store.quota_snapshot(["aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"])
+    assert snapshot is not None and dict(snapshot.used) == {
+        "aaaaaaaaaaaaaaaa": 300,
+        "bbbbbbbbbbbbbbbb": 100,
+    }
+    store.close()

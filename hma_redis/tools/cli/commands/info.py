@@ -1,7 +1,8 @@
 """``hma-redis info``: every namespace under the prefix, with its fingerprint (the info hash:
 model, dtype, layout, parallel layout, hash, format, one line per KV group), the keys and bytes
 of each group, the bytes no lookup can use (values whose chunk another group lacks), pinned
-chunks, each node's share (``--by-node``) and the tier's counters; and Redis' memory."""
+chunks, the bytes each tenant holds and its budget (``tenant_quotas``), each node's share
+(``--by-node``) and the tier's counters; and Redis' memory."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def run(admin: RedisAdmin, args: argparse.Namespace) -> int:
         for name, ns in usage.namespaces.items()
     }
     pinned = {name: admin.pin_count(name) for name in usage.namespaces}
+    tenants = {name: _tenants(admin, name) for name in usage.namespaces}
     if args.json:
         print_json(
             {
@@ -58,6 +60,7 @@ def run(admin: RedisAdmin, args: argparse.Namespace) -> int:
                         **_namespace_json(ns),
                         "unusable": _unusable_json(ns, orphans[name]),
                         "pinned_chunks": pinned[name],
+                        "tenants": tenants[name],
                     }
                     for name, ns in usage.namespaces.items()
                 ],
@@ -77,7 +80,43 @@ def run(admin: RedisAdmin, args: argparse.Namespace) -> int:
         emit("", *namespace_report(ns, usage.nodes if args.by_node else None, orphans[name]))
         if pinned[name]:
             emit(f"  pinned chunks: {pinned[name]} (hma-redis pins --namespace {name})")
+        emit(*_tenant_lines(name, tenants[name]))
     return EXIT_OK
+
+
+# Tenants ``info`` shows per namespace (the most bytes first); ``quota ls`` shows every one.
+SHOWN_TENANTS = 10
+
+
+def _tenants(admin: RedisAdmin, namespace: str) -> dict[str, dict[str, int | None]]:
+    """Per tenant id: the bytes the account says it holds, and the budget set for it."""
+    used, budgets = admin.quota_usage(namespace), admin.quota_budgets(namespace)
+    return {
+        t: {"used_bytes": used.get(t, 0), "budget_bytes": budgets.get(t)}
+        for t in sorted(set(used) | set(budgets))
+    }
+
+
+def _tenant_lines(namespace: str, tenants: Mapping[str, Mapping[str, int | None]]) -> list[str]:
+    if not tenants:
+        return []
+    top = sorted(tenants.items(), key=lambda kv: -(kv[1]["used_bytes"] or 0))[:SHOWN_TENANTS]
+    rows = [
+        [t, e["used_bytes"], size(e["used_bytes"] or 0), _budget_text(e["budget_bytes"])]
+        for t, e in top
+    ]
+    more = len(tenants) - len(top)
+    lines = [f"  tenants: {len(tenants)} (hma-redis quota ls --namespace {namespace})"]
+    lines += table(["tenant", "used bytes", "used", "budget"], rows, {1, 2}, indent="    ")
+    if more:
+        lines.append(f"    ... {more} more")
+    return lines
+
+
+def _budget_text(budget: int | None) -> str:
+    if budget is None:
+        return "(the default)"
+    return "none" if budget < 0 else size(budget)
 
 
 def _memory_lines(memory: TierMemory | MemoryRefused, per_node: bool) -> list[str]:
