@@ -448,7 +448,7 @@ class RedisOffloadingManager(OffloadingManager):
             return
         salt = self._salts.pop(req_context.req_id, None)
         cfg = self._store.cfg
-        tenant = tenant_id(salt, cfg.key_prefix, cfg.auth_key)
+        tenant = tenant_id(salt, cfg.key_prefix, cfg.tenant_secret)
         req_context.set_state(_Tenant(tenant))
         self._quotas.note(tenant)
 

@@ -356,6 +356,13 @@ class RedisTierConfig:
         keyring = self.keyring()
         return keyring.namespace_key_id if keyring is not None else ""
 
+    @property
+    def tenant_secret(self) -> bytes | None:
+        """The secret tenant ids are keyed with (:func:`hma_redis.core.tenants.tenant_id`):
+        the auth_key, else the encryption key that names the namespace (the previous one
+        during a rotation, so ids change only with the namespace), else None."""
+        return self.auth_key or self.encryption_key_previous or self.encryption_key
+
     def keyring(self) -> Keyring | None:
         """The keys values are sealed and opened with (None without an encryption_key)."""
         if self.encryption_key is None:

@@ -4,8 +4,9 @@ A tenant is a request's ``cache_salt`` (vLLM keeps prefixes of different salts a
 is part of the first block's hash, so every chunk of a salted prompt is that tenant's own).
 Redis never sees the salt: a tenant is named by :func:`tenant_id`, 16 hex digits of a keyed
 BLAKE3 hash of the salt, keyed by the key prefix and, when the deployment has one, the
-``auth_key`` (then nobody without the key can tell which salt an id stands for, nor test a
-guess). Requests without a salt are the tenant :data:`DEFAULT_TENANT`.
+``auth_key`` or the encryption key (``RedisTierConfig.tenant_secret``: then nobody without the
+key can tell which salt an id stands for, nor test a guess). Requests without a salt are the
+tenant :data:`DEFAULT_TENANT`.
 """
 
 from __future__ import annotations
@@ -23,22 +24,22 @@ _CONTEXT = "hma_redis 2026-12 tenant id"
 _TENANT_RE = re.compile(rf"[0-9a-f]{{{TENANT_ID_CHARS}}}|{DEFAULT_TENANT}")
 
 
-def tenant_id(salt: str | None, key_prefix: str, auth_key: bytes | None = None) -> str:
+def tenant_id(salt: str | None, key_prefix: str, secret: bytes | None = None) -> str:
     """The tenant id of a request with ``cache_salt`` ``salt`` (None or "": the default
     tenant) under ``key_prefix``; equal inputs give equal ids in every process (the scheduler,
     ``hma-redis quota``)."""
     if not salt:
         return DEFAULT_TENANT
-    key = _hash_key(key_prefix, auth_key)
+    key = _hash_key(key_prefix, secret)
     return blake3.blake3(salt.encode("utf-8", "surrogatepass"), key=key).hexdigest()[
         :TENANT_ID_CHARS
     ]
 
 
 @functools.lru_cache(maxsize=8)
-def _hash_key(key_prefix: str, auth_key: bytes | None) -> bytes:
+def _hash_key(key_prefix: str, secret: bytes | None) -> bytes:
     """The 32-byte BLAKE3 key tenant ids are hashed with (derived once per deployment)."""
-    material = key_prefix.encode() + b"\0" + (auth_key or b"")
+    material = key_prefix.encode() + b"\0" + (secret or b"")
     return blake3.blake3(material, derive_key_context=_CONTEXT).digest()
 
 

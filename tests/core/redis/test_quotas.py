@@ -276,3 +276,28 @@ def test_an_account_redis_does_not_answer_is_no_exception(
         down.account_stored(A, [_key(1)], [VALUE])  # dropped, never raised
     finally:
         down.close()
+
+
+def test_tenant_ids_are_keyed_with_the_deployments_secret() -> None:
+    """With an auth_key or an encryption key a salt's id is another (nobody without the key
+    can test a guessed salt); during a rotation the id follows the previous key, which names
+    the namespace."""
+    from hma_redis.core.config import RedisTierConfig
+
+    old, new = b"quota-test-encryption-key-old-0001", b"quota-test-encryption-key-new-0001"
+    plain = RedisTierConfig()
+    sealed = RedisTierConfig(encryption_key=old)
+    rotating = RedisTierConfig(encryption_key=new, encryption_key_previous=old)
+    keyed = RedisTierConfig(auth_key=new)
+    ids = {
+        name: tenant_id("salt-a", "hma", cfg.tenant_secret)
+        for name, cfg in {
+            "plain": plain,
+            "sealed": sealed,
+            "rotating": rotating,
+            "keyed": keyed,
+        }.items()
+    }
+    assert ids["plain"] == A
+    assert ids["sealed"] == ids["rotating"]
+    assert len({ids["plain"], ids["sealed"], ids["keyed"]}) == 3

@@ -130,7 +130,7 @@ def _tenant(admin: RedisAdmin, args: argparse.Namespace) -> str:
     if args.salt is None:
         raise CliError(f"quota {args.action} needs --salt or --tenant", EXIT_USAGE)
     salt = sys.stdin.readline().rstrip("\r\n") if args.salt == "-" else args.salt
-    return tenant_id(salt, admin.cfg.key_prefix, admin.cfg.auth_key)
+    return tenant_id(salt, admin.cfg.key_prefix, admin.cfg.tenant_secret)
 
 
 def _budget(text: str | None) -> int:
