@@ -182,8 +182,7 @@ def test_the_manager_never_raises_nor_hits_on_replies_of_the_wrong_shape(
             )
             # The pins' sweep runs on the keeper's thread: it must not have failed either.
             assert manager._pins.wait(5.0)
-            inflight = manager._pins._inflight
-            assert inflight is None or inflight.exception() is None, inflight.exception()
+            assert manager._pins.failure() is None, manager._pins.failure()
     finally:
         manager.shutdown()
     _report(f"manager ({admission})", CASES, started, server)

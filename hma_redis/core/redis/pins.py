@@ -39,13 +39,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis import reply_shapes
-from hma_redis.core.redis.breaker import RateLimitedLog
+from hma_redis.core.redis.background import BackgroundJob
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +97,6 @@ return over
 
 # ``unpin --all``: every pin is due before this (year 5138).
 EVERY_PIN = 1e11
-# A job of the keeper that failed in a way no guard caught is logged at most this often.
-_FAILED_JOB_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -259,12 +256,12 @@ class PinKeeper:
         self._interval_s = sweep_interval_s
         self._clock = clock
         self._pending: dict[str, float] = {}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hma-pins")
-        self._inflight: Future[None] | None = None
+        self._job = BackgroundJob(
+            "hma-pins", "pin or sweep", "pins may outlive their deadline until one succeeds", logger
+        )
         self._swept_at: float | None = None
         self._said_full = False
         self._said_foreign = False
-        self._failed_log = RateLimitedLog(_FAILED_JOB_LOG_INTERVAL_S)
         self.pinned = 0  # chunks whose pin Redis took
         self.dropped = 0  # chunks whose pin was dropped (queue full, Redis unreachable)
         self.over_budget = 0  # chunks left unpinned: the namespace's pin budget was full
@@ -281,36 +278,36 @@ class PinKeeper:
     def tick(self) -> None:
         """Start the next job (queued pins, then a sweep when one is due) unless one runs.
         Never blocks."""
-        if self._inflight is not None and not self._inflight.done():
+        if self._job.busy():
             return
-        self._report_failure()
+        self._job.report_failure()
         sweep_due = self._swept_at is None or self._clock() - self._swept_at >= self._interval_s
         if not self._pending and not sweep_due:
             return
         batch, self._pending = self._pending, {}
         if sweep_due:
             self._swept_at = self._clock()
-        self._inflight = self._executor.submit(self._run, batch, sweep_due)
+        self._job.submit(self._run, batch, sweep_due)
 
     def flush(self, timeout_s: float) -> None:
         """Send the queued pins and wait up to ``timeout_s`` for them (engine shutdown)."""
         self.wait(timeout_s)
         if self._pending:
             batch, self._pending = self._pending, {}
-            self._inflight = self._executor.submit(self._run, batch, False)
+            self._job.submit(self._run, batch, False)
         self.wait(timeout_s)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait up to ``timeout_s`` for the job in flight, if any (tests, shutdown); whether
         none runs any more."""
-        inflight = self._inflight
-        if inflight is None:
-            return True
-        done, _ = wait([inflight], timeout=timeout_s)
-        return bool(done)
+        return self._job.wait(timeout_s)
+
+    def failure(self) -> BaseException | None:
+        """The exception the last finished job raised, if any (tests)."""
+        return self._job.failure()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._job.close()
 
     def _run(self, batch: Mapping[str, float], sweep_due: bool) -> None:
         if batch:
@@ -326,21 +323,6 @@ class PinKeeper:
                 logger.debug("hma_redis: %d pins ended (TTL given back)", result.expired)
             if result is not None and result.dropped:
                 self._say_foreign(result.dropped)
-
-    def _report_failure(self) -> None:
-        """Log the last job's exception, if it raised one (at most once per interval)."""
-        done = self._inflight
-        if done is None or done.cancelled() or done.exception() is None:
-            return
-        self._inflight = None
-        held = self._failed_log.admit("job")
-        if held is not None:
-            logger.warning(
-                "hma_redis: a pin or sweep job failed (%d more since the last report; pins "
-                "may outlive their deadline until one succeeds)",
-                held,
-                exc_info=done.exception(),
-            )
 
     def _say_foreign(self, count: int) -> None:
         if self._said_foreign:

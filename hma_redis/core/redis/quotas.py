@@ -40,13 +40,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis import reply_shapes
-from hma_redis.core.redis.breaker import RateLimitedLog
+from hma_redis.core.redis.background import BackgroundJob
 from hma_redis.core.tenants import DEFAULT_TENANT
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,6 @@ RECONCILE_MAX_ROUNDS = 64
 MAX_TRACKED_TENANTS = 1024
 # Removed keys waiting for their account at most; more mean a reconcile instead.
 MAX_PENDING_REMOVALS = 1 << 16
-_FAILED_JOB_LOG_INTERVAL_S = 60.0
 
 # KEYS[1]: the tenants hash. ARGV[1]: the tenant. ARGV[2..]: chunk key, bytes pairs (chunks
 # just written). Replaces each key's record (an older one is stale: the key was absent).
@@ -342,9 +340,12 @@ class QuotaKeeper:
         self._refreshed_at: float | None = None
         self._reconciled_at = clock()
         self._reconcile_cursor: int | None = None  # None: no pass under way
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hma-quotas")
-        self._inflight: Future[None] | None = None
-        self._failed_log = RateLimitedLog(_FAILED_JOB_LOG_INTERVAL_S)
+        self._job = BackgroundJob(
+            "hma-quotas",
+            "quota",
+            "the tenants' bytes may be stale until one succeeds",
+            logger,
+        )
         self.counts = QuotaCounts()
 
     # ------------------------------------------------------------------ scheduler thread
@@ -397,9 +398,9 @@ class QuotaKeeper:
 
     def tick(self) -> None:
         """Start the next job unless one runs. Never blocks."""
-        if self._inflight is not None and not self._inflight.done():
+        if self._job.busy():
             return
-        self._report_failure()
+        self._job.report_failure()
         now = self._clock()
         refresh = self._refreshed_at is None or now - self._refreshed_at >= self._refresh_s
         reconcile = self._reconcile_cursor is not None or now - self._reconciled_at >= (
@@ -414,19 +415,15 @@ class QuotaKeeper:
             self._reconciled_at = now
             self._reconcile_cursor = 0
         tenants = list(self._tenants) if refresh else None
-        self._inflight = self._executor.submit(self._run, removals, tenants, reconcile)
+        self._job.submit(self._run, removals, tenants, reconcile)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait up to ``timeout_s`` for the job in flight (tests, shutdown); whether none
         runs any more."""
-        inflight = self._inflight
-        if inflight is None:
-            return True
-        done, _ = wait([inflight], timeout=timeout_s)
-        return bool(done)
+        return self._job.wait(timeout_s)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._job.close()
 
     # ------------------------------------------------------------------ the keeper's thread
 
@@ -468,20 +465,6 @@ class QuotaKeeper:
                     )
                 return
         self._reconcile_cursor = cursor
-
-    def _report_failure(self) -> None:
-        done = self._inflight
-        if done is None or done.cancelled() or done.exception() is None:
-            return
-        self._inflight = None
-        held = self._failed_log.admit("job")
-        if held is not None:
-            logger.warning(
-                "hma_redis: a quota job failed (%d more since the last report; the tenants' "
-                "bytes may be stale until one succeeds)",
-                held,
-                exc_info=done.exception(),
-            )
 
 
 def _fields(command: str, reply: Any) -> dict[str, str]:
