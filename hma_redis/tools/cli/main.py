@@ -7,6 +7,7 @@
     hma-redis pins [--namespace NS]     pinned chunks and their deadlines
     hma-redis unpin --ttl SECONDS       give pinned chunks their TTL back
     hma-redis doctor                    is this Redis set up well for a KV-cache tier?
+    hma-redis events [--endpoint E]     publish stores and removals as vLLM KV events (ZMQ)
     hma-redis bench [--quick|--smoke]   the tier benchmark (hma_redis.tools.bench.tier)
 
 The connection is configured as the tier's (``--url`` else ``HMA_REDIS_URL`` else ``REDIS_URL``,
@@ -40,6 +41,7 @@ from hma_redis.tools.cli.commands import (
     Command,
     bench,
     doctor,
+    events,
     info,
     inspect,
     ls,
@@ -61,7 +63,7 @@ from hma_redis.tools.cli.output import (
 from hma_redis.tools.cli.text import printable, redis_error_message, scrub
 
 # The commands that run with a connection, in the order --help lists them (bench follows).
-COMMANDS: tuple[Command, ...] = (info, ls, inspect, purge, pins, unpin, doctor)
+COMMANDS: tuple[Command, ...] = (info, ls, inspect, purge, pins, unpin, doctor, events)
 
 _EPILOG = """\
 connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0;
