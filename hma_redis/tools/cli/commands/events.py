@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -25,10 +26,16 @@ HELP = "publish the tier's stores and removals as vLLM KV events (ZMQ) for route
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ZMQ endpoints, the replay buffer, the topic, the scope and the view."""
     parser.add_argument(
-        "--endpoint", default="tcp://*:5557", help="ZMQ PUB endpoint (default: tcp://*:5557)"
+        "--endpoint",
+        type=_endpoint,
+        default="tcp://*:5557",
+        help="ZMQ PUB endpoint: bound when it has a wildcard (tcp://*:PORT) or is ipc:// / "
+        "inproc://, else connected to (a subscriber that binds), as vLLM's publisher does "
+        "(default: tcp://*:5557)",
     )
     parser.add_argument(
         "--replay-endpoint",
+        type=_endpoint_or_off,
         default="tcp://*:5558",
         help="ZMQ ROUTER endpoint for replay requests, or 'off' (default: tcp://*:5558)",
     )
@@ -60,6 +67,10 @@ def run(admin: RedisAdmin, args: argparse.Namespace) -> int:
     """Publish until SIGTERM or Ctrl-C; exit 0. vLLM missing, or an endpoint that cannot be
     bound, is one error line (exit 2)."""
     namespace = checked_namespace(admin, args.namespace)
+    # vLLM logs its platform probing at import (Triton, ...): only its errors reach stderr,
+    # unless the operator asks for more.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.disable(logging.WARNING)
     try:
         from hma_redis.tools.events.batches import View
         from hma_redis.tools.events.service import EventsOptions, EventsService
@@ -67,6 +78,8 @@ def run(admin: RedisAdmin, args: argparse.Namespace) -> int:
         raise CliError(
             f"hma-redis events needs vLLM (pip install 'hma_redis[vllm]'): {exc}", EXIT_USAGE
         ) from None
+    finally:
+        logging.disable(logging.NOTSET)
     options = EventsOptions(
         endpoint=args.endpoint,
         replay_endpoint=None if args.replay_endpoint == "off" else args.replay_endpoint,
@@ -91,6 +104,20 @@ def run(admin: RedisAdmin, args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         service.close()
     return EXIT_OK
+
+
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _endpoint(text: str) -> str:
+    """An argument type: a ZMQ endpoint of a transport vLLM's publisher takes."""
+    if not text.startswith(_SCHEMES) or len(text) <= len(text.split("://")[0]) + 3:
+        raise argparse.ArgumentTypeError(f"not a tcp://, ipc:// or inproc:// endpoint: {text!r}")
+    return text
+
+
+def _endpoint_or_off(text: str) -> str:
+    return text if text == "off" else _endpoint(text)
 
 
 def _setter(stop: threading.Event) -> Any:
