@@ -14,7 +14,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.redis.client import make_client
-from hma_redis.tools.devkit.cluster import LocalCluster
+from hma_redis.tools.devkit.cluster import LocalCluster, LocalSentinel
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.events.batches import View, block_hash
 from tests.support.kv_subscriber import KVSubscriber, RunningPublisher, replay, wait_connected
@@ -269,7 +269,9 @@ def test_a_late_subscriber_replays_every_batch_from_sequence_zero(
     assert events == subscriber.events()
 
 
-def test_a_cluster_failover_repeats_nothing_and_loses_nothing(subscriber: KVSubscriber) -> None:
+def test_a_cluster_failover_repeats_nothing_and_a_flush_removes_every_chunk(
+    subscriber: KVSubscriber,
+) -> None:
     cluster = LocalCluster(masters=3, replicas=1, node_timeout_ms=2000).start()
     client = make_client(RedisTierConfig(url=cluster.url))
     _info(client)
@@ -294,13 +296,46 @@ def test_a_cluster_failover_repeats_nothing_and_loses_nothing(subscriber: KVSubs
             client.set(_key(0, n), b"v")
         client.delete(_key(0, 1), _key(0, 2))
         subscriber.wait_for("60 stores", lambda: len(_counts(subscriber)) == 62, 30)
+        assert _counts(subscriber) == {
+            **{("stored", _h(n), 0): 1 for n in range(1, 61)},
+            ("removed", _h(1), 0): 1,
+            ("removed", _h(2), 0): 1,
+        }
+        # FLUSHALL on every master: each master's chunks are removed (other masters' would
+        # stay valid, so a Cluster's flush is no AllBlocksCleared).
+        client.flushall()
+        subscriber.wait_for("every removal", lambda: len(_counts(subscriber)) == 120, 30)
         time.sleep(1.0)
     finally:
         pub.close()
         client.close()
         cluster.stop()
     assert _counts(subscriber) == {
-        **{("stored", _h(n), 0): 1 for n in range(1, 61)},
-        ("removed", _h(1), 0): 1,
-        ("removed", _h(2), 0): 1,
+        (kind, _h(n), 0): 1 for n in range(1, 61) for kind in ("stored", "removed")
     }
+
+
+def test_a_sentinel_failover_repeats_nothing_and_loses_nothing(subscriber: KVSubscriber) -> None:
+    """The publisher follows the master the sentinel names; the promoted replica holds the same
+    chunks (and the marker): a resync with no difference, then its own stores."""
+    sentinel = LocalSentinel().start()
+    master = sentinel.data_client(sentinel.master_port())
+    _info(master)
+    pub = _publisher(sentinel.url, subscriber)
+    try:
+        wait_connected(master, subscriber)
+        for n in range(1, 11):
+            master.set(_key(0, n), b"v")
+        subscriber.wait_for("10 stores", lambda: len(_counts(subscriber)) == 10)
+        sentinel.wait_replicated()
+        master.close()
+        master = sentinel.data_client(sentinel.failover())
+        for n in range(11, 21):
+            master.set(_key(0, n), b"v")
+        subscriber.wait_for("20 stores", lambda: len(_counts(subscriber)) == 20, 30)
+        time.sleep(1.0)
+    finally:
+        pub.close()
+        master.close()
+        sentinel.stop()
+    assert _counts(subscriber) == {("stored", _h(n), 0): 1 for n in range(1, 21)}

@@ -13,7 +13,8 @@ compares with what it believes. One comes
 * when a Cluster's set of masters changes (a failover, checked every ``rediscover_s``);
 * when a node lost its data without a notification: Redis publishes nothing for ``FLUSHALL`` /
   ``FLUSHDB`` nor for a restart that forgets the data set. Each node holds a marker key
-  (``<prefix>:events:epoch``, in a Cluster one per master, in one of its slots) that the feed
+  (``<prefix>:events``; in a Cluster one per master, ``<prefix>:events{m<n>}`` in one of its
+  slots) that the feed
   writes and reads every ``marker_check_s``; a marker gone without a notification of its own
   means the node's data is gone. For a deployment of one data node (plain URL, Sentinel) that
   resync has :attr:`Resync.cleared` set: everything is gone, then the list is what was written
@@ -251,8 +252,12 @@ class KeyspaceFeed:
         return self._resync(cleared, f"{names} lost its data (FLUSHALL or a restart)")
 
     def _marker_exists(self, node: _Node) -> bool:
-        reply = reply_shapes.parsed("EXISTS", lambda: node.client.exists(node.marker))
-        return reply_shapes.flag("EXISTS", reply)
+        """Whether the node's marker is there (read with GET, not EXISTS: a read keeps it
+        recent for an LRU / LFU eviction policy)."""
+        reply = reply_shapes.parsed("GET", lambda: node.client.get(node.marker))
+        if reply is not None and not isinstance(reply, bytes | str):
+            raise reply_shapes.WrongReply(f"GET of the marker answered {reply!r:.60}")
+        return reply is not None
 
     def _write_marker(self, node: _Node) -> bool:
         """Write the node's marker unless it exists; whether it existed."""
@@ -262,7 +267,8 @@ class KeyspaceFeed:
 
     def _marker_key(self, name: str) -> str:
         """The marker of the node ``name``: in a Cluster, a key in one of its slots."""
-        base = f"{self._prefix}:events:epoch"
+        # Two parts (no ``<prefix>:<ns>:`` shape): no namespace of ``hma-redis info``.
+        base = f"{self._prefix}:events"
         if not isinstance(self._client, RedisCluster):
             return base
         slots = {
@@ -271,7 +277,7 @@ class KeyspaceFeed:
             if owners and owners[0].name == name
         }
         for tag in range(1 << 20):
-            key = f"{base}:{{m{tag}}}"
+            key = f"{base}{{m{tag}}}"
             if key_slot(key.encode()) in slots:
                 return key
         raise RedisClusterException(f"no slot found for the marker of {name}")
