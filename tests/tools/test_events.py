@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockStored
+from vllm.v1.kv_offload.base import Locality
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.redis.client import make_client
@@ -114,7 +115,7 @@ def test_stores_deletes_expiries_and_flushall_each_reach_the_router_once(
     assert subscriber.seen.seqs == list(range(len(subscriber.seen.seqs)))
     stored = [e for e in subscriber.events(NS) if isinstance(e, BlockStored)]
     assert {(e.medium, e.locality, tuple(e.token_ids), e.block_size) for e in stored} == {
-        ("STORAGE", "REMOTE", (), 0)
+        (MEDIUM_STORAGE, Locality.REMOTE.value, (), 0)  # what the engines send for the tier
     }
     kinds = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored}
     assert kinds == {(0, "full_attention", None), (1, "sliding_window", 32)}
@@ -143,6 +144,26 @@ def test_the_usable_view_announces_a_chunk_once_every_group_and_rank_holds_it(
         pub.close()
         client.close()
     assert _counts(subscriber) == {("stored", _h(7), None): 1, ("removed", _h(7), None): 1}
+
+
+def test_chunks_stored_before_their_namespace_info_become_usable_once_it_is_written(
+    server: LocalRedis, subscriber: KVSubscriber
+) -> None:
+    client = redis.Redis.from_url(server.url)
+    pub = _publisher(server.url, subscriber, view=View.USABLE)
+    try:
+        wait_connected(client, subscriber)
+        client.set(_key(0, 3), b"v")
+        client.set(_key(1, 3), b"v")
+        time.sleep(0.5)
+        assert _counts(subscriber) == {}  # no layout: nothing is known to be usable
+        _info(client, groups=2)
+        subscriber.wait_for("usable", lambda: ("stored", _h(3), None) in _counts(subscriber))
+        time.sleep(0.5)
+    finally:
+        pub.close()
+        client.close()
+    assert _counts(subscriber) == {("stored", _h(3), None): 1}
 
 
 def test_maxmemory_evictions_reach_the_router_once_each(subscriber: KVSubscriber) -> None:

@@ -16,11 +16,12 @@ from collections.abc import Iterable
 from enum import Enum
 
 from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored
-from vllm.v1.kv_offload.base import Locality
 
 from hma_redis.tools.events.chunks import Change, Layout
 
 _LOW_64 = (1 << 64) - 1
+# vLLM's ``Locality.REMOTE.value`` (vllm.v1.kv_offload.base), what the engines send for Redis.
+LOCALITY_REMOTE = "REMOTE"
 OWNERSHIP_PREFIX = "hma_redis:"
 
 
@@ -69,7 +70,7 @@ def _event(
     first = run[0]
     hashes = [block_hash(c.hash_hex, int_hashes) for c in run]
     ownership = OWNERSHIP_PREFIX + first.namespace
-    locality = Locality.REMOTE.value
+    locality = LOCALITY_REMOTE
     if not first.stored:
         return BlockRemoved(
             block_hashes=hashes,

@@ -73,6 +73,8 @@ class EventsService:
             rediscover_s=options.rediscover_s,
         )
         self._table = ChunkTable(cfg.key_prefix, options.namespace)
+        # Namespaces seen whose info hash was not read yet, and when each is tried next.
+        self._unknown: set[str] = set()
         self._layout_tries: dict[str, float] = {}
         self._publisher = ZmqEventPublisher(
             data_parallel_rank=0,
@@ -106,7 +108,11 @@ class EventsService:
     def step(self) -> int:
         """One poll of the feed; the number of events published."""
         items = self._feed.poll(self._options.poll_s)
-        return self._publish(self._apply(items)) if items else 0
+        if items:
+            return self._publish(self._apply(items))
+        if self._unknown:  # an info hash written after its namespace's chunks
+            return self._publish(self._to_events(self._read_layouts()))
+        return 0
 
     def close(self) -> None:
         """Flush what is queued, close the sockets and the Redis connections."""
@@ -148,24 +154,30 @@ class EventsService:
         return changes
 
     def _learn_layouts(self, keys: Iterable[str]) -> list[Change]:
-        """Read the info hash of every namespace of ``keys`` whose layout is unknown (at most
-        every ``_LAYOUT_RETRY_S`` per namespace)."""
-        namespaces = set()
+        """Learn the layout of every namespace of ``keys`` not known yet."""
         for key in keys:
             parts = parse_block_key(key)
             if parts is not None and self._table.layout(parts.namespace) is None:
-                namespaces.add(parts.namespace)
+                self._unknown.add(parts.namespace)
+        return self._read_layouts()
+
+    def _read_layouts(self) -> list[Change]:
+        """Read the info hash of each namespace whose layout is unknown (each at most every
+        ``_LAYOUT_RETRY_S``): the changes the layouts found cause."""
         changes: list[Change] = []
         now = time.monotonic()
-        for namespace in namespaces:
+        for namespace in sorted(self._unknown):
+            tried = namespace in self._layout_tries
             if now < self._layout_tries.get(namespace, 0.0):
                 continue
             self._layout_tries[namespace] = now + _LAYOUT_RETRY_S
             fields = self._feed.namespace_info(namespace)
             layout = Layout.from_info(fields) if fields else None
             if layout is None:
-                logger.info("hma_redis events: namespace %s has no info hash yet", namespace)
+                if not tried:
+                    logger.info("hma_redis events: namespace %s has no info hash yet", namespace)
                 continue
+            self._unknown.discard(namespace)
             changes += self._table.set_layout(namespace, layout)
         return changes
 
