@@ -35,6 +35,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,8 @@ logger = logging.getLogger(__name__)
 # K: keyspace channels (the key is in the channel), $: string commands (SET), g: DEL / UNLINK,
 # x: expired, e: evicted.
 FEED_FLAGS = "K$gxe"
-STORE_EVENTS = frozenset({"set"})
+# "restore": RESTORE, and MIGRATE's target during a Cluster's slot migration.
+STORE_EVENTS = frozenset({"set", "restore"})
 REMOVAL_EVENTS = frozenset({"del", "expired", "evicted"})
 _SCAN_COUNT = 1000
 _RECONNECT_S = 0.5
@@ -110,7 +112,7 @@ class KeyspaceFeed:
         marker_check_s: float = 0.5,
         rediscover_s: float = 5.0,
         allow_config_set: bool = True,
-        client_factory: Any = make_client,
+        client_factory: Callable[[RedisTierConfig], RedisClient] = make_client,
     ) -> None:
         self._cfg = cfg
         self._prefix = cfg.key_prefix
