@@ -17,7 +17,8 @@ is known, a chunk is never usable, and a group is complete with its rank-0 key.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass
 
 from hma_redis.core.keys import parse_block_key
 
@@ -64,33 +65,40 @@ class Change:
     stored: bool
 
 
-@dataclass
-class _Chunk:
-    parts: set[tuple[int, int]] = field(default_factory=set)  # (group, rank) keys present
+# A chunk's keys present are the bits of one int: bit ``rank * MAX_GROUPS + group``.
+MAX_GROUPS = 64
 
 
 class ChunkTable:
     """The chunk keys believed present, per namespace and block hash.
 
-    Memory is one entry per key Redis holds (about 150 bytes each): the table is the fleet's
-    index, as a router's own is.
+    Memory: one dict entry per chunk (all its groups and ranks together, as bits of an int;
+    the hash as bytes), on the order of 200 bytes per chunk; the table is the fleet's index, as
+    a router's own is. A key of a group beyond ``MAX_GROUPS`` is ignored.
     """
 
     def __init__(self, prefix: str, namespace: str | None = None) -> None:
         self._prefix = prefix
         self._namespace = namespace
-        self._chunks: dict[tuple[str, str], _Chunk] = {}
-        self._keys: set[str] = set()
+        self._chunks: dict[tuple[str, bytes], int] = {}
+        self._count = 0  # keys present
+        # Per namespace: whether its keys carry a rank (``:r<rank>``, world_size > 1).
+        self._ranked: dict[str, bool] = {}
         self._layouts: dict[str, Layout] = {}
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return self._count
 
     def keys(self) -> frozenset[str]:
-        return frozenset(self._keys)
-
-    def namespaces(self) -> set[str]:
-        return {ns for ns, _ in self._chunks}
+        """Every key believed present, as Redis names it (built again from the table)."""
+        out: set[str] = set()
+        for (namespace, raw), bits in self._chunks.items():
+            base = f"{self._prefix}:{namespace}:g"
+            ranked = self._ranked.get(namespace, False)
+            for group, rank in _parts(bits):
+                key = f"{base}{group}:{raw.hex()}"
+                out.add(f"{key}:r{rank}" if ranked else key)
+        return frozenset(out)
 
     def layout(self, namespace: str) -> Layout | None:
         return self._layouts.get(namespace)
@@ -102,65 +110,74 @@ class ChunkTable:
     def set_layout(self, namespace: str, layout: Layout) -> list[Change]:
         """Learn a namespace's layout; the changes it causes (chunks it makes usable or
         complete; groups that were complete with rank 0 alone and are not)."""
-        before = {key: self._states(*key) for key in self._chunks if key[0] == namespace}
+        before = {ident: self._states(ident) for ident in self._chunks if ident[0] == namespace}
         self._layouts[namespace] = layout
         out: list[Change] = []
-        for key, old in before.items():
-            out += self._diff(key, old, self._states(*key))
+        for ident, old in before.items():
+            out += _diff(ident, old, self._states(ident))
         return out
 
     def clear(self) -> None:
         """Forget every key (Redis lost its data set)."""
         self._chunks.clear()
-        self._keys.clear()
+        self._count = 0
 
     def apply(self, key: str, stored: bool) -> list[Change]:
         """A key written or removed: the changes of both views. A key that is no chunk key
         of the namespace scope, one written twice, one removed while not known: none."""
         parts = parse_block_key(key)
-        if parts is None or parts.prefix != self._prefix:
+        if parts is None or parts.prefix != self._prefix or parts.group >= MAX_GROUPS:
             return []
         if self._namespace is not None and parts.namespace != self._namespace:
             return []
-        if stored == (key in self._keys):
+        ident = (sys.intern(parts.namespace), bytes.fromhex(parts.hash_hex))
+        bits = self._chunks.get(ident, 0)
+        bit = 1 << (parts.rank * MAX_GROUPS + parts.group)
+        if stored == bool(bits & bit):
             return []
-        ident = (parts.namespace, parts.hash_hex)
-        chunk = self._chunks.setdefault(ident, _Chunk())
-        old = self._states(*ident)
-        if stored:
-            self._keys.add(key)
-            chunk.parts.add((parts.group, parts.rank))
+        self._ranked.setdefault(ident[0], key.count(":") == 4)
+        old = self._states(ident)
+        bits ^= bit
+        self._count += 1 if stored else -1
+        if bits:
+            self._chunks[ident] = bits
         else:
-            self._keys.discard(key)
-            chunk.parts.discard((parts.group, parts.rank))
-        new = self._states(*ident)
-        if not chunk.parts:
             del self._chunks[ident]
-        return self._diff(ident, old, new)
+        return _diff(ident, old, self._states(ident))
 
-    def _states(self, namespace: str, hash_hex: str) -> dict[int | None, bool]:
+    def _states(self, ident: tuple[str, bytes]) -> dict[int | None, bool]:
         """Per group (and None: usable), whether the chunk is present."""
-        chunk = self._chunks.get((namespace, hash_hex))
-        parts = chunk.parts if chunk is not None else set()
-        layout = self._layouts.get(namespace)
+        bits = self._chunks.get(ident, 0)
+        layout = self._layouts.get(ident[0])
         world = layout.world_size if layout is not None else 1
-        groups = {g for g, _ in parts}
+        groups = {g for g, _ in _parts(bits)}
         if layout is not None:
             groups |= set(range(layout.num_groups))
         states: dict[int | None, bool] = {
-            g: all((g, r) in parts for r in range(world)) for g in groups
+            g: all(bits >> (r * MAX_GROUPS + g) & 1 for r in range(world)) for g in groups
         }
         states[None] = layout is not None and all(states[g] for g in range(layout.num_groups))
         return states
 
-    @staticmethod
-    def _diff(
-        ident: tuple[str, str], old: dict[int | None, bool], new: dict[int | None, bool]
-    ) -> list[Change]:
-        namespace, hash_hex = ident
-        out: list[Change] = []
-        for group in sorted(set(old) | set(new), key=lambda g: -1 if g is None else g):
-            was, now = old.get(group, False), new.get(group, False)
-            if was != now:
-                out.append(Change(namespace, hash_hex, group, now))
-        return out
+
+def _parts(bits: int) -> list[tuple[int, int]]:
+    """The (group, rank) pairs of a chunk's bits."""
+    out: list[tuple[int, int]] = []
+    while bits:
+        low = bits & -bits
+        index = low.bit_length() - 1
+        out.append((index % MAX_GROUPS, index // MAX_GROUPS))
+        bits ^= low
+    return out
+
+
+def _diff(
+    ident: tuple[str, bytes], old: dict[int | None, bool], new: dict[int | None, bool]
+) -> list[Change]:
+    namespace, raw = ident
+    out: list[Change] = []
+    for group in sorted(set(old) | set(new), key=lambda g: -1 if g is None else g):
+        was, now = old.get(group, False), new.get(group, False)
+        if was != now:
+            out.append(Change(namespace, raw.hex(), group, now))
+    return out
