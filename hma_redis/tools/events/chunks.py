@@ -20,7 +20,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from hma_redis.core.keys import parse_block_key
+from hma_redis.core.keys import KeySpace, parse_block_key
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,8 @@ class ChunkTable:
             return []
         if self._namespace is not None and parts.namespace != self._namespace:
             return []
+        if not KeySpace(self._prefix, parts.namespace).is_block_key(key):
+            return []  # parse_block_key is lenient (":x1" as rank 0, "g01" as group 1)
         ident = (sys.intern(parts.namespace), bytes.fromhex(parts.hash_hex))
         bits = self._chunks.get(ident, 0)
         bit = 1 << (parts.rank * MAX_GROUPS + parts.group)
