@@ -72,7 +72,7 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 def test_compose_has_redis_and_two_vllm_servers(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {"redis", *VLLM_SERVICES, "prometheus", "grafana"}
+    assert set(services) == {"redis", *VLLM_SERVICES, "events", "prometheus", "grafana"}
     redis = services["redis"]
     assert redis["image"] == "redis:7"
     args = redis["command"]
@@ -82,6 +82,28 @@ def test_compose_has_redis_and_two_vllm_servers(compose: dict[str, Any]) -> None
     assert option(args, "--save") == ""  # persistence off
     assert option(args, "--appendonly") == "no"
     assert redis["healthcheck"]["test"][-1] == "ping"
+
+
+def test_the_events_service_publishes_the_shared_redis(compose: dict[str, Any]) -> None:
+    """``hma-redis events`` (docs/events.md) from the servers' image, on the redis service,
+    its PUB and replay ports published; Redis announces stores (``$``, escaped ``$$`` from
+    compose's interpolation) as well as removals."""
+    services = compose["services"]
+    events = services["events"]
+    assert events["image"] == services["vllm-a"]["image"]
+    assert events["entrypoint"] == ["hma-redis"]
+    command = events["command"]
+    assert command[0] == "events"
+    assert (
+        option(command, "--url")
+        == kv_config(services["vllm-a"])["kv_connector_extra_config"]["redis_url"]
+    )
+    pub = option(command, "--endpoint").rsplit(":", 1)[1]
+    replay = option(command, "--replay-endpoint").rsplit(":", 1)[1]
+    assert {p.rsplit(":", 1)[1] for p in events["ports"]} == {pub, replay}
+    assert events["depends_on"]["redis"]["condition"] == "service_healthy"
+    redis_args = [str(arg) for arg in services["redis"]["command"]]
+    assert "$$" in redis_args[redis_args.index("--notify-keyspace-events") + 1]
 
 
 @pytest.mark.parametrize("name", VLLM_SERVICES)

@@ -76,19 +76,24 @@ class FlagsOutcome:
     after: str | None  # the flags in force afterwards (None: unknown)
     error: str = ""  # why the flags could not be read or set
 
+    needed: str = NEEDED_FLAGS  # the flags asked for
+
     @property
     def enabled(self) -> bool:
-        return self.after is not None and not missing_flags(self.after)
+        return self.after is not None and not missing_flags(self.after, self.needed)
 
 
-def missing_flags(flags: str) -> str:
-    """The flags of :data:`NEEDED_FLAGS` that ``flags`` (as CONFIG GET gives them) lacks."""
+def missing_flags(flags: str, needed: str = NEEDED_FLAGS) -> str:
+    """The flags of ``needed`` that ``flags`` (as CONFIG GET gives them) lacks."""
     expanded = flags.replace("A", _ALIAS_A)
-    return "".join(f for f in NEEDED_FLAGS if f not in expanded)
+    return "".join(f for f in needed if f not in expanded)
 
 
-def ensure_flags(client: redis.Redis, allow_config_set: bool = True) -> FlagsOutcome:
-    """Make ``client``'s server publish what :class:`RemovalWatcher` needs, keeping every
+def ensure_flags(
+    client: redis.Redis, allow_config_set: bool = True, needed: str = NEEDED_FLAGS
+) -> FlagsOutcome:
+    """Make ``client``'s server publish ``needed`` (by default what :class:`RemovalWatcher`
+    needs; :mod:`~hma_redis.core.redis.keyspace_feed` adds stores), keeping every
     flag already set (other subscribers may rely on them). A refusal (an ACL without CONFIG,
     a managed Redis) is returned in :attr:`FlagsOutcome.error` (the message carries no
     credentials); an outage (connection error, timeout, a reply of the wrong shape) raises, so
@@ -99,20 +104,20 @@ def ensure_flags(client: redis.Redis, allow_config_set: bool = True) -> FlagsOut
         )
     except RedisError as exc:
         _raise_outage(exc)
-        return FlagsOutcome(None, None, f"CONFIG GET refused: {exc}")
+        return FlagsOutcome(None, None, f"CONFIG GET refused: {exc}", needed)
     before = reply_shapes.text_map("CONFIG GET", found).get("notify-keyspace-events", "")
-    missing = missing_flags(before)
+    missing = missing_flags(before, needed)
     if not missing:
-        return FlagsOutcome(before, before)
+        return FlagsOutcome(before, before, needed=needed)
     if not allow_config_set:
-        return FlagsOutcome(before, before, f"flags {missing!r} missing")
+        return FlagsOutcome(before, before, f"flags {missing!r} missing", needed)
     try:
         done = client.config_set("notify-keyspace-events", before + missing)
     except RedisError as exc:
         _raise_outage(exc)
-        return FlagsOutcome(before, before, f"CONFIG SET refused: {exc}")
+        return FlagsOutcome(before, before, f"CONFIG SET refused: {exc}", needed)
     reply_shapes.is_ok("CONFIG SET", done)
-    return FlagsOutcome(before, before + missing)
+    return FlagsOutcome(before, before + missing, needed=needed)
 
 
 def _raise_outage(exc: RedisError) -> None:

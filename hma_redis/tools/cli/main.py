@@ -8,6 +8,7 @@
     hma-redis unpin --ttl SECONDS       give pinned chunks their TTL back
     hma-redis quota ls|get|set|unset|reconcile   per-tenant byte budgets and what each holds
     hma-redis doctor                    is this Redis set up well for a KV-cache tier?
+    hma-redis events [--endpoint E]     publish stores and removals as vLLM KV events (ZMQ)
     hma-redis bench [--quick|--smoke]   the tier benchmark (hma_redis.tools.bench.tier)
 
 The connection is configured as the tier's (``--url`` else ``HMA_REDIS_URL`` else ``REDIS_URL``,
@@ -41,6 +42,7 @@ from hma_redis.tools.cli.commands import (
     Command,
     bench,
     doctor,
+    events,
     info,
     inspect,
     ls,
@@ -63,7 +65,7 @@ from hma_redis.tools.cli.output import (
 from hma_redis.tools.cli.text import printable, redis_error_message, scrub
 
 # The commands that run with a connection, in the order --help lists them (bench follows).
-COMMANDS: tuple[Command, ...] = (info, ls, inspect, purge, pins, unpin, quota, doctor)
+COMMANDS: tuple[Command, ...] = (info, ls, inspect, purge, pins, unpin, quota, doctor, events)
 
 _EPILOG = """\
 connection: --url, else $HMA_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0;
