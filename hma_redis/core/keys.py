@@ -192,15 +192,18 @@ class BlockKeyParts(NamedTuple):
     rank: int
 
 
+_NUMBER = "(?:0|[1-9][0-9]*)"
+_BLOCK_KEY_PARTS = re.compile(
+    rf"([^:]*):([^:]*):g({_NUMBER}):((?:[0-9a-f]{{2}})+)(?::r({_NUMBER}))?"
+)
+
+
 def parse_block_key(key: str) -> BlockKeyParts | None:
-    """Split a block key into its parts; None if ``key`` is not a block key."""
-    parts = key.split(":")
-    if len(parts) not in (4, 5) or not parts[2].startswith("g"):
+    """Split a block key into its parts; None if ``key`` is not a block key as
+    :meth:`KeySpace.block_key` writes it (the same rules as :meth:`KeySpace.is_block_key`:
+    numbers without leading zeros, lowercase hex, ``:r<rank>`` or nothing after it)."""
+    match = _BLOCK_KEY_PARTS.fullmatch(key)
+    if match is None:
         return None
-    try:
-        group = int(parts[2][1:])
-        rank = int(parts[4][1:]) if len(parts) == 5 and parts[4].startswith("r") else 0
-        bytes.fromhex(parts[3])
-    except ValueError:
-        return None
-    return BlockKeyParts(parts[0], parts[1], group, parts[3], rank)
+    prefix, namespace, group, hash_hex, rank = match.groups()
+    return BlockKeyParts(prefix, namespace, int(group), hash_hex, int(rank or 0))

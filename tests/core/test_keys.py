@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 from hma_redis.core.keys import GroupLayout, KeySpace, NamespaceFingerprint, parse_block_key
 
 
@@ -66,3 +68,27 @@ def test_info_fields_are_plain_text():
     assert fields["model"] == "tiny-gemma"
     assert fields["g1.kind"] == "sliding_window:32"
     assert all(isinstance(v, str) for v in fields.values())
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "hma:ns:g01:abcd",  # a group with a leading zero
+        "hma:ns:g0:abcd:x1",  # something other than a rank after the hash
+        "hma:ns:g0:abcd:r01",
+        "hma:ns:g0:ABCD",  # block_key writes lowercase hex
+        "hma:ns:g0:abc",  # odd hex
+        "hma:ns:g0:abcd:r1:extra",
+    ],
+)
+def test_parse_block_key_refuses_what_block_key_never_writes(key: str) -> None:
+    """The parser and :meth:`KeySpace.is_block_key` agree: a key block_key would not write is
+    no block key (before, ``g01`` parsed as group 1 and ``:x1`` as rank 0)."""
+    assert parse_block_key(key) is None
+    assert not KeySpace("hma", "ns", 2).is_block_key(key)
+
+
+def test_parse_block_key_reads_what_block_key_writes() -> None:
+    space = KeySpace("hma", "ns", 2)
+    parts = parse_block_key(space.block_key(3, b"\xab\xcd", rank=1))
+    assert parts == ("hma", "ns", 3, "abcd", 1)
