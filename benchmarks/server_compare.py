@@ -9,8 +9,8 @@ g; print(g())'``) and each ``--io-threads`` value it starts a private server on 
 port (persistence off, ``--io-threads N``), runs ``hma-redis bench --url ... --json`` against it
 (hma_redis, redis-py, redis-benchmark and, with ``--lmcache-python``, LMCache's connectors: the
 same clients against the same server), prints that run's table, stops the server, and ends with
-one summary: GB/s of hma_redis and LMCache ``resp://`` per server and io-threads, and each
-server's GB/s over the first server's.
+one summary: GB/s of hma_redis, LMCache ``resp://`` and LMCache's MP mode per server and
+io-threads, hma_redis over the faster LMCache, and each server's GB/s over the first server's.
 
 The servers run one after the other, not interleaved: the summary compares runs minutes apart
 on a machine that may be doing other things, so it says the load average of each run.
@@ -31,6 +31,11 @@ from hma_redis.tools.devkit.local_redis import LocalRedis
 
 SIZES = ("524288", "2097152", "8388608")
 LABELS = {"524288": "512 KiB", "2097152": "2 MiB", "8388608": "8 MiB"}
+PEERS = ("hma_redis", "lmcache-resp", "lmcache-mp")
+
+
+def _cell(value: float | None) -> str:
+    return f"{value:.2f}" if value else "-"
 
 
 def _server(binary: str, io_threads: int) -> LocalRedis:
@@ -75,27 +80,30 @@ def main() -> int:
     print("\nsummary (GB/s; each row one run of the table above it; x = over the first row)")
     print(
         f"{'server':<28}{'io':>3}  {'op':<6}{'size':<9}{'hma_redis':>10}{'lmc-resp':>10}"
-        f"{'hma x':>8}{'lmc x':>8}  load avg"
+        f"{'lmc-mp':>8}{'hma/best':>9}{'hma x':>8}{'lmc x':>8}  load avg"
     )
     first = runs[0]["gbps"]
     for run in runs:
         for op in ("load", "store"):
             for size in SIZES:
-                hma = run["gbps"].get(f"hma_redis {op} {size}")
-                lmc = run["gbps"].get(f"lmcache-resp {op} {size}")
+                got = {c: run["gbps"].get(f"{c} {op} {size}") for c in PEERS}
+                hma, lmc, mp = got["hma_redis"], got["lmcache-resp"], got["lmcache-mp"]
+                best = max((x for x in (lmc, mp) if x), default=None)
                 hma0 = first.get(f"hma_redis {op} {size}")
                 lmc0 = first.get(f"lmcache-resp {op} {size}")
                 cells = [
-                    f"{hma:.2f}" if hma else "-",
-                    f"{lmc:.2f}" if lmc else "-",
-                    f"{hma / hma0:.2f}" if hma and hma0 else "-",
-                    f"{lmc / lmc0:.2f}" if lmc and lmc0 else "-",
+                    _cell(hma),
+                    _cell(lmc),
+                    _cell(mp),
+                    _cell(hma / best if hma and best else None),
+                    _cell(hma / hma0 if hma and hma0 else None),
+                    _cell(lmc / lmc0 if lmc and lmc0 else None),
                 ]
                 load = "/".join(f"{x:.1f}" for x in run["load_average"])
                 print(
                     f"{run['redis_version']:<28}{run['io_threads']:>3}  {op:<6}"
-                    f"{LABELS[size]:<9}{cells[0]:>10}{cells[1]:>10}{cells[2]:>8}{cells[3]:>8}"
-                    f"  {load}"
+                    f"{LABELS[size]:<9}{cells[0]:>10}{cells[1]:>10}{cells[2]:>8}{cells[3]:>9}"
+                    f"{cells[4]:>8}{cells[5]:>8}  {load}"
                 )
     return 0
 
