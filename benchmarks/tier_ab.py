@@ -12,11 +12,13 @@ each, their ratio, and in how many pairs b was faster. What differs (``--compare
   (``tcp_congestion`` ""), B's ``--congestion`` (default cubic);
 * ``threads``: A runs each job on one thread with two connections (the defaults,
   ``connections_per_job`` 1, ``connections_per_thread`` 2), B on two threads with one
-  connection each (``connections_per_job`` 2, ``connections_per_thread`` 1: LMCache's shape).
+  connection each (``connections_per_job`` 2, ``connections_per_thread`` 1: LMCache's shape);
+* ``window``: A's loads keep ``wire.window_for``'s GETs in flight per connection, B's
+  ``--window`` (B's jobs run with ``window_for`` replaced; the two never run at once).
 
     .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
         [--compare connections --a 1 --b 2 | --compare pages | --compare congestion
-         | --compare threads]
+         | --compare threads | --compare window --window 2]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -25,13 +27,16 @@ tables; they assert nothing about speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from hma_redis.core.config import RedisTierConfig
+from hma_redis.core.redis import wire
 from hma_redis.tools.bench.common import Samples, server_config
 from hma_redis.tools.bench.tier import FULL, TierBench, size_label
 
@@ -42,12 +47,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument(
         "--compare",
-        choices=("connections", "pages", "congestion", "threads"),
+        choices=("connections", "pages", "congestion", "threads", "window"),
         default="connections",
     )
     parser.add_argument("--congestion", default="cubic", help="B's tcp_congestion")
     parser.add_argument("--a", type=int, default=1, help="connections_per_thread of A")
     parser.add_argument("--b", type=int, default=2, help="connections_per_thread of B")
+    parser.add_argument("--window", type=int, default=2, help="B's GETs in flight per socket")
     args = parser.parse_args()
     if args.compare != "connections":
         args.a = args.b = RedisTierConfig().connections_per_thread
@@ -88,8 +94,11 @@ def main() -> None:
                 for pair in range(args.pairs):
                     order = "ab" if pair % 2 == 0 else "ba"
                     for name in order:
-                        benches[name].run(size, Samples())  # as the bench: warm, then timed
-                        benches[name].run(size, samples)
+                        with _window(
+                            args.window if args.compare == "window" and name == "b" else None
+                        ):
+                            benches[name].run(size, Samples())  # as the bench: warm, then timed
+                            benches[name].run(size, samples)
                 for op in ("load", "store"):
                     a = samples.values[f"a {op} {size}"]
                     b = samples.values[f"b {op} {size}"]
@@ -109,7 +118,24 @@ def main() -> None:
     )
 
 
+@contextlib.contextmanager
+def _window(window: int | None) -> Iterator[None]:
+    """Loads inside the block keep ``window`` GETs in flight per connection (None: as
+    ``wire.window_for`` says)."""
+    if window is None:
+        yield
+        return
+    saved = wire.window_for
+    wire.window_for = lambda targets, connections=1: window
+    try:
+        yield
+    finally:
+        wire.window_for = saved
+
+
 def _describe(args: argparse.Namespace) -> str:
+    if args.compare == "window":
+        return f"A: wire.window_for's GETs in flight per connection, B: {args.window}"
     if args.compare == "pages":
         return "A: a view per page, B: Pages (block ids)"
     if args.compare == "congestion":
