@@ -13,12 +13,14 @@ each, their ratio, and in how many pairs b was faster. What differs (``--compare
 * ``threads``: A runs each job on one thread with two connections (the defaults,
   ``connections_per_job`` 1, ``connections_per_thread`` 2), B on two threads with one
   connection each (``connections_per_job`` 2, ``connections_per_thread`` 1: LMCache's shape);
+* ``landing``: A's loads land in the KV cache's pages (the C job, in place), B's in one
+  contiguous buffer per value, copied into the pages once valid (as with an auth_key);
 * ``window``: A's loads keep ``wire.window_for``'s GETs in flight per connection, B's
   ``--window`` (B's jobs run with ``window_for`` replaced; the two never run at once).
 
     .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
         [--compare connections --a 1 --b 2 | --compare pages | --compare congestion
-         | --compare threads | --compare window --window 2]
+         | --compare threads | --compare landing | --compare window --window 2]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -47,7 +49,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument(
         "--compare",
-        choices=("connections", "pages", "congestion", "threads", "window"),
+        choices=("connections", "pages", "congestion", "threads", "landing", "window"),
         default="connections",
     )
     parser.add_argument("--congestion", default="cubic", help="B's tcp_congestion")
@@ -82,6 +84,9 @@ def main() -> None:
         }
         if args.compare == "pages":
             _pages_as_views(benches["a"])
+        if args.compare == "landing":
+            for worker in benches["b"].workers.values():
+                worker._engine._land_in_place = False
         try:
             print(f"{_describe(args)}; {where}; {args.pairs} pairs")
             print(f"data path: {benches['a'].data_path} / {benches['b'].data_path}")
@@ -134,6 +139,8 @@ def _window(window: int | None) -> Iterator[None]:
 
 
 def _describe(args: argparse.Namespace) -> str:
+    if args.compare == "landing":
+        return "A: loads land in the pages, B: in a buffer per value, then copied"
     if args.compare == "window":
         return f"A: wire.window_for's GETs in flight per connection, B: {args.window}"
     if args.compare == "pages":
