@@ -283,11 +283,28 @@ def no_resume_reason(vllm_config: VllmConfig) -> str | None:
     tokens (MLA on a CPU without AMX, whose reference backend has no prefill with context;
     models with non-causal layers): KV loaded there gives other tokens than a recompute. The
     connector sees only the result, so prefix caching off (by vLLM or by the operator) means
-    no loads: exact or nothing."""
-    if vllm_config.cache_config.enable_prefix_caching:
-        return None
-    mla = " (an MLA model: on this platform vLLM runs it so)" if _uses_mla(vllm_config) else ""
-    return f"vLLM runs this deployment without prefix caching{mla}"
+    no loads: exact or nothing.
+
+    Where vLLM keeps prefix caching on for MLA on a CPU (an AMX host: its AMX_MLA backend with
+    the CPU_SDPA_MLA prefill), a prefill after computed tokens gives other greedy tokens than a
+    recompute: vLLM's own prefix cache does too (docs/hybrid-families.md), so KV loaded there
+    cannot be exact either, and the tier loads nothing into such an engine."""
+    mla = _uses_mla(vllm_config)
+    if not vllm_config.cache_config.enable_prefix_caching:
+        why = " (an MLA model: on this platform vLLM runs it so)" if mla else ""
+        return f"vLLM runs this deployment without prefix caching{why}"
+    if mla and _on_cpu():
+        return (
+            "vLLM's CPU MLA backend gives other tokens after cached KV than a recompute "
+            "(its own prefix cache does too)"
+        )
+    return None
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _uses_mla(vllm_config: VllmConfig) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import redis
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 
@@ -190,3 +191,20 @@ def test_an_engine_that_cannot_resume_from_cached_kv_finds_nothing(
     other = make_offload_key(b"\x22" * 32, 0)
     out = manager.prepare_store([other], ReqContext(req_id="r1"))
     assert out is not None and out.keys_to_store == [other]
+
+
+def test_an_mla_engine_on_a_cpu_finds_nothing_even_with_prefix_caching_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU MLA backend (AMX) gives other tokens after cached KV than a recompute, its
+    own prefix cache included: no loads there. Elsewhere (a GPU) MLA with prefix caching
+    loads."""
+    from vllm.platforms import current_platform
+
+    vllm_config = make_vllm_config(write_tiny_model_config(tmp_path / "m"), "redis://h:1/0")
+    assert current_platform.is_cpu()
+    assert no_resume_reason(vllm_config) is None  # not MLA
+    monkeypatch.setattr(type(vllm_config.model_config), "use_mla", property(lambda self: True))
+    assert "CPU MLA backend" in str(no_resume_reason(vllm_config))
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert no_resume_reason(vllm_config) is None
