@@ -23,7 +23,7 @@ import redis
 from hma_redis.core import codec
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3
-from tests.engine.test_corruption import _block_values, nan_payload, random_middle_half
+from tests.engine.test_corruption import _block_values, damage_in_turn
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.tier import tier_config
 
@@ -80,16 +80,7 @@ def test_chunks_of_several_blocks_load_exactly_or_are_recomputed(
             loaded.stderr_tail,
         )
 
-    rng = random.Random(43)
-    keys = sorted(values)
-    assert len(keys) > 2
-    damaged: dict[bytes, bytes] = {}
-    for idx, key in enumerate(keys):
-        if idx % 3 == 2:  # another key's valid value
-            damaged[key] = values[keys[(idx + 1) % len(keys)]]
-        else:
-            damaged |= (random_middle_half, nan_payload)[idx % 3]({key: values[key]}, rng)
-    client.mset(damaged)
+    client.mset(damage_in_turn(values, random.Random(43)))
     recomputed = run_engine(model, prompts, MAX_TOKENS, config, env, block_size=BLOCK_TOKENS)
     assert recomputed.token_ids == baseline.token_ids, recomputed.stderr_tail
     assert recomputed.num_cached_tokens == [0] * len(prompts), recomputed.stderr_tail

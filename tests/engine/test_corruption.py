@@ -62,6 +62,20 @@ def other_keys_value(values: dict[bytes, bytes], rng: random.Random) -> dict[byt
     return {key: values[keys[(i + 1) % len(keys)]] for i, key in enumerate(keys)}
 
 
+def damage_in_turn(values: dict[bytes, bytes], rng: random.Random) -> dict[bytes, bytes]:
+    """Every value damaged, the fault chosen by key in turn (in key order): random bytes over
+    the middle half, a NaN/Inf body, another key's valid value."""
+    keys = sorted(values)
+    assert len(keys) > 2, "too few values to damage each way"
+    damaged: dict[bytes, bytes] = {}
+    for idx, key in enumerate(keys):
+        if idx % 3 == 2:
+            damaged[key] = values[keys[(idx + 1) % len(keys)]]
+        else:
+            damaged |= (random_middle_half, nan_payload)[idx % 3]({key: values[key]}, rng)
+    return damaged
+
+
 FAULTS: list[Callable[[dict[bytes, bytes], random.Random], dict[bytes, bytes]]] = [
     random_middle_half,
     nan_payload,

@@ -20,7 +20,7 @@ import redis
 from hma_redis.core import codec
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3
-from tests.engine.test_corruption import _block_values, nan_payload, random_middle_half
+from tests.engine.test_corruption import _block_values, damage_in_turn
 from tests.support.engine_runner import make_prompts, run_engine
 from tests.support.tier import tier_config
 
@@ -72,16 +72,7 @@ def test_encrypted_values_are_shared_across_a_rotation_and_recomputed_when_damag
     # Damage every value, recompute on the C job; that run stores good values again: damage
     # them the same way and recompute on the Python path.
     for path_env in ({}, {"HMA_REDIS_NATIVE": "0"}):
-        values = _block_values(client)
-        keys = sorted(values)
-        assert len(keys) > 2
-        damaged: dict[bytes, bytes] = {}
-        for idx, key in enumerate(keys):
-            if idx % 3 == 2:  # another key's valid value
-                damaged[key] = values[keys[(idx + 1) % len(keys)]]
-            else:
-                damaged |= (random_middle_half, nan_payload)[idx % 3]({key: values[key]}, rng)
-        client.mset(damaged)
+        client.mset(damage_in_turn(_block_values(client), rng))
         recomputed = run_engine(model, prompts, MAX_TOKENS, config, keyed | path_env)
         assert recomputed.token_ids == baseline.token_ids, recomputed.stderr_tail
         assert recomputed.num_cached_tokens == [0] * len(prompts), recomputed.stderr_tail

@@ -7,21 +7,19 @@ a chunk; otherwise it keeps routing to a prefix that is gone (issue 14, part 1).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 import redis
-import zmq
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from hma_redis.core.keys import parse_block_key
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3
 from tests.support.engine_runner import make_prompts, run_engine
+from tests.support.kv_subscriber import KVSubscriber
 from tests.support.redis_server import LocalRedis
 from tests.support.step_hold import ENV as HOLD_ENV
 from tests.support.step_hold import QUALNAME as HOLD_PROCESSOR
@@ -30,55 +28,6 @@ from tests.support.tier import tier_config
 pytestmark = pytest.mark.engine
 
 TTL_S = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _Router:
-    """A ZMQ SUB on the engine's KV-event publisher, decoding its batches in a thread. It binds
-    and the engine connects (vLLM's publisher connects to a non-wildcard tcp endpoint), as
-    llm-d's KV-cache indexer does."""
-
-    def __init__(self, endpoint: str) -> None:
-        self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.bind(endpoint)
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self.stored: list[BlockStored] = []
-        self.removed: list[BlockRemoved] = []
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sub, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            _topic, _seq, payload = self._sub.recv_multipart()
-            try:
-                batch = self._decoder.decode(payload)
-            except msgspec.DecodeError as exc:
-                self.errors.append(str(exc))
-                continue
-            for event in batch.events:
-                if isinstance(event, BlockStored):
-                    self.stored.append(event)
-                elif isinstance(event, BlockRemoved):
-                    self.removed.append(event)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sub.close(linger=0)
-        self._ctx.term()
 
 
 class _RedisRemovals:
@@ -156,8 +105,8 @@ def test_router_hears_of_evicted_and_expired_chunks(
     admin = redis.Redis.from_url(evicting_redis.url)
     admin.config_set("notify-keyspace-events", "Exe")
     model = build_gemma3(tmp_path_factory.mktemp("gemma3"), sliding_window=32)
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    router = _Router(endpoint)
+    router = KVSubscriber()
+    endpoint = router.endpoint
     removals = _RedisRemovals(evicting_redis.url)
     done = threading.Event()
     capper = threading.Thread(
@@ -203,14 +152,20 @@ def test_router_hears_of_evicted_and_expired_chunks(
     admin.close()
     assert "E" in flags and "K" in flags  # the tier kept the flags it found
 
-    stored = {h for e in router.stored if e.medium == "STORAGE" for h in e.block_hashes}
+    events = router.events()
+    stored = {
+        h
+        for e in events
+        if isinstance(e, BlockStored) and e.medium == "STORAGE"
+        for h in e.block_hashes
+    }
     removed: dict[int, set[int]] = {}
-    for event in router.removed:
-        if event.medium == "STORAGE":
+    for event in events:
+        if isinstance(event, BlockRemoved) and event.medium == "STORAGE":
             for block_hash in event.block_hashes:
                 assert isinstance(block_hash, int)
                 removed.setdefault(block_hash, set()).add(int(event.group_idx or 0))
-    assert not router.errors, router.errors[:3]
+    assert not router.seen.errors, router.seen.errors[:3]
     assert stored, f"no stored events from the tier\n{run.stderr_tail}"
     evicted, expired = _hashes_of(removals.keys["evicted"]), _hashes_of(removals.keys["expired"])
     assert evicted and expired, f"Redis evicted {len(evicted)}, expired {len(expired)} chunks"
