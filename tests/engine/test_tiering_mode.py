@@ -73,6 +73,29 @@ def test_tiering_mode_shares_exactly_and_never_serves_damage(
     check_family(family, model, server, tiering_config, local_cpu_tier=True)
 
 
+def test_tiering_mode_with_encrypted_values_shares_exactly_and_never_serves_damage(
+    server: LocalRedis,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same check with an encryption key: sealed values shared token-identically on both
+    data paths, every damaged one (random bytes, NaN payloads, another key's value) refused and
+    recomputed. What Redis held when the check stops it is read first: sealed values only."""
+    held: list[bytes] = []
+    stop = server.stop
+
+    def read_then_stop() -> None:
+        client = redis.Redis(port=server.port, socket_timeout=5)
+        held.extend(v for v in (client.get(k) for k in client.keys("hma:*:g*")) if v is not None)
+        stop()
+
+    monkeypatch.setattr(server, "stop", read_then_stop)
+    family = ENGINE_MODELS["hybrid"]
+    model = family.build(tmp_path_factory.mktemp("hybrid-sealed"))
+    check_family(family, model, server, tiering_config, local_cpu_tier=True, tier_env=SEALED)
+    assert held and all(codec.is_sealed(v) for v in held)
+
+
 def test_deployments_that_must_not_share_do_not_under_one_namespace_name(
     server: LocalRedis, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -130,11 +130,13 @@ def check_family(
     tier_config: Callable[..., dict[str, Any]],
     *,
     local_cpu_tier: bool = False,
+    tier_env: dict[str, str] | None = None,
 ) -> None:
     """The check of the module's docstring; ``tier_config(url, **options)`` is the mode's
     kv-transfer-config. ``local_cpu_tier``: the engine keeps a CPU tier of its own (the tiering
     mode), so with Redis gone the partial prompt still finds the chunks the engine computed
-    for the prompt before it there."""
+    for the prompt before it there. ``tier_env``: environment of every engine run (e.g. an
+    encryption key)."""
     config = tier_config(server.url, **TIER_OPTIONS)
     refused = family.refused()
     if refused is not None:
@@ -162,7 +164,7 @@ def check_family(
             prompts,
             MAX_TOKENS,
             cfg,
-            extra_env=env,
+            extra_env={**(tier_env or {}), **(env or {})},
             dtype=family.dtype,
             llm_kwargs=family.llm_kwargs,
         )
