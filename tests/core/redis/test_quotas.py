@@ -301,3 +301,11 @@ def test_tenant_ids_are_keyed_with_the_deployments_secret() -> None:
     assert ids["plain"] == A
     assert ids["sealed"] == ids["rotating"]
     assert len({ids["plain"], ids["sealed"], ids["keyed"]}) == 3
+
+
+@pytest.mark.parametrize("salt", ["\ud800 lone surrogate", "\x00" * 3, "x" * 1_000_000, "ü:*?[]"])
+def test_any_salt_an_api_client_sends_gets_a_plain_tenant_id(salt: str) -> None:
+    """vLLM passes the API client's cache_salt through: whatever it holds, the tenant is 16
+    hex digits (nothing of the salt, no key pattern characters) and never an exception."""
+    ident = tenant_id(salt, "hma")
+    assert is_tenant_id(ident) and ident != DEFAULT_TENANT
