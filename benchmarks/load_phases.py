@@ -49,6 +49,12 @@ def _timed(marks: dict[str, float], start: str, end: str, fn: Any) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=300)
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long before each job (an idle engine)",
+    )
     with stored_job(parser, "phases") as (args, bench, worker, keys, where):
         marks: dict[str, float] = {}
         store: Any = bench.store
@@ -58,6 +64,7 @@ def main() -> None:
         rows: list[tuple[float, ...]] = []
         for _ in range(args.jobs):
             blocks = free_blocks(bench)
+            time.sleep(args.idle_ms / 1e3)
             t0 = time.perf_counter()
             submit_load(bench, worker, keys, blocks)
             t1 = time.perf_counter()
