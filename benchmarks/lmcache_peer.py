@@ -46,10 +46,12 @@ every value put. Its JSON line has ``wall_s`` and each job's (submitted, finishe
 the loop began (``load_spans``, ``store_spans``) instead of ``put_s`` and ``get_s``.
 
 Prints one JSON line on stdout: ``client``, ``size``, ``count``, ``put_s`` and ``get_s`` (seconds
-per repetition), ``lmcache_version``, ``redis_py_version``, ``threads`` (``resp://`` and ``mp``) and
-``pipeline`` (redis-py only). Everything else, LMCache's logs included, goes to stderr. Any
-missing or wrong value ends it with exit status 1 and a one-line message. The process ends with
-``os._exit`` and never calls the connector's ``close()``, which deadlocks in LMCache 0.5.6.
+per repetition), ``reget_s`` (the same values got again right after the get and its byte check: a
+load that follows a load), ``lmcache_version``, ``redis_py_version``, ``threads`` (``resp://``
+and ``mp``) and ``pipeline`` (redis-py only). Everything else, LMCache's logs included, goes to
+stderr. Any missing or wrong value ends it with exit status 1 and a one-line message. The process
+ends with ``os._exit`` and never calls the connector's ``close()``, which deadlocks in LMCache
+0.5.6.
 """
 
 from __future__ import annotations
@@ -673,6 +675,8 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
     get_s: list[float] = []
     put_cost: list[dict[str, float]] = []
     get_cost: list[dict[str, float]] = []
+    reget_s: list[float] = []
+    reget_cost: list[dict[str, float]] = []
     _SPAN.server = r
     if args.count_syscalls:
         _SPAN.counter = _syscall_counter()
@@ -687,12 +691,17 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
             raise BenchError(f"repetition {rep}: Redis holds {stored} keys, expected {expected}")
         get = client.get(tag, payloads)
         get_spent = _SPAN.last
+        # The same values again at once (after the get's byte check): a burst of loads.
+        reget = client.get(tag, payloads)
+        reget_spent = _SPAN.last
         _unlink(r, client.pattern(tag))
         if rep >= args.warmup:  # the first ones open connections and touch fresh memory
             put_s.append(put)
             get_s.append(get)
             put_cost.append(put_spent)
             get_cost.append(get_spent)
+            reget_s.append(reget)
+            reget_cost.append(reget_spent)
     return {
         "client": client.name,
         "size": args.size,
@@ -701,6 +710,8 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
         "get_s": get_s,
         "put_cost": put_cost,
         "get_cost": get_cost,
+        "reget_s": reget_s,
+        "reget_cost": reget_cost,
         "lmcache_version": lmcache.__version__,
         "redis_py_version": redis.__version__,
         "threads": getattr(client, "threads", None),

@@ -1,6 +1,6 @@
 """The worker's load job, over and over, for a profiler to watch: the tier benchmark's worker
 (``hma-redis bench``: 8 layers of 16 KiB pages on the CPU, 16 MiB jobs) stores one job's worth
-of values once, then loads them into random blocks of the cache's second half for ``--seconds``
+of values once, then loads them into random blocks of the cache's second third for ``--seconds``
 seconds, each load timed from submit until ``get_finished`` reports it, and prints the median.
 While it runs, profile the host, e.g. ``perf record -a -g -- sleep 8`` once it prints
 ``looping``, then ``perf report --no-children --sort comm,sym``.
@@ -62,7 +62,7 @@ def stored_job(
 
 
 def free_blocks(bench: TierBench) -> list[int]:
-    """A job's worth of random block ids in the cache's second half (the stored job's blocks
+    """A job's worth of random block ids in the cache's second third (the stored job's blocks
     are in the first)."""
     return bench.rng.sample(range(bench.blocks, 2 * bench.blocks), bench.blocks)
 

@@ -142,6 +142,9 @@ CLIENTS = (
     "hma-tiering",
 )
 OPS = ("load", "store")
+# The tables' rows: ``reload`` is the same job loaded again at once (a load after a load); the
+# ``load`` row is the job's first load, right after its store.
+TABLE_OPS = ("load", "reload", "store")
 LMCACHE_CONNECTORS = ("redis", "resp", "mp")
 # lmcache_peer.py's exit status when the installed LMCache has no multiprocess mode.
 _NO_MP_MODE_STATUS = 2
@@ -277,12 +280,16 @@ class LMCachePeer:
                 raise BenchError(f"bench: LMCache {connector}:// peer failed: {why}")
             result = json.loads(lines[-1])
             self.version = result["lmcache_version"]
-            costs = {op: result.get(f"{op}_cost") or [None] for op in ("put", "get")}
-            put_cost, get_cost = (
-                Cost.from_json(costs[op][0]) if costs[op][0] else None for op in ("put", "get")
+            costs = {op: result.get(f"{op}_cost") or [None] for op in ("put", "get", "reget")}
+            put_cost, get_cost, reget_cost = (
+                Cost.from_json(costs[op][0]) if costs[op][0] else None
+                for op in ("put", "get", "reget")
             )
             samples.add(f"lmcache-{connector} store {size}", result["put_s"][0], None, put_cost)
             samples.add(f"lmcache-{connector} load {size}", result["get_s"][0], None, get_cost)
+            samples.add(
+                f"lmcache-{connector} reload {size}", result["reget_s"][0], None, reget_cost
+            )
 
     def _connectors(self) -> tuple[str, ...]:
         """The connectors still to measure: the MP mode is dropped once found absent."""
@@ -329,8 +336,10 @@ class MooncakePeer:
 class TierBench:
     """The real worker on CPU int8 KV-cache tensors; one worker per ``blocks_per_chunk``.
 
-    Each job moves ``job_bytes`` of KV: its blocks are read from random ids in the first half of
-    the cache and loaded back into random ids of the second half, then compared.
+    Each job moves ``job_bytes`` of KV: its blocks are read from random ids in the first third
+    of the cache and loaded back into random ids of the second third, then at once again (the
+    ``reload`` sample: a load that follows a load, as in a burst of requests) into random ids of
+    the last third; both are compared.
     """
 
     def __init__(
@@ -353,7 +362,7 @@ class TierBench:
         self.store = RedisBlockStore(self.cfg, native=native)
         self.keyspace = KeySpace(self.cfg.key_prefix, namespace)
         self.blocks = plan.job_bytes // (LAYERS * PAGE_BYTES)
-        num_blocks = 2 * self.blocks
+        num_blocks = 3 * self.blocks
         kv = bench_kv_cache(self.cfg, self.store, self.keyspace, num_blocks, plan.sizes)
         self.tensors, self.arrays, self.workers = kv.tensors, kv.arrays, kv.workers
         self.data_path = next(iter(self.workers.values())).data_path
@@ -431,8 +440,10 @@ class TierBench:
         keys = self._keys.take(chunks)
         src_ids = self.rng.sample(range(self.blocks), self.blocks)
         dst_ids = self.rng.sample(range(self.blocks, 2 * self.blocks), self.blocks)
+        again_ids = self.rng.sample(range(2 * self.blocks, 3 * self.blocks), self.blocks)
         for array in self.arrays:
             array[dst_ids] = 0
+            array[again_ids] = 0
         expected = chunks * self.value_bytes(size)
 
         self._job_id += 1
@@ -456,6 +467,27 @@ class TierBench:
         if self.check_values:
             self._check_stored(keys, src_ids, size)
 
+        loads = [self._load(worker, keys, ids, size) for ids in (dst_ids, again_ids)]
+        for layer, array in enumerate(self.arrays):
+            for ids in (dst_ids, again_ids):
+                check(
+                    np.array_equal(array[src_ids], array[ids]),
+                    f"loaded blocks differ from stored ones (layer {layer}, {size} B values)",
+                )
+        self.store.delete([self.keyspace.block_key(0, k[:-4]) for k in keys])
+        samples.add(f"{self.name} store {size}", store_s, store_trips, store_cost)
+        for op, (load_s, load_trips, load_cost) in zip(("load", "reload"), loads, strict=True):
+            samples.add(f"{self.name} {op} {size}", load_s, load_trips, load_cost)
+
+    def _load(
+        self, worker: Any, keys: Sequence[bytes], dst_ids: Sequence[int], size: int
+    ) -> tuple[float, int, Cost]:
+        """One timed, metered load job of ``keys`` into the blocks ``dst_ids``: its seconds,
+        round trips and cost (compared by the caller)."""
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+        from hma_redis.adapter.types import RedisLoadStoreSpec
+
         self._job_id += 1
         trips = self.store.round_trips
         started = self.meter.start()
@@ -463,25 +495,19 @@ class TierBench:
         worker.submit_load(
             self._job_id,
             RedisLoadStoreSpec(keys),  # type: ignore[arg-type]
-            GPULoadStoreSpec(dst_ids, [self.blocks], [0]),
+            GPULoadStoreSpec(list(dst_ids), [self.blocks], [0]),
         )
         result = self._wait(worker, self._job_id)
         load_s = time.perf_counter() - t0
-        load_cost = self.meter.stop(started)
+        cost = self.meter.stop(started)
         load_trips = self.store.round_trips - trips
         check(
             self._job_id not in worker.take_failed_load_jobs(),
             f"load job failed ({size} B values)",
         )
+        expected = (len(dst_ids) // self.blocks_per_chunk(size)) * self.value_bytes(size)
         check(result.transfer_size == expected, f"load job moved {result.transfer_size} bytes")
-        for layer, array in enumerate(self.arrays):
-            check(
-                np.array_equal(array[src_ids], array[dst_ids]),
-                f"loaded blocks differ from stored ones (layer {layer}, {size} B values)",
-            )
-        self.store.delete([self.keyspace.block_key(0, k[:-4]) for k in keys])
-        samples.add(f"{self.name} store {size}", store_s, store_trips, store_cost)
-        samples.add(f"{self.name} load {size}", load_s, load_trips, load_cost)
+        return load_s, load_trips, cost
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -601,7 +627,7 @@ class Report:
             "gbps": {
                 f"{client} {op} {size}": self.gbps(client, op, size)
                 for client in self.clients
-                for op in OPS
+                for op in TABLE_OPS
                 for size in self.plan.sizes
             },
             "median_s": {name: self.samples.median(name) for name in self.samples.values},
@@ -817,7 +843,7 @@ def format_report(report: Report) -> str:
     row = "{:<8}{:<7}{:>5}" + "{:>13}" * len(columns)
     lines += ["", row.format("value", "op", "bpc", *columns)]
     for size in plan.sizes:
-        for op in OPS:
+        for op in TABLE_OPS:
             gbps = {c: report.gbps(c, op, size) for c in report.clients}
             hma = gbps["hma_redis"]
             name = f"hma_redis {op} {size}"
@@ -853,7 +879,9 @@ def format_report(report: Report) -> str:
         "",
         "load = GETs -> values received into the KV cache at the job's block ids, CRC32C as they "
         "arrive, checked (C job or its",
-        "pure-Python twin); store (fresh keys, as after a lookup MISS: no EXISTS) = CRC32C "
+        "pure-Python twin); reload = the same job again at once into other blocks (a load "
+        "after a load; LMCache: a second get);",
+        "store (fresh keys, as after a lookup MISS: no EXISTS) = CRC32C "
         "over the pages in place -> SET NX sent from the KV cache;",
         "timed from submit_* until get_finished reports the job. hma-tier: promotion (load) and "
         "cascade (store) of vLLM's primary-tier rows",
@@ -882,7 +910,7 @@ def cost_lines(report: Report, labels: Sequence[str]) -> list[str]:
     metered = [
         (client, label)
         for client, label in zip(report.clients, labels, strict=True)
-        if any(samples.costs.get(f"{client} {op} {s}") for op in OPS for s in plan.sizes)
+        if any(samples.costs.get(f"{client} {op} {s}") for op in TABLE_OPS for s in plan.sizes)
     ]
     if not metered:
         return []
@@ -891,7 +919,7 @@ def cost_lines(report: Report, labels: Sequence[str]) -> list[str]:
     for title, figure in _COST_TABLES:
         lines += ["", title, row.format("value", "op", *(label for _, label in metered))]
         for size in plan.sizes:
-            for op in OPS:
+            for op in TABLE_OPS:
                 cells = []
                 for client, _ in metered:
                     name = f"{client} {op} {size}"
@@ -920,7 +948,9 @@ def syscall_lines(report: Report, labels: Sequence[str]) -> list[str]:
     counted = [
         (client, label)
         for client, label in zip(report.clients, labels, strict=True)
-        if any(f"{client} {op} {s}" in report.syscalls for op in OPS for s in report.plan.sizes)
+        if any(
+            f"{client} {op} {s}" in report.syscalls for op in TABLE_OPS for s in report.plan.sizes
+        )
     ]
     row = "{:<8}{:<7}" + "{:>22}" * len(counted)
     lines = [
@@ -929,7 +959,7 @@ def syscall_lines(report: Report, labels: Sequence[str]) -> list[str]:
         row.format("value", "op", *(label for _, label in counted)),
     ]
     for size in report.plan.sizes:
-        for op in OPS:
+        for op in TABLE_OPS:
             cells = []
             for client, _ in counted:
                 calls = report.syscalls.get(f"{client} {op} {size}")
