@@ -91,7 +91,7 @@ class ValueJobs:
         (instructions or a table), or the pure-Python twin and why; and how many connections
         one call spreads its values over at most."""
         if self.native:
-            crc = "SSE4.2" if wire.hardware_crc() else "a portable table"
+            crc = wire.crc_engine() or "a portable table"
             which = f"native, GIL released (CRC32C by {crc})"
         else:
             which = f"pure Python ({self.native_reason})"

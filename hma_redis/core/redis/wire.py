@@ -190,13 +190,19 @@ def describe() -> str:
     if reason is not None:
         return f"pure Python ({reason})"
     assert _native is not None
-    crc = "SSE4.2" if _native.hardware_crc() else "portable table"
+    crc = crc_engine() or "portable table"
     return f"native, GIL released (CRC32C: {crc}; TLS connections use pure Python)"
 
 
 def hardware_crc() -> bool:
     """Whether the native CRC32C runs on CRC instructions (False without the extension)."""
     return _native is not None and bool(_native.hardware_crc())
+
+
+def crc_engine() -> str:
+    """The instructions the native CRC32C runs on: ``VPCLMULQDQ folding`` (AVX-512 carry-less
+    multiplies for runs of 1 KiB and more), ``SSE4.2``, or "" (a table, or no extension)."""
+    return str(_native.crc_engine()) if _native is not None else ""
 
 
 def announce(line: str) -> None:

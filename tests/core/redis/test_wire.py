@@ -7,6 +7,8 @@ import contextlib
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -887,12 +889,14 @@ def test_protocol_errors_raise_on_both_paths() -> None:
 
 
 def test_crc32c_equals_the_crc32c_package() -> None:
-    """crc32c (hardware and portable table) and crc32c_parts give the package's result on
-    random buffers of many sizes, alignments and start values."""
+    """crc32c (the folding loop, the CRC-instruction loop and the portable table) and
+    crc32c_parts give the package's result on random buffers of many sizes (around the folding
+    loop's 256-byte rounds and 1 KiB threshold too), alignments and start values."""
     rng = random.Random(0)
     base = bytearray(os.urandom(300_000))
     view = memoryview(base)
     sizes = [0, 1, 2, 7, 8, 9, 15, 16, 63, 64, 1000, 8191, 8192, 24575, 24576, 24577, 49153]
+    sizes += [255, 256, 257, 511, 512, 1023, 1024, 1025, 1279, 1280, 1281, 1535, 2065, 65539]
     sizes += [rng.randrange(1, 300_000 - 16) for _ in range(20)]
     for size in sizes:
         for offset in (0, 1, 3, 8, 13):
@@ -903,6 +907,7 @@ def test_crc32c_equals_the_crc32c_package() -> None:
             want = crc32c_package.crc32c(data, start)
             assert native_module.crc32c(data, start) == want, (size, offset)
             assert native_module._crc32c_portable(data, start) == want, (size, offset)
+            assert native_module._crc32c_no_fold(data, start) == want, (size, offset)
             cuts = sorted(rng.randrange(0, size + 1) for _ in range(3))
             parts = [
                 data[: cuts[0]],
@@ -913,6 +918,52 @@ def test_crc32c_equals_the_crc32c_package() -> None:
             assert native_module.crc32c_parts(parts, start) == want, (size, offset)
             assert wire.crc32c_parts(parts, start) == want
     assert native_module.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    # Every byte of a long run counts on the folding path: a flip anywhere changes the CRC.
+    run = bytearray(os.urandom(70_000))
+    whole = native_module.crc32c(run)
+    for at in (0, 3, 255, 256, 4097, 69_743, 69_999):
+        run[at] ^= 0x10
+        assert native_module.crc32c(run) != whole, at
+        assert native_module.crc32c(run) == crc32c_package.crc32c(run), at
+        run[at] ^= 0x10
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+        for line in info:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_the_folding_crc_runs_where_the_cpu_has_it_and_can_be_turned_off() -> None:
+    """crc_engine() names the folding loop on a CPU with AVX-512 and VPCLMULQDQ, the CRC
+    instruction on one with SSE4.2 only; HMA_REDIS_CRC_NO_FOLD (read when the module loads)
+    turns the folding off, with the same CRCs."""
+    flags = _cpu_flags()
+    if {"avx512f", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= flags:
+        expected = "VPCLMULQDQ folding"
+    elif "sse4_2" in flags:
+        expected = "SSE4.2"
+    else:
+        expected = ""
+    assert native_module.crc_engine() == expected
+    assert wire.crc_engine() == expected
+    data = os.urandom(100_000)
+    script = (
+        "import sys; from hma_redis.core.redis import _wire as w; "
+        "print(w.crc_engine()); print(w.crc32c(sys.stdin.buffer.read()))"
+    )
+    env = {**os.environ, "HMA_REDIS_CRC_NO_FOLD": "1"}
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", script], input=data, capture_output=True, env=env, check=True
+        )
+        .stdout.decode()
+        .split("\n")
+    )
+    assert out[0] == ("SSE4.2" if "sse4_2" in flags else "")
+    assert int(out[1]) == native_module.crc32c(data) == crc32c_package.crc32c(data)
 
 
 @pytest.fixture(autouse=True)
