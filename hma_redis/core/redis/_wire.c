@@ -18,11 +18,14 @@
  *       head's CRC field, then send the pieces in place with sendmsg; then read one reply per
  *       value.
  *   ``fd`` is one socket, or a sequence of 1 to 64 (the job's connections): value i then
- *   travels on connection i mod k and replies are read in value order, so Redis writes one
- *   connection's reply (or reads its value) while this thread receives (or sends) another's.
- *   On two cores a worker's load jobs of 512 KiB values ran 26-42 % faster on two connections
- *   than on one with the same number of GETs in flight, where a second thread lost
- *   (docs/performance.md).
+ *   travels on connection i mod k. A load reads each connection on a thread of its own (the
+ *   calling thread and one started per further connection for the call, all joined before it
+ *   returns), so one receives while Redis prepares another's reply; a store sends and reads
+ *   its connections in turn on the calling thread, Redis reading one connection's value while
+ *   this thread sends another's. On two cores a worker's 512 KiB loads ran 1.25x faster with a
+ *   thread per connection than with one thread reading both in turn, where stores gained
+ *   nothing (docs/performance.md). HMA_REDIS_LOADS_ONE_THREAD, set when the module loads, runs
+ *   loads on the calling thread alone (an A/B switch; same bytes).
  *   hardware_crc() -> bool
  *       Whether crc32c runs on CRC instructions.
  *   crc_engine() -> str
@@ -33,7 +36,9 @@
  *
  * Threading: Python objects are touched only while the GIL is held (argument parsing, buffer
  * export, result building). Every loop over bytes, every syscall and every wait runs between
- * Py_BEGIN_ALLOW_THREADS and Py_END_ALLOW_THREADS, working on plain C structs.
+ * Py_BEGIN_ALLOW_THREADS and Py_END_ALLOW_THREADS, working on plain C structs; a load's extra
+ * threads never touch Python objects, each owns one connection and its targets, and all of
+ * them are joined before the GIL is taken back.
  *
  * Sockets: every recv/send uses MSG_DONTWAIT and waits with poll() for at most timeout_s when
  * the socket has nothing (as a Python socket timeout bounds each wait), so blocking and
@@ -49,6 +54,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <limits.h>
 #include <poll.h>
 #include <stdint.h>
@@ -332,6 +338,7 @@ static uint32_t crc_update_no_fold(uint32_t crc, const void *data, size_t n) {
 #define MAX_LINE (RBUF_BYTES - 1)   /* a reply line longer than this is a protocol error */
 #define SCRATCH_BYTES (256 * 1024)  /* bytes that are received only to be dropped or CRC'd */
 #define MAX_IOV 1024                /* Linux IOV_MAX */
+#define MAX_CONNS 64                /* a job's connections */
 #define MAX_VALUE (512ll << 20)     /* Redis' proto-max-bulk-len default: longer is bogus */
 
 enum fail_kind { FAIL_NONE, FAIL_TIMEOUT, FAIL_EOF, FAIL_OS, FAIL_PROTOCOL, FAIL_MEMORY };
@@ -739,6 +746,37 @@ static int receive_value(conn_t *c, target_t *t, long long len) {
     return 0;
 }
 
+/* HMA_REDIS_LOADS_ONE_THREAD, set when the module loads: every load job on the calling thread
+ * alone, reading its connections in turn (an A/B switch for benchmarks; same bytes). */
+static int loads_one_thread;
+
+/* The rest of one GET's reply, its first line ``r`` read: the value lands (or is drained), or
+ * the target records the nil or the error (which it then owns). */
+static int take_reply(conn_t *c, target_t *t, reply_t *r) {
+    switch (r->kind) {
+    case R_NIL:
+        t->status = L_MISSING;
+        return 0;
+    case R_ERROR:
+        t->status = L_ERROR;
+        t->error = r->text;
+        return 0;
+    case R_STATUS:
+        free(r->text);
+        return conn_failed(c, FAIL_PROTOCOL, 0, "status reply to GET");
+    case R_BULK:
+        break;
+    }
+    if (r->len > t->max_len) {
+        t->status = L_OVERSIZED;
+        t->value_len = r->len;
+        if (conn_drain(c, (size_t)r->len) < 0) return -1;
+    } else if (receive_value(c, t, r->len) < 0) {
+        return -1;
+    }
+    return conn_crlf(c);
+}
+
 /* Send the commands of targets [from, to) in one sendmsg batch. */
 static int send_commands(conn_t *c, target_t *targets, size_t from, size_t to) {
     struct iovec iov[MAX_IOV];
@@ -779,11 +817,12 @@ static int send_strided(conn_t *c, target_t *targets, size_t from, size_t to, si
     return 0;
 }
 
-/* The whole job, GIL released, on ``k`` connections: target i travels on connection i % k, and
- * replies are read in target order. At most ``window`` commands per connection are unanswered at
- * once (0: all sent first); the next is sent as soon as a reply's first line arrives, so Redis
- * prepares it (and the other connections' replies) while this value is received. On failure
- * *failed is the connection that failed. */
+/* The whole job on the calling thread alone (HMA_REDIS_LOADS_ONE_THREAD, an A/B switch for
+ * benchmarks), on ``k`` connections: target i travels on connection i % k, and replies are read
+ * in target order. At most ``window`` commands per connection are unanswered at once (0: all
+ * sent first); the next is sent as soon as a reply's first line arrives, so Redis prepares it
+ * (and the other connections' replies) while this value is received. On failure *failed is the
+ * connection that failed. */
 static int run_loads(conn_t *cs, size_t k, target_t *targets, size_t n, size_t window,
                      size_t *failed) {
     /* min(window * k, n) without overflow (k >= 1): window > n / k means window * k > n */
@@ -805,30 +844,107 @@ static int run_loads(conn_t *cs, size_t k, target_t *targets, size_t n, size_t w
             }
             sent++;
         }
-        switch (r.kind) {
-        case R_NIL:
-            t->status = L_MISSING;
-            continue;
-        case R_ERROR:
-            t->status = L_ERROR;
-            t->error = r.text;
-            continue;
-        case R_STATUS:
-            free(r.text);
-            return conn_failed(c, FAIL_PROTOCOL, 0, "status reply to GET");
-        case R_BULK:
-            break;
-        }
-        if (r.len > t->max_len) {
-            t->status = L_OVERSIZED;
-            t->value_len = r.len;
-            if (conn_drain(c, (size_t)r.len) < 0) return -1;
-        } else if (receive_value(c, t, r.len) < 0) {
-            return -1;
-        }
-        if (conn_crlf(c) < 0) return -1;
+        if (take_reply(c, t, &r) < 0) return -1;
     }
     return conns_drained(cs, k, failed);
+}
+
+/* One connection's part of a job: targets first, first + stride, ... below n, read in that
+ * order, at most ``window`` of them unanswered at once (0: all sent first). */
+static int run_lane(conn_t *c, target_t *targets, size_t first, size_t n, size_t stride,
+                    size_t window) {
+    size_t count = first < n ? (n - first + stride - 1) / stride : 0;
+    size_t sent = window == 0 || window > count ? count : window; /* in this lane's order */
+    if (send_strided(c, targets, first, first + sent * stride, stride) < 0) return -1;
+    for (size_t q = 0; q < count; q++) {
+        target_t *t = &targets[first + q * stride];
+        reply_t r;
+        if (read_reply_line(c, &r) < 0) return -1;
+        if (sent < count) { /* this lane's next command, sent while this value arrives */
+            size_t next = first + sent * stride;
+            if (send_commands(c, targets, next, next + 1) < 0) {
+                free(r.text);
+                return -1;
+            }
+            sent++;
+        }
+        if (take_reply(c, t, &r) < 0) return -1;
+    }
+    if (c->rlen != c->rpos)
+        return conn_failed(c, FAIL_PROTOCOL, 0, "unexpected bytes after the last reply");
+    return 0;
+}
+
+/* A load job with a thread per connection: connection j's lane (targets j, j + k, ...) runs on
+ * a thread of its own, lane 0 on the calling thread. Each thread blocks only on its own socket,
+ * so one receives while Redis prepares another's reply, with no thread waiting on a reply that
+ * another connection's bytes already stand behind (two cores: 512 KiB loads 1.25x those of one
+ * thread reading both connections in turn; docs/performance.md). The first lane to fail shuts
+ * the other connections down, so their threads stop at once rather than wait out a timeout
+ * (the caller drops every connection of a failed job); every thread is joined before this
+ * returns, so no page is written after the call. A thread that cannot be started leaves its
+ * lane to the calling thread, after lane 0. */
+typedef struct {
+    conn_t *cs;
+    size_t k; /* lanes: connections that carry a target */
+    size_t stride; /* connections of the job: target i travels on connection i % stride */
+    target_t *targets;
+    size_t n, window;
+    int first_failed; /* -1, or the lane whose failure the job reports */
+} lanes_t;
+
+typedef struct {
+    lanes_t *lanes;
+    size_t index;
+    pthread_t thread;
+    int started;
+} lane_arg_t;
+
+#define LANE_STACK_BYTES (256 * 1024) /* two iovec arrays of MAX_IOV and small frames */
+
+static void lane_run(lanes_t *ls, size_t j) {
+    if (run_lane(&ls->cs[j], ls->targets, j, ls->n, ls->stride, ls->window) == 0) return;
+    int none = -1;
+    if (__atomic_compare_exchange_n(&ls->first_failed, &none, (int)j, 0, __ATOMIC_SEQ_CST,
+                                    __ATOMIC_SEQ_CST)) {
+        for (size_t q = 0; q < ls->k; q++)
+            if (q != j) shutdown(ls->cs[q].fd, SHUT_RDWR);
+    }
+}
+
+static void *lane_main(void *arg) {
+    lane_arg_t *a = arg;
+    lane_run(a->lanes, a->index);
+    return NULL;
+}
+
+static int run_loads_on_threads(conn_t *cs, size_t k, target_t *targets, size_t n,
+                                size_t window, size_t *failed) {
+    lanes_t ls = {.cs = cs, .k = k < n ? k : n, .stride = k, .targets = targets, .n = n,
+                  .window = window, .first_failed = -1};
+    lane_arg_t args[MAX_CONNS];
+    pthread_attr_t attr;
+    int attr_ok = pthread_attr_init(&attr) == 0;
+    if (attr_ok) pthread_attr_setstacksize(&attr, LANE_STACK_BYTES);
+    for (size_t j = 1; j < ls.k; j++) {
+        args[j].lanes = &ls;
+        args[j].index = j;
+        args[j].started =
+            pthread_create(&args[j].thread, attr_ok ? &attr : NULL, lane_main, &args[j]) == 0;
+    }
+    if (attr_ok) pthread_attr_destroy(&attr);
+    if (ls.k > 0) lane_run(&ls, 0);
+    for (size_t j = 1; j < ls.k; j++) {
+        if (args[j].started)
+            pthread_join(args[j].thread, NULL);
+        else
+            lane_run(&ls, j);
+    }
+    if (ls.first_failed >= 0) {
+        *failed = (size_t)ls.first_failed;
+        return -1;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -865,8 +981,6 @@ static void conn_close(conn_t *c) {
     PyMem_RawFree(c->rbuf);
     PyMem_RawFree(c->scratch);
 }
-
-#define MAX_CONNS 64
 
 /* ``fd``: one int, or a sequence of 1..MAX_CONNS ints (a job's connections). */
 static int conns_open(PyObject *fd, conn_t *cs, size_t *k, double timeout_s, double budget_s) {
@@ -1281,7 +1395,10 @@ static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs
     opened = 1;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run_loads(cs, k, targets, (size_t)n, (size_t)window, &failed);
+    if (loads_one_thread)
+        rc = run_loads(cs, k, targets, (size_t)n, (size_t)window, &failed);
+    else
+        rc = run_loads_on_threads(cs, k, targets, (size_t)n, (size_t)window, &failed);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         conn_raise(&cs[failed]);
@@ -1659,6 +1776,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__wire(void) {
     crc_init();
+    loads_one_thread = getenv("HMA_REDIS_LOADS_ONE_THREAD") != NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     ProtocolError = PyErr_NewExceptionWithDoc(

@@ -767,6 +767,119 @@ def test_one_connection_of_a_job_closing_mid_value_raises(
             proxy.close()
 
 
+class HeldServer:
+    """A stand-in for Redis on one connection: it counts the GETs it receives, answers each with
+    ``value`` once ``release`` is set (at once when it is None), or closes the connection on the
+    first GET when ``value`` is None; ``second_get`` is set when a second GET arrives."""
+
+    def __init__(
+        self, value: bytes | None, release: threading.Event | None = None, wait_s: float = TIMEOUT_S
+    ) -> None:
+        self._value = value
+        self._release = release
+        self._wait_s = wait_s
+        self.second_get = threading.Event()
+        self.released_in_time = False
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self._listener.getsockname()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn:
+            seen, answered = b"", 0
+            while chunk := conn.recv(65536):
+                seen += chunk
+                asked = seen.count(b"GET")
+                if asked >= 2:
+                    self.second_get.set()
+                if self._value is None:
+                    conn.shutdown(socket.SHUT_RDWR)
+                    return
+                if self._release is not None and answered == 0:
+                    self.released_in_time = self._release.wait(self._wait_s)
+                while answered < asked:
+                    conn.sendall(bulk_reply(self._value))
+                    answered += 1
+
+    def close(self) -> None:
+        self._listener.close()
+        self._thread.join(TIMEOUT_S)
+
+
+def bulk_reply(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def headerless_value(body: bytes) -> bytes:
+    """A value whose prefix announces an empty header (it matches ``expected_header`` b"")."""
+    prefix = bytearray(codec.PREFIX_BYTES)
+    prefix[codec.HEADER_LEN_AT : codec.HEADER_LEN_AT + 4] = (0).to_bytes(4, "big")
+    return bytes(prefix) + body
+
+
+def test_each_connection_of_a_native_load_job_is_read_on_its_own_thread() -> None:
+    """The C job reads each connection on a thread of its own: while connection 0 has not
+    answered, connection 1's values are received and its next GET goes out. Connection 0's
+    server answers only once connection 1's server has seen its second GET (which a job that
+    read its connections in turn, on one thread, would send only after connection 0's reply),
+    and the job's four values all land."""
+    body = bytes(range(256)) * 64
+    value = headerless_value(body)
+    second = HeldServer(value)
+    first = HeldServer(value, release=second.second_get)
+    try:
+        layer = bytearray(4 * len(body))
+        targets = [
+            LoadTarget(
+                bytearray(64),
+                b"",
+                [memoryview(layer)[idx * len(body) : (idx + 1) * len(body)]],
+                None,
+                1 << 20,
+            )
+            for idx in range(4)
+        ]
+        with (
+            socket.create_connection(first.address, timeout=TIMEOUT_S) as a,
+            socket.create_connection(second.address, timeout=TIMEOUT_S) as b,
+        ):
+            results = wire.native_load_values([a, b], [resp("GET", "k")] * 4, targets, TIMEOUT_S, 1)
+        assert first.released_in_time, "connection 1 waited for connection 0's reply"
+        assert [r.landed for r in results] == [Landed.PAGES] * 4
+        assert bytes(layer) == body * 4
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_native_load_job_stops_at_once_when_one_connection_fails() -> None:
+    """One connection of a C job closes while another waits on a server that never answers:
+    the job raises the closed connection's ConnectionError at once instead of waiting out the
+    other's 20 s timeout (its thread is woken by shutting that connection down; the caller drops
+    every connection of a failed job)."""
+    never = threading.Event()
+    silent = HeldServer(b"x", release=never, wait_s=40)
+    closing = HeldServer(None)
+    try:
+        targets = [LoadTarget(bytearray(64), b"", [bytearray(16)], None, 1 << 20) for _ in range(2)]
+        with (
+            socket.create_connection(silent.address, timeout=20) as a,
+            socket.create_connection(closing.address, timeout=20) as b,
+            pytest.raises(ConnectionError) as info,
+        ):
+            started = time.monotonic()
+            wire.native_load_values([a, b], [resp("GET", "k")] * 2, targets, 20.0, 1)
+        assert time.monotonic() - started < 10.0, "the job waited on the silent connection"
+        assert not isinstance(info.value, TimeoutError)
+        assert "closed" in str(info.value)
+    finally:
+        never.set()
+        silent.close()
+        closing.close()
+
+
 def test_a_job_on_the_same_socket_twice_or_on_none_is_refused(redis_url: str) -> None:
     """Two readers of one stream would split its replies: a job's connections must be
     distinct, 1 to 64 of them, on both paths, before anything is sent."""
