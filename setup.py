@@ -14,7 +14,16 @@ setup(
         Extension(
             "hma_redis.core.redis._wire",
             sources=["hma_redis/core/redis/_wire.c"],
-            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_compile_args=[
+                "-O2",
+                "-std=gnu11",
+                "-pthread",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+            ],
+            # A load job's connections each run on a thread of their own (POSIX threads).
+            extra_link_args=["-pthread"],
             optional=True,
         )
     ]

@@ -16,11 +16,15 @@ each, their ratio, and in how many pairs b was faster. What differs (``--compare
 * ``landing``: A's loads land in the KV cache's pages (the C job, in place), B's in one
   contiguous buffer per value, copied into the pages once valid (as with an auth_key);
 * ``window``: A's loads keep ``wire.window_for``'s GETs in flight per connection, B's
-  ``--window`` (B's jobs run with ``window_for`` replaced; the two never run at once).
+  ``--window`` (B's jobs run with ``window_for`` replaced; the two never run at once);
+* ``lanes``: A's C load jobs read their connections on the calling thread, in turn (the
+  ``one_thread`` switch of ``wire.native_load_values``: how loads ran before), B's on a thread
+  per connection (the default).
 
     .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
         [--compare connections --a 1 --b 2 | --compare pages | --compare congestion
-         | --compare threads | --compare landing | --compare window --window 2]
+         | --compare threads | --compare landing | --compare window --window 2
+         | --compare lanes]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -49,7 +54,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument(
         "--compare",
-        choices=("connections", "pages", "congestion", "threads", "landing", "window"),
+        choices=("connections", "pages", "congestion", "threads", "landing", "window", "lanes"),
         default="connections",
     )
     parser.add_argument("--congestion", default="cubic", help="B's tcp_congestion")
@@ -99,8 +104,11 @@ def main() -> None:
                 for pair in range(args.pairs):
                     order = "ab" if pair % 2 == 0 else "ba"
                     for name in order:
-                        with _window(
-                            args.window if args.compare == "window" and name == "b" else None
+                        with (
+                            _window(
+                                args.window if args.compare == "window" and name == "b" else None
+                            ),
+                            _one_thread(args.compare == "lanes" and name == "a"),
                         ):
                             benches[name].run(size, Samples())  # as the bench: warm, then timed
                             benches[name].run(size, samples)
@@ -138,7 +146,23 @@ def _window(window: int | None) -> Iterator[None]:
         wire.window_for = saved
 
 
+@contextlib.contextmanager
+def _one_thread(enabled: bool) -> Iterator[None]:
+    """C load jobs inside the block read every connection on the calling thread, in turn."""
+    if not enabled:
+        yield
+        return
+    saved = wire.native_load_values
+    wire.native_load_values = functools.partial(saved, one_thread=True)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        wire.native_load_values = saved
+
+
 def _describe(args: argparse.Namespace) -> str:
+    if args.compare == "lanes":
+        return "A: C loads read their connections on one thread, B: a thread per connection"
     if args.compare == "landing":
         return "A: loads land in the pages, B: in a buffer per value, then copied"
     if args.compare == "window":

@@ -10,9 +10,11 @@
  *       a portable table otherwise.
  *   crc32c_parts(buffers, value=0) -> int
  *       crc32c of the buffers back to back, in one call (a store's header and pages).
- *   load_values(fd, commands, targets, timeout_s, window=0, budget_s=0) -> list[tuple]
+ *   load_values(fd, commands, targets, timeout_s, window=0, budget_s=0, one_thread=False)
  *       Send one command per target (GETs), read one reply per target, receive each value
  *       straight into the target's memory, CRC32C over header || body as it arrives.
+ *       ``one_thread``: read every connection on the calling thread, in turn (an A/B switch
+ *       for benchmarks; the same bytes and results).
  *   store_values(fd, values, timeout_s, budget_s=0) -> list[tuple]
  *       For each (framing, head, pages, tail) value: CRC32C of header || pages into the
  *       head's CRC field, then send the pieces in place with sendmsg; then read one reply per
@@ -24,8 +26,7 @@
  *   its connections in turn on the calling thread, Redis reading one connection's value while
  *   this thread sends another's. On two cores a worker's 512 KiB loads ran 1.25x faster with a
  *   thread per connection than with one thread reading both in turn, where stores gained
- *   nothing (docs/performance.md). HMA_REDIS_LOADS_ONE_THREAD, set when the module loads, runs
- *   loads on the calling thread alone (an A/B switch; same bytes).
+ *   nothing (docs/performance.md).
  *   hardware_crc() -> bool
  *       Whether crc32c runs on CRC instructions.
  *   crc_engine() -> str
@@ -746,10 +747,6 @@ static int receive_value(conn_t *c, target_t *t, long long len) {
     return 0;
 }
 
-/* HMA_REDIS_LOADS_ONE_THREAD, set when the module loads: every load job on the calling thread
- * alone, reading its connections in turn (an A/B switch for benchmarks; same bytes). */
-static int loads_one_thread;
-
 /* The rest of one GET's reply, its first line ``r`` read: the value lands (or is drained), or
  * the target records the nil or the error (which it then owns). */
 static int take_reply(conn_t *c, target_t *t, reply_t *r) {
@@ -817,7 +814,7 @@ static int send_strided(conn_t *c, target_t *targets, size_t from, size_t to, si
     return 0;
 }
 
-/* The whole job on the calling thread alone (HMA_REDIS_LOADS_ONE_THREAD, an A/B switch for
+/* The whole job on the calling thread alone (load_values' ``one_thread``, an A/B switch for
  * benchmarks), on ``k`` connections: target i travels on connection i % k, and replies are read
  * in target order. At most ``window`` commands per connection are unanswered at once (0: all
  * sent first); the next is sent as soon as a reply's first line arrives, so Redis prepares it
@@ -1353,13 +1350,15 @@ PyDoc_STRVAR(load_values_doc,
              "See hma_redis.core.redis.wire.load_values (the documented wrapper).");
 
 static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"fd", "commands", "targets", "timeout_s", "window", "budget_s", NULL};
+    static char *kwlist[] = {"fd",     "commands", "targets",    "timeout_s",
+                             "window", "budget_s", "one_thread", NULL};
     PyObject *fd;
     PyObject *commands, *specs;
     double timeout_s, budget_s = 0.0;
     Py_ssize_t window = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOd|nd", kwlist, &fd, &commands, &specs,
-                                     &timeout_s, &window, &budget_s))
+    int one_thread = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOd|ndp", kwlist, &fd, &commands, &specs,
+                                     &timeout_s, &window, &budget_s, &one_thread))
         return NULL;
     PyObject *cseq = PySequence_Fast(commands, "commands must be a sequence");
     if (!cseq) return NULL;
@@ -1395,7 +1394,7 @@ static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs
     opened = 1;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    if (loads_one_thread)
+    if (one_thread)
         rc = run_loads(cs, k, targets, (size_t)n, (size_t)window, &failed);
     else
         rc = run_loads_on_threads(cs, k, targets, (size_t)n, (size_t)window, &failed);
@@ -1776,7 +1775,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__wire(void) {
     crc_init();
-    loads_one_thread = getenv("HMA_REDIS_LOADS_ONE_THREAD") != NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     ProtocolError = PyErr_NewExceptionWithDoc(

@@ -334,13 +334,16 @@ def native_load_values(
     timeout_s: float,
     window: int = DEFAULT_WINDOW,
     budget_s: float | None = None,
+    one_thread: bool = False,
 ) -> list[LoadResult]:
-    """:func:`load_values` on the extension (which must be built; plain sockets only)."""
+    """:func:`load_values` on the extension (which must be built; plain sockets only): each
+    socket read on a thread of its own, or with ``one_thread`` all of them on the calling
+    thread in turn (an A/B switch for benchmarks; the same results and bytes)."""
     if _native is None:
         raise RuntimeError(f"the native fast path is not built ({_IMPORT_ERROR})")
     budget = _check_budget(budget_s)
     fds = [s.fileno() for s in _sockets(sock)]
-    raw = _native.load_values(fds, commands, targets, timeout_s, window, budget)
+    raw = _native.load_values(fds, commands, targets, timeout_s, window, budget, one_thread)
     return [
         LoadResult(
             LoadStatus(status), value_len, header_len, crc_ok, landed and Landed(landed), error

@@ -4,6 +4,7 @@ both, and results, exceptions and every byte of every buffer must be the same (a
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import socket
@@ -161,20 +162,26 @@ def on(socks: list[socket.socket]) -> socket.socket | list[socket.socket]:
 def run_both(
     url: str, job: Job, window: int = 0, resp3: bool = False, lanes: int = 1
 ) -> tuple[list[LoadResult], list[bytearray]]:
-    """Run ``job`` through both paths on ``lanes`` fresh connections; assert identical results
-    and identical bytes in every buffer; return the native results and buffers."""
+    """Run ``job`` through both paths on ``lanes`` fresh connections (on several, the native
+    path also with every connection read on the calling thread, ``one_thread``); assert
+    identical results and identical bytes in every buffer; return the native results and
+    buffers."""
     outcome: dict[str, tuple[list[LoadResult], list[bytes]]] = {}
     native_buffers: list[bytearray] = []
-    for name, (load, _) in PATHS.items():
+    paths = {name: load for name, (load, _) in PATHS.items()}
+    if lanes > 1:
+        paths["native-one-thread"] = functools.partial(wire.native_load_values, one_thread=True)
+    for name, load in paths.items():
         targets, buffers = job.make(0)
         with connections(url, lanes, resp3) as socks:
             results = load(on(socks), job.commands(), targets, TIMEOUT_S, window)
         outcome[name] = (results, [bytes(b) for b in buffers])
         if name == "native":
             native_buffers = buffers
-    assert outcome["native"][0] == outcome["python"][0]
-    for idx, (a, b) in enumerate(zip(outcome["native"][1], outcome["python"][1], strict=True)):
-        assert a == b, f"buffer {idx} differs between the native and the Python path"
+    for name in paths:
+        assert outcome[name][0] == outcome["python"][0], name
+        for idx, (a, b) in enumerate(zip(outcome[name][1], outcome["python"][1], strict=True)):
+            assert a == b, f"buffer {idx} differs between the {name} and the Python path"
     return outcome["native"][0], native_buffers
 
 
