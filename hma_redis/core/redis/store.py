@@ -214,6 +214,16 @@ class RedisBlockStore(BlockStore[RedisJob]):
         if self._bulk is not self.client:
             self._bulk.close()
 
+    def drop_value_connections(self) -> None:
+        """Close the value jobs' idle connections; the next job opens new ones. For
+        benchmarks: on a small host a connection's speed is a draw that lasts its life
+        (docs/performance.md), so repetitions that each meet new connections sample that draw
+        as a peer that starts a fresh process per repetition does."""
+        if isinstance(self._bulk, RedisCluster):
+            self._bulk.disconnect_connection_pools()
+        else:
+            self._bulk.connection_pool.disconnect()
+
     # ------------------------------------------------------------------ blocks
 
     def exists(

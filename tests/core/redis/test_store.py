@@ -8,7 +8,7 @@ from hma_redis.core import codec
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
-from hma_redis.core.medium import PutResult
+from hma_redis.core.medium import Landed, LoadTarget, PutResult
 from hma_redis.core.redis.breaker import BreakerState
 from hma_redis.core.redis.store import RedisBlockStore, RedisUnavailableError
 from hma_redis.tools.devkit.local_redis import LocalRedis
@@ -230,3 +230,33 @@ def test_a_value_job_on_a_dropped_connection_stores_nothing_partial(local_redis,
         assert store.breaker.state is BreakerState.OPEN
     finally:
         proxy.close()
+
+
+def _client_ports(client: redis.Redis, name: str | None) -> set[str]:
+    """The client ports of the server's connections named ``name``."""
+    return {c["addr"].rsplit(":", 1)[1] for c in client.client_list() if c.get("name") == name}
+
+
+def test_dropped_value_connections_close_and_the_next_job_opens_new_ones(redis_client, redis_url):
+    """drop_value_connections (for benchmarks) closes the value jobs' connections at the
+    server; the next value job works, on a new one."""
+    redis_client.set("hma:ns:g0:drop", b"x" * 1000)
+    store = _store(redis_url)
+
+    def load() -> bytes:
+        staging = bytearray(2000)
+        target = LoadTarget(bytearray(64), b"", [], staging, len(staging))
+        (result,) = store.load_values(["hma:ns:g0:drop"], [target]) or [None]
+        assert result is not None and result.landed is Landed.STAGING
+        return bytes(staging[: result.value_len])
+
+    assert load() == b"x" * 1000
+    before = _client_ports(redis_client, store.client_name)
+    store.drop_value_connections()
+    deadline = time.monotonic() + 5
+    while len(_client_ports(redis_client, store.client_name)) >= len(before):
+        assert time.monotonic() < deadline, "the value connection is still open"
+        time.sleep(0.01)
+    assert load() == b"x" * 1000
+    assert _client_ports(redis_client, store.client_name) - before, "no new value connection"
+    store.close()
