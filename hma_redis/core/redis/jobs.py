@@ -145,7 +145,8 @@ class ValueJobs:
         commands = [_get_command(key) for key in keys]
         deadline, outcome = _of_job(job)
         within = self._guard.deadline(sum(t.max_len for t in targets), deadline)
-        lanes = self._lanes(max((target.max_len for target in targets), default=0), len(keys))
+        largest = max((target.max_len for target in targets), default=0)
+        lanes = self._lanes(largest, len(keys), load=True)
 
         def body(sock: Any, idx: Sequence[int]) -> list[LoadResult]:
             return wire.load_values(
@@ -242,10 +243,13 @@ class ValueJobs:
         stored = result.status is wire.StoreStatus.STORED
         return PutResult.STORED if stored else PutResult.EXISTED
 
-    def _lanes(self, largest: int, count: int) -> int:
+    def _lanes(self, largest: int, count: int, load: bool = False) -> int:
         """Connections a value job of ``count`` values (the largest ``largest`` bytes) runs on
-        (:func:`wire.job_connections` of ``connections_per_thread``)."""
-        return wire.job_connections(largest, count, self.cfg.connections_per_thread)
+        (:func:`wire.job_connections` of ``connections_per_thread``; a load on the C job reads
+        each connection on a thread of its own)."""
+        return wire.job_connections(
+            largest, count, self.cfg.connections_per_thread, load and self.native
+        )
 
     def _on_job_connections(
         self, keys: Sequence[str], body: Callable[[Any, Sequence[int]], list[_R]], lanes: int = 1

@@ -915,10 +915,13 @@ def test_a_job_on_the_same_socket_twice_or_on_none_is_refused(redis_url: str) ->
 def test_jobs_whose_values_may_exceed_3_mib_run_on_one_connection() -> None:
     """A job takes ``connections_per_thread`` connections, never more than it has values, and
     one when a value may be longer than 3 MiB (two such replies at once overflow the kernel's
-    usual largest send buffer); on several connections each keeps one GET in flight."""
+    usual largest send buffer) unless each connection has a reader of its own (the C load
+    job); on several connections each keeps one GET in flight."""
     assert wire.job_connections(512 << 10, 64, 2) == 2
     assert wire.job_connections(3 << 20, 64, 4) == 4
     assert wire.job_connections((3 << 20) + 1, 64, 4) == 1
+    assert wire.job_connections((3 << 20) + 1, 64, 4, reader_per_connection=True) == 4
+    assert wire.job_connections(8 << 20, 1, 4, reader_per_connection=True) == 1
     assert wire.job_connections(512 << 10, 1, 2) == 1
     assert wire.job_connections(512 << 10, 3, 8) == 3
     assert wire.job_connections(512 << 10, 0, 2) == 1
