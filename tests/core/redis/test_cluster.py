@@ -196,6 +196,7 @@ def test_put_get_and_dedup(clean: LocalCluster) -> None:
     # memoryviews go through the zero-copy packer of the bulk client.
     first = store.put_if_absent([(k, memoryview(v)) for k, v in values.items()])
     assert first == [PutResult.STORED] * len(keys)
+    store.drop_value_connections()  # the next value call reconnects to every node it needs
     again = store.put_if_absent([(k, b"other") for k in keys[:10]] + [(keys[0] + "x", b"n")])
     assert again == [PutResult.EXISTED] * 10 + [PutResult.STORED]
     assert store.get([*keys, "hma:values:missing"]) == [*(values[k] for k in keys), None]
