@@ -216,9 +216,9 @@ class RedisBlockStore(BlockStore[RedisJob]):
 
     def drop_value_connections(self) -> None:
         """Close the value jobs' idle connections (a job in flight keeps its own); the next job
-        opens new ones. For benchmarks: on a small host a connection's speed is a draw that lasts its life
-        (docs/performance.md), so repetitions that each meet new connections sample that draw
-        as a peer that starts a fresh process per repetition does."""
+        opens new ones. For benchmarks: on a small host a connection's speed is a draw that lasts
+        its life (docs/performance.md), so repetitions that each meet new connections sample that
+        draw as a peer that starts a fresh process per repetition does."""
         if isinstance(self._bulk, RedisCluster):
             for node in self._bulk.get_nodes():
                 if node.redis_connection is not None:
