@@ -8,7 +8,7 @@ import pytest
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.redis.store import RedisBlockStore
-from hma_redis.core.redis.wire import NATIVE_ENV
+from hma_redis.core.redis.wire import NATIVE_ENV, PIECES_ENV
 from tests.support.kv_pages import Pages, make_pages
 
 
@@ -17,6 +17,14 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """The data path the engines of the test run (``HMA_REDIS_NATIVE=0``: the twin)."""
     if request.param == "python":
         monkeypatch.setenv(NATIVE_ENV, "0")
+    return str(request.param)
+
+
+@pytest.fixture(params=["gets", "pieces"])
+def pieces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How load jobs ask for their values: GETs (the small values of these tests), or in
+    pieces of 1000 bytes (``HMA_REDIS_PIECE_BYTES``, as values over 3 MiB are read)."""
+    monkeypatch.setenv(PIECES_ENV, "0" if request.param == "gets" else "1000")
     return str(request.param)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from hma_redis.core.redis.wire import NATIVE_ENV
+from hma_redis.core.redis.wire import NATIVE_ENV, PIECES_ENV
 from hma_redis.tools.devkit.local_redis import LocalRedis
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine, shared_prefix_prompts
@@ -31,7 +31,13 @@ pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 6
 TIER_OPTIONS = {"read_timeout_s": 1.0, "connect_timeout_s": 0.5, "retry_interval_s": 1.0}
-PATHS = {"native": "1", "python": "0"}
+# The data paths' environments: the C job, its twin, and the C job reading values in pieces of
+# 1000 bytes (as values over 3 MiB are read).
+PATHS = {
+    "native": {NATIVE_ENV: "1"},
+    "python": {NATIVE_ENV: "0"},
+    "native-pieces": {NATIVE_ENV: "1", PIECES_ENV: "1000"},
+}
 
 
 def random_middle_half(values: dict[bytes, bytes], rng: random.Random) -> dict[bytes, bytes]:
@@ -159,11 +165,9 @@ def test_damaged_values_are_never_served_on_either_data_path(
     prompts, damaged = _damaged_store(model, dtype, server)
     baseline: EngineRun = run_engine(model, prompts, MAX_TOKENS, None, dtype=dtype)
     config = tier_config(server.url, **TIER_OPTIONS)
-    for path, native in PATHS.items():
+    for path, env in PATHS.items():
         _plant(server, damaged)
-        run = run_engine(
-            model, prompts, MAX_TOKENS, config, extra_env={NATIVE_ENV: native}, dtype=dtype
-        )
+        run = run_engine(model, prompts, MAX_TOKENS, config, extra_env=env, dtype=dtype)
         if model_name == "hybrid":
             assert run.num_kv_cache_groups == 2, run.stderr_tail
         assert run.token_ids == baseline.token_ids, (path, run.stderr_tail)

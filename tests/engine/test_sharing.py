@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from hma_redis.core.keys import parse_block_key
+from hma_redis.core.redis.wire import PIECES_ENV
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine
 from tests.support.tier import chunk_aligned_prefix, tier_config
@@ -41,6 +42,10 @@ def _assert_mostly_from_redis(run: EngineRun, prompts: list[list[int]]) -> None:
         )
 
 
+def _getrange_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0))
+
+
 def test_second_engine_loads_prefix_from_redis_with_identical_tokens(
     model: str, redis_url: str, redis_client: redis.Redis
 ) -> None:
@@ -48,11 +53,17 @@ def test_second_engine_loads_prefix_from_redis_with_identical_tokens(
     baseline = run_engine(model, prompts, MAX_TOKENS, kv_transfer_config=None)
     engine_a = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url))
     engine_b = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url))
+    ranges = _getrange_calls(redis_client)
+    # Engine C reads the values in pieces of 1000 bytes, as values over 3 MiB are read.
+    pieced = {PIECES_ENV: "1000"}
+    engine_c = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url), extra_env=pieced)
 
     assert engine_a.token_ids == baseline.token_ids
     assert engine_a.num_cached_tokens == [0] * len(prompts)  # nothing in Redis yet
-    assert engine_b.token_ids == baseline.token_ids, engine_b.stderr_tail
-    _assert_mostly_from_redis(engine_b, prompts)
+    for engine in (engine_b, engine_c):
+        assert engine.token_ids == baseline.token_ids, engine.stderr_tail
+        _assert_mostly_from_redis(engine, prompts)
+    assert _getrange_calls(redis_client) > ranges, "engine C read no value in pieces"
 
 
 def test_prompts_sharing_only_a_prefix_get_partial_hits(

@@ -10,9 +10,12 @@
  *       a portable table otherwise.
  *   crc32c_parts(buffers, value=0) -> int
  *       crc32c of the buffers back to back, in one call (a store's header and pages).
- *   load_values(fd, commands, targets, timeout_s, window=0, budget_s=0, one_thread=False)
- *       Send one command per target (GETs), read one reply per target, receive each value
- *       straight into the target's memory, CRC32C over header || body as it arrives.
+ *   load_values(fd, commands, targets, timeout_s, window=0, budget_s=0, one_thread=False,
+ *               piece_bytes=0)
+ *       Send one command per target (a GET; with ``piece_bytes`` P, a target whose max_len
+ *       exceeds P is asked for with STRLEN and GETRANGEs of P bytes: see value_t), read its
+ *       replies, receive each value straight into the target's memory, CRC32C over
+ *       header || body as it arrives.
  *       ``one_thread``: read every connection on the calling thread, in turn (an A/B switch
  *       for benchmarks; the same bytes and results).
  *   store_values(fd, values, timeout_s, budget_s=0) -> list[tuple]
@@ -593,11 +596,11 @@ static int conn_drain(conn_t *c, size_t n) {
  * Replies
  * ---------------------------------------------------------------------------------------- */
 
-enum reply_kind { R_BULK, R_NIL, R_ERROR, R_STATUS };
+enum reply_kind { R_BULK, R_NIL, R_ERROR, R_STATUS, R_INT };
 
 typedef struct {
     enum reply_kind kind;
-    long long len;    /* R_BULK: bytes that follow */
+    long long len;    /* R_BULK: bytes that follow; R_INT: the integer */
     char *text;       /* R_ERROR / R_STATUS: malloc'd, NUL-terminated */
 } reply_t;
 
@@ -632,6 +635,14 @@ static int read_reply_line(conn_t *c, reply_t *r) {
         if (parse_len(line + 1, len - 1, &n) < 0 || n < -1 || n > MAX_VALUE)
             return conn_failed(c, FAIL_PROTOCOL, 0, "bad bulk length");
         r->kind = n < 0 ? R_NIL : R_BULK;
+        r->len = n;
+        return 0;
+    }
+    case ':': {
+        long long n;
+        if (parse_len(line + 1, len - 1, &n) < 0)
+            return conn_failed(c, FAIL_PROTOCOL, 0, "bad integer reply");
+        r->kind = R_INT;
         r->len = n;
         return 0;
     }
@@ -679,6 +690,8 @@ typedef struct {
     size_t nviews;
     long long body_len;
     long long max_len;
+    long long piece; /* P: the bytes each GETRANGE asks for (load_values' piece_bytes) */
+    size_t pieces;   /* 0: one GET; else STRLEN then this many GETRANGEs (see value_t) */
     /* outputs */
     enum load_status status;
     long long value_len;
@@ -692,26 +705,130 @@ static uint32_t be32(const uint8_t *p) {
     return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
 }
 
-/* Receive a value of ``len`` bytes (its length line already read) into one target, following
- * the rules in fastpath.py's docstring. Invariant: exactly ``len`` bytes of the stream are
- * consumed on success, whatever the outcome. */
-static int receive_value(conn_t *c, target_t *t, long long len) {
+/* ------------------------------------------------------------------------------------------
+ * A value's bytes as one stream. A GET's value is one bulk string. A value read in pieces
+ * (a target with ``pieces``: ``STRLEN key`` then ``GETRANGE key i*P (i+1)*P-1`` for i below
+ * ``pieces``, the last one ending at max_len - 1) arrives as that many bulk strings: STRLEN's
+ * integer N says how long each should be (P, then what is left of N, then empty ones). A piece
+ * of another length (or a nil or an error in its place) means the key changed between the
+ * commands: the value is then ``changed`` and its receiver fills nothing more (the caller
+ * reports it missing); every piece is still consumed, by its own length, in value_finish.
+ * ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+    conn_t *c;
+    long long piece;     /* P; 0: one bulk string whose body is the value */
+    size_t left;         /* bytes left in the current piece's body */
+    size_t pieces_left;  /* piece replies not yet read */
+    long long unclaimed; /* value bytes no piece read so far has carried */
+    int owe_crlf;        /* the current piece's CRLF is unread */
+    int changed;
+} value_t;
+
+/* Read the next piece's reply line: the bytes it carries become ``left``. */
+static int value_next_piece(value_t *v) {
+    conn_t *c = v->c;
+    if (v->owe_crlf && conn_crlf(c) < 0) return -1;
+    v->owe_crlf = 0;
+    if (v->pieces_left == 0) /* N <= max_len <= the pieces' reach: only a bug lands here */
+        return conn_failed(c, FAIL_PROTOCOL, 0, "a value outgrew the pieces asked for");
+    reply_t r;
+    if (read_reply_line(c, &r) < 0) return -1;
+    v->pieces_left--;
+    if (r.kind == R_NIL || r.kind == R_ERROR) { /* gone, or moved, since STRLEN */
+        free(r.text);
+        v->changed = 1;
+        return 0;
+    }
+    if (r.kind != R_BULK) {
+        free(r.text);
+        return conn_failed(c, FAIL_PROTOCOL, 0, "unexpected reply to GETRANGE");
+    }
+    long long want = v->unclaimed < v->piece ? v->unclaimed : v->piece;
+    if (r.len != want) v->changed = 1;
+    v->unclaimed -= want;
+    v->left = (size_t)r.len;
+    v->owe_crlf = 1;
+    return 0;
+}
+
+/* Fill ``segs`` in order with the value's next bytes (CRC32C into ``acc``); nothing once the
+ * value has changed. */
+static int value_recv(value_t *v, seg_t *segs, size_t nseg, crc_acc_t *acc) {
+    if (!v->piece) return conn_recv_segments(v->c, segs, nseg, acc);
+    size_t i = 0, off = 0;
+    while (i < nseg) {
+        if (off == segs[i].len) {
+            i++;
+            off = 0;
+            continue;
+        }
+        if (v->changed) return 0;
+        if (v->left == 0) {
+            if (value_next_piece(v) < 0) return -1;
+            continue;
+        }
+        if (off == 0) { /* the whole segments that fit in this piece, in one call */
+            size_t j = i, sum = 0;
+            while (j < nseg && sum + segs[j].len <= v->left) sum += segs[j++].len;
+            if (j > i) {
+                if (conn_recv_segments(v->c, segs + i, j - i, acc) < 0) return -1;
+                v->left -= sum;
+                i = j;
+                continue;
+            }
+        }
+        size_t n = segs[i].len - off;
+        if (n > v->left) n = v->left;
+        seg_t part = {.ptr = segs[i].scratch ? NULL : segs[i].ptr + off, .len = n,
+                      .scratch = segs[i].scratch};
+        if (conn_recv_segments(v->c, &part, 1, acc) < 0) return -1;
+        v->left -= n;
+        off += n;
+    }
+    return 0;
+}
+
+/* Drop the value's next ``n`` bytes. */
+static int value_drain(value_t *v, size_t n) {
+    seg_t seg = {.ptr = NULL, .len = n, .scratch = 1};
+    return value_recv(v, &seg, 1, NULL);
+}
+
+/* Consume the rest of the value's replies: the current piece and every piece not yet read,
+ * each by its own length; then the stream is at the next target's reply. */
+static int value_finish(value_t *v) {
+    if (!v->piece) return conn_crlf(v->c);
+    for (;;) {
+        if (v->left && conn_drain(v->c, v->left) < 0) return -1;
+        v->left = 0;
+        if (v->pieces_left == 0) break;
+        if (value_next_piece(v) < 0) return -1;
+    }
+    return v->owe_crlf ? conn_crlf(v->c) : 0;
+}
+
+/* Receive a value of ``len`` bytes (its length known: a bulk string's line, or STRLEN's reply)
+ * into one target, following the rules in wire.py's docstring. Invariant: exactly ``len``
+ * bytes of the value's stream are consumed on success, whatever the outcome (none after it
+ * changed). */
+static int receive_value(value_t *v, target_t *t, long long len) {
     uint8_t *head = t->head.buf;
     size_t got = (size_t)(len < PREFIX_BYTES ? len : PREFIX_BYTES);
     crc_acc_t acc = {.crc = 0xFFFFFFFFu, .on = 0};
     seg_t seg = {.ptr = head, .len = got, .scratch = 0};
     t->value_len = len;
     t->header_len = -1;
-    if (conn_recv_segments(c, &seg, 1, NULL) < 0) return -1;
+    if (value_recv(v, &seg, 1, NULL) < 0) return -1;
     int matched = 0;
-    if (len >= PREFIX_BYTES) {
+    if (len >= PREFIX_BYTES && !v->changed) {
         long long hlen = be32(head + HLEN_OFFSET);
         t->header_len = hlen;
         if (PREFIX_BYTES + hlen <= len && PREFIX_BYTES + hlen <= (long long)t->head.len) {
             acc.on = 1;
             seg.ptr = head + PREFIX_BYTES;
             seg.len = (size_t)hlen;
-            if (conn_recv_segments(c, &seg, 1, &acc) < 0) return -1;
+            if (value_recv(v, &seg, 1, &acc) < 0) return -1;
             got += (size_t)hlen;
             matched = hlen == (long long)t->expected.len &&
                       memcmp(head + PREFIX_BYTES, t->expected.buf, (size_t)hlen) == 0 &&
@@ -720,7 +837,7 @@ static int receive_value(conn_t *c, target_t *t, long long len) {
     }
     if (matched && len == (long long)got + t->body_len) {
         /* The header is the expected one: the body goes to its pages. */
-        if (conn_recv_segments(c, t->dests, t->ndest, &acc) < 0) return -1;
+        if (value_recv(v, t->dests, t->ndest, &acc) < 0) return -1;
         t->landed = LAND_PAGES;
     } else if (!matched && t->has_staging && len <= (long long)t->staging.len) {
         /* Anything else Python decodes: the whole value in staging. */
@@ -730,14 +847,14 @@ static int receive_value(conn_t *c, target_t *t, long long len) {
         memmove(staging, head, got);
         seg.ptr = staging + got;
         seg.len = (size_t)len - got;
-        if (conn_recv_segments(c, &seg, 1, &acc) < 0) return -1;
+        if (value_recv(v, &seg, 1, &acc) < 0) return -1;
         t->landed = LAND_STAGING;
     } else {
         t->status = L_MISMATCH;
-        return conn_drain(c, (size_t)len - got);
+        return value_drain(v, (size_t)len - got);
     }
     t->status = L_OK;
-    if (len >= PREFIX_BYTES) {
+    if (len >= PREFIX_BYTES && !v->changed) {
         if (!acc.on) { /* the header did not fit the head: checksum the staged copy */
             acc.crc = crc_update(0xFFFFFFFFu, (const uint8_t *)t->staging.buf + PREFIX_BYTES,
                                  (size_t)len - PREFIX_BYTES);
@@ -747,9 +864,48 @@ static int receive_value(conn_t *c, target_t *t, long long len) {
     return 0;
 }
 
-/* The rest of one GET's reply, its first line ``r`` read: the value lands (or is drained), or
- * the target records the nil or the error (which it then owns). */
+/* A value read in pieces, STRLEN's reply ``r`` read: missing (0), oversized, an error, or
+ * received; then every piece is consumed. A value that changed between the commands is
+ * reported missing (recomputed, not deleted: it may be a valid value written meanwhile). */
+static int take_pieces(conn_t *c, target_t *t, reply_t *r) {
+    value_t v = {.c = c, .piece = t->piece, .pieces_left = t->pieces};
+    if (r->kind == R_ERROR) {
+        t->status = L_ERROR;
+        t->error = r->text;
+        return value_finish(&v);
+    }
+    if (r->kind != R_INT) {
+        free(r->text);
+        return conn_failed(c, FAIL_PROTOCOL, 0, "unexpected reply to STRLEN");
+    }
+    if (r->len < 0 || r->len > MAX_VALUE)
+        return conn_failed(c, FAIL_PROTOCOL, 0, "bad STRLEN reply");
+    if (r->len == 0) {
+        t->status = L_MISSING;
+    } else if (r->len > t->max_len) {
+        t->status = L_OVERSIZED;
+        t->value_len = r->len;
+        v.unclaimed = t->max_len; /* the pieces carry max_len bytes, dropped */
+        if (value_drain(&v, (size_t)t->max_len) < 0) return -1;
+    } else {
+        v.unclaimed = r->len;
+        if (receive_value(&v, t, r->len) < 0) return -1;
+    }
+    if (value_finish(&v) < 0) return -1;
+    if (v.changed && t->status != L_ERROR) {
+        t->status = L_MISSING;
+        t->landed = LAND_NONE;
+        t->crc_ok = 0;
+        t->header_len = -1;
+        t->value_len = 0;
+    }
+    return 0;
+}
+
+/* The rest of one target's reply, its first line ``r`` read: the value lands (or is drained),
+ * or the target records the nil or the error (which it then owns). */
 static int take_reply(conn_t *c, target_t *t, reply_t *r) {
+    if (t->pieces) return take_pieces(c, t, r);
     switch (r->kind) {
     case R_NIL:
         t->status = L_MISSING;
@@ -761,14 +917,17 @@ static int take_reply(conn_t *c, target_t *t, reply_t *r) {
     case R_STATUS:
         free(r->text);
         return conn_failed(c, FAIL_PROTOCOL, 0, "status reply to GET");
+    case R_INT:
+        return conn_failed(c, FAIL_PROTOCOL, 0, "unexpected reply type");
     case R_BULK:
         break;
     }
+    value_t v = {.c = c};
     if (r->len > t->max_len) {
         t->status = L_OVERSIZED;
         t->value_len = r->len;
         if (conn_drain(c, (size_t)r->len) < 0) return -1;
-    } else if (receive_value(c, t, r->len) < 0) {
+    } else if (receive_value(&v, t, r->len) < 0) {
         return -1;
     }
     return conn_crlf(c);
@@ -1346,19 +1505,20 @@ static PyObject *load_result(target_t *t) {
 }
 
 PyDoc_STRVAR(load_values_doc,
-             "load_values(fd, commands, targets, timeout_s, window=0, budget_s=0) -> list[tuple]\n\n"
+             "load_values(fd, commands, targets, timeout_s, window=0, budget_s=0, one_thread=False, "
+             "piece_bytes=0) -> list[tuple]\n\n"
              "See hma_redis.core.redis.wire.load_values (the documented wrapper).");
 
 static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"fd",     "commands", "targets",    "timeout_s",
-                             "window", "budget_s", "one_thread", NULL};
+    static char *kwlist[] = {"fd",       "commands",   "targets",     "timeout_s", "window",
+                             "budget_s", "one_thread", "piece_bytes", NULL};
     PyObject *fd;
     PyObject *commands, *specs;
     double timeout_s, budget_s = 0.0;
-    Py_ssize_t window = 0;
+    Py_ssize_t window = 0, piece_bytes = 0;
     int one_thread = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOd|ndp", kwlist, &fd, &commands, &specs,
-                                     &timeout_s, &window, &budget_s, &one_thread))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOd|ndpn", kwlist, &fd, &commands, &specs,
+                                     &timeout_s, &window, &budget_s, &one_thread, &piece_bytes))
         return NULL;
     PyObject *cseq = PySequence_Fast(commands, "commands must be a sequence");
     if (!cseq) return NULL;
@@ -1386,10 +1546,20 @@ static PyObject *py_load_values(PyObject *self, PyObject *args, PyObject *kwargs
         PyErr_SetString(PyExc_ValueError, "window must be >= 0");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (target_parse(&targets[i], PySequence_Fast_GET_ITEM(cseq, i),
-                         PySequence_Fast_GET_ITEM(tseq, i), &layouts) < 0)
+    if (piece_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "piece_bytes must be >= 0");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        target_t *t = &targets[i];
+        if (target_parse(t, PySequence_Fast_GET_ITEM(cseq, i), PySequence_Fast_GET_ITEM(tseq, i),
+                         &layouts) < 0)
             goto done;
+        if (piece_bytes > 0 && t->max_len > piece_bytes) { /* read in pieces (value_t) */
+            t->piece = piece_bytes;
+            t->pieces = (size_t)((t->max_len + piece_bytes - 1) / piece_bytes);
+        }
+    }
     if (conns_open(fd, cs, &k, timeout_s, budget_s) < 0) goto done;
     opened = 1;
     int rc;
@@ -1479,7 +1649,8 @@ static int run_stores(conn_t *cs, size_t k, struct iovec *iov, store_out_t *outs
             outs[i].status = S_ERROR;
             outs[i].error = r.text;
         } else {
-            return conn_failed(c, FAIL_PROTOCOL, 0, "bulk reply to SET NX");
+            return conn_failed(c, FAIL_PROTOCOL, 0,
+                               r.kind == R_INT ? "integer reply to SET NX" : "bulk reply to SET NX");
         }
     }
     return conns_drained(cs, k, failed);

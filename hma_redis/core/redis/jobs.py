@@ -128,7 +128,9 @@ class ValueJobs:
     def load_values(
         self, keys: Sequence[str], targets: Sequence[LoadTarget], job: RedisJob | None = None
     ) -> list[LoadResult] | None:
-        """``GET`` every key into its target, the whole job in one call of
+        """``GET`` every key into its target (in a job whose largest target exceeds
+        :data:`wire.PIECED_ABOVE`, in pieces of :data:`wire.PIECE_BYTES`: ``STRLEN`` then
+        ``GETRANGE`` commands; after ``ASKING``, a GET), the whole job in one call of
         :func:`wire.load_values` per connection (values land where the targets say,
         CRC32C computed as they arrive; nothing is validated beyond that): the C job with the
         GIL released, or its pure-Python twin (:attr:`native`). Same bytes either way.
@@ -142,24 +144,28 @@ class ValueJobs:
         """
         if not keys:
             return []
-        commands = [_get_command(key) for key in keys]
         deadline, outcome = _of_job(job)
         within = self._guard.deadline(sum(t.max_len for t in targets), deadline)
         largest = max((target.max_len for target in targets), default=0)
         lanes = self._lanes(largest, len(keys), load=True)
+        piece_bytes = wire.piece_bytes_for(largest)
 
-        def body(sock: Any, idx: Sequence[int]) -> list[LoadResult]:
+        def body(sock: Any, idx: Sequence[int], pieces: int = piece_bytes) -> list[LoadResult]:
             return wire.load_values(
                 sock,
-                [commands[i] for i in idx],
+                [wire.load_command(keys[i], targets[i].max_len, pieces) for i in idx],
                 [targets[i] for i in idx],
                 self.cfg.read_timeout_s,
                 budget_s=within.remaining(),
                 native=self.native,
+                piece_bytes=pieces,
             )
 
+        def asked(sock: Any, idx: Sequence[int]) -> list[LoadResult]:
+            return body(sock, idx, 0)  # ASKING admits one command: a GET
+
         def load() -> list[LoadResult]:
-            results = self._on_job_connections(keys, body, lanes)
+            results = self._on_job_connections(keys, body, lanes, asked)
             for result in results:
                 if result.status is LoadStatus.ERROR:
                     self._job_error("GET", result.error)
@@ -252,13 +258,18 @@ class ValueJobs:
         )
 
     def _on_job_connections(
-        self, keys: Sequence[str], body: Callable[[Any, Sequence[int]], list[_R]], lanes: int = 1
+        self,
+        keys: Sequence[str],
+        body: Callable[[Any, Sequence[int]], list[_R]],
+        lanes: int = 1,
+        asked: Callable[[Any, Sequence[int]], list[_R]] | None = None,
     ) -> list[_R]:
         """``body(sockets, positions)`` for the positions of ``keys``, its results back in key
         order. One server: every position on ``lanes`` connections. A Cluster: the positions
         grouped by the node that serves their slot, each group on up to ``lanes`` connections
         to its node, one node after the other; a key whose slot is migrating and that answered
-        ASK is sent again to the node named, after ``ASKING`` (:meth:`_follow_asks`). A key
+        ASK is sent again to the node named, after ``ASKING``, by ``asked`` (default: ``body``;
+        its commands must be one per key) (:meth:`_follow_asks`). A key
         that moved answers MOVED: an error result, a refusal, so the job fails and is
         recomputed, and the slot table is refreshed for the next job."""
         if not isinstance(self._bulk, RedisCluster):
@@ -282,7 +293,7 @@ class ValueJobs:
                 results = self._on_job_connection(pool, run, lanes=on)
                 for idx, result in zip(positions, results, strict=True):
                     out[idx] = result
-            self._follow_asks(out, body)  # type: ignore[arg-type,type-var]  # all filled
+            self._follow_asks(out, asked or body)  # type: ignore[arg-type,type-var]  # all filled
             # A key still redirected (MOVED, an ASK not followed): the slot table is stale.
             moved = any((r.error or "").startswith(("MOVED", "ASK")) for r in out if r)
             self._slots_stale = self._slots_stale or moved
@@ -381,8 +392,3 @@ def _native_unavailable_reason(cfg: RedisTierConfig) -> str | None:
     if reason is None and cfg.tls:
         return "TLS connections stay in Python's ssl"
     return reason
-
-
-def _get_command(key: str) -> bytes:
-    raw = key.encode()
-    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw)

@@ -55,6 +55,17 @@ is only the checksum: the MAC, and magic, version and flags unless ``expected_pr
 them, are the caller's to check (the header bytes being equal to the expected ones covers key,
 group and layout).
 
+With ``piece_bytes`` P, a target whose ``max_len`` exceeds P is asked for in pieces
+(:func:`load_command`): ``STRLEN key``, then ``GETRANGE key i*P (i+1)*P-1`` for each piece of
+``max_len`` bytes (the last ending at ``max_len - 1``). STRLEN's integer N is the value's
+length: 0 is ``missing`` (Redis answers 0 for a missing key), ``N > max_len`` is ``oversized``
+(the pieces, ``max_len`` bytes, drained), otherwise the pieces' bytes back to back are the
+value and land by the rules above. A piece whose length is not the one N announces, or a nil or
+an error in its place, means the key changed between the commands: the value is ``missing``
+(recomputed, never deleted: it may be a valid value written meanwhile), whatever of it landed is
+the caller's to discard, and every piece is still read to its end. An error reply to STRLEN is
+``error``.
+
 A timeout (no progress for ``timeout_s``, or the job not done within ``budget_s`` seconds of
 its start when a budget is given), an EOF or a malformed reply (among them a reply line that
 does not fit :data:`MAX_REPLY_LINE` bytes with its CRLF, found before more than that is held)
@@ -96,6 +107,9 @@ logger = logging.getLogger(__name__)
 
 # Set to "0" to run the pure-Python path even where the extension is built.
 NATIVE_ENV = "HMA_REDIS_NATIVE"
+# Set to N to read every value that may exceed N bytes in pieces of N (0: always GETs); an A/B
+# switch for benchmarks and tests (:func:`piece_bytes_for`).
+PIECES_ENV = "HMA_REDIS_PIECE_BYTES"
 
 # The longest reply line, CRLF included, that either path accepts (the native reader's buffer).
 MAX_REPLY_LINE = 64 * 1024
@@ -115,6 +129,15 @@ _MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk lengt
 # fourth round).
 DEFAULT_WINDOW = 2
 ONE_AT_A_TIME_BYTES = 3 << 20
+
+# Values whose target may exceed PIECE_BYTES are read in pieces of that many bytes: ``STRLEN``,
+# then one ``GETRANGE`` per piece, as a GET of 512 KiB values is read. Redis 7.0 copies a GET's
+# whole value into one reply buffer of its size; at 8 MiB that costs the server 0.84 s per GB
+# read against 0.36-0.38 in 512 KiB-1 MiB ranges, and one client connection read 8 MiB values
+# 2.3-2.5x as fast in 1 MiB ranges (docs/performance.md, issue 39). A job reads its values in
+# pieces when one of them may exceed PIECED_ABOVE: 2 MiB values gained nothing from it.
+PIECE_BYTES = 1 << 20
+PIECED_ABOVE = ONE_AT_A_TIME_BYTES
 
 # The most connections one job runs on (the C code's limit).
 MAX_JOB_CONNECTIONS = 64
@@ -267,6 +290,54 @@ def crc32c_parts(buffers: Sequence[Any], value: int = 0) -> int:
     return value
 
 
+def piece_bytes_for(largest: int) -> int:
+    """The pieces a load job whose largest target is ``largest`` bytes reads its values in (0:
+    GETs): :data:`PIECE_BYTES` when ``largest`` exceeds :data:`PIECED_ABOVE`; with
+    ``HMA_REDIS_PIECE_BYTES=N``, N when it exceeds N (0: never). Read at each job."""
+    raw = os.environ.get(PIECES_ENV)
+    if raw is None:
+        return PIECE_BYTES if largest > PIECED_ABOVE else 0
+    if not raw.isdigit() or int(raw) > _MAX_VALUE:
+        global _warned_pieces
+        if not _warned_pieces:
+            _warned_pieces = True
+            logger.warning(
+                "hma_redis: %s must be a byte count from 0 to %d; ignored", PIECES_ENV, _MAX_VALUE
+            )
+        return PIECE_BYTES if largest > PIECED_ABOVE else 0
+    piece = int(raw)
+    return piece if 0 < piece < largest else 0
+
+
+_warned_pieces = False
+
+
+def pieces_of(max_len: int, piece_bytes: int) -> int:
+    """The GETRANGEs a target of ``max_len`` is read with (0: one GET)."""
+    if piece_bytes <= 0 or max_len <= piece_bytes:
+        return 0
+    return -(-max_len // piece_bytes)
+
+
+def load_command(key: str, max_len: int, piece_bytes: int = 0) -> bytes:
+    """The commands that ask for ``key``'s value for a target of ``max_len`` (the module
+    docstring): a GET, or STRLEN and one GETRANGE per piece of ``piece_bytes``."""
+    raw = key.encode()
+    arg = b"$%d\r\n%s\r\n" % (len(raw), raw)
+    pieces = pieces_of(max_len, piece_bytes)
+    if not pieces:
+        return b"*2\r\n$3\r\nGET\r\n" + arg
+    out = [b"*2\r\n$6\r\nSTRLEN\r\n" + arg]
+    for idx in range(pieces):
+        start = b"%d" % (idx * piece_bytes)
+        end = b"%d" % (min((idx + 1) * piece_bytes, max_len) - 1)
+        out.append(
+            b"*4\r\n$8\r\nGETRANGE\r\n%s$%d\r\n%s\r\n$%d\r\n%s\r\n"
+            % (arg, len(start), start, len(end), end)
+        )
+    return b"".join(out)
+
+
 def job_connections(
     largest: int, count: int, wanted: int, reader_per_connection: bool = False
 ) -> int:
@@ -301,19 +372,22 @@ def load_values(
     window: int | None = None,
     budget_s: float | None = None,
     native: bool = True,
+    piece_bytes: int = 0,
 ) -> list[LoadResult]:
     """Run a load job on ``sock``, one socket or several (see the module docstring):
-    ``commands[i]`` asks for the value that goes to ``targets[i]``; at most ``window`` are
-    unanswered at once per socket (0: all sent first; None: :func:`window_for` the targets);
-    the whole job within ``budget_s`` seconds when given (TimeoutError at once when it is not
-    > 0). Native unless unavailable, a socket is TLS or ``native`` is False; the pure-Python
-    twin otherwise."""
+    ``commands[i]`` asks for the value that goes to ``targets[i]`` (:func:`load_command` of
+    the same ``piece_bytes``); at most ``window`` targets are unanswered at once per socket (0:
+    all sent first; None: :func:`window_for` the targets); the whole job within ``budget_s``
+    seconds when given (TimeoutError at once when it is not > 0). Native unless unavailable, a
+    socket is TLS or ``native`` is False; the pure-Python twin otherwise."""
     socks = _sockets(sock)
     if window is None:
         window = window_for(targets, len(socks))
     if _native_for(socks, native):
-        return native_load_values(sock, commands, targets, timeout_s, window, budget_s)
-    return python_load_values(sock, commands, targets, timeout_s, window, budget_s)
+        return native_load_values(
+            sock, commands, targets, timeout_s, window, budget_s, piece_bytes=piece_bytes
+        )
+    return python_load_values(sock, commands, targets, timeout_s, window, budget_s, piece_bytes)
 
 
 def store_values(
@@ -340,6 +414,7 @@ def native_load_values(
     window: int = DEFAULT_WINDOW,
     budget_s: float | None = None,
     one_thread: bool = False,
+    piece_bytes: int = 0,
 ) -> list[LoadResult]:
     """:func:`load_values` on the extension (which must be built; plain sockets only): each
     socket read on a thread of its own, or with ``one_thread`` all of them on the calling
@@ -348,7 +423,9 @@ def native_load_values(
         raise RuntimeError(f"the native fast path is not built ({_IMPORT_ERROR})")
     budget = _check_budget(budget_s)
     fds = [s.fileno() for s in _sockets(sock)]
-    raw = _native.load_values(fds, commands, targets, timeout_s, window, budget, one_thread)
+    raw = _native.load_values(
+        fds, commands, targets, timeout_s, window, budget, one_thread, piece_bytes
+    )
     return [
         LoadResult(
             LoadStatus(status), value_len, header_len, crc_ok, landed and Landed(landed), error
@@ -393,6 +470,8 @@ class _Waits:
 class _Stream:
     """The reply side of one socket: a small buffer for reply lines, bodies received straight
     into their destination. Mirrors the C connection step by step."""
+
+    changed = False  # a GET's value is one bulk string: it cannot change while read
 
     def __init__(self, sock: socket.socket, waits: _Waits) -> None:
         self._sock = sock
@@ -455,6 +534,73 @@ class _Stream:
         return crc
 
 
+class _Pieces:
+    """A value read in pieces (the C ``value_t``): the piece replies' bytes as one stream, with
+    ``into`` and ``skip`` as :class:`_Stream`'s; once ``changed`` they fill nothing."""
+
+    def __init__(self, stream: _Stream, piece: int, pieces: int) -> None:
+        self._stream = stream
+        self._piece = piece
+        self._pieces_left = pieces
+        self.unclaimed = 0  # value bytes no piece read so far has carried
+        self._left = 0  # bytes left in the current piece's body
+        self._owe_crlf = False
+        self.changed = False
+
+    def _next_piece(self) -> None:
+        if self._owe_crlf:
+            self._stream.crlf()
+        self._owe_crlf = False
+        if not self._pieces_left:
+            raise ProtocolError("a value outgrew the pieces asked for")
+        kind, detail = _reply_line(self._stream)
+        self._pieces_left -= 1
+        if kind in ("nil", "error"):  # gone, or moved, since STRLEN
+            self.changed = True
+            return
+        if kind != "bulk":
+            raise ProtocolError("unexpected reply to GETRANGE")
+        assert isinstance(detail, int)
+        want = min(self.unclaimed, self._piece)
+        self.changed = self.changed or detail != want
+        self.unclaimed -= want
+        self._left = detail
+        self._owe_crlf = True
+
+    def _take(self, nbytes: int, crc: int | None, fill: Any) -> int | None:
+        """``fill(offset, count, crc)`` for the next ``nbytes`` of the value, piece by piece."""
+        done = 0
+        while done < nbytes and not self.changed:
+            if not self._left:
+                self._next_piece()
+                continue
+            count = min(self._left, nbytes - done)
+            crc = fill(done, count, crc)
+            self._left -= count
+            done += count
+        return crc
+
+    def into(self, target: memoryview, crc: int | None = None) -> int | None:
+        return self._take(
+            target.nbytes, crc, lambda at, n, c: self._stream.into(target[at : at + n], c)
+        )
+
+    def skip(self, nbytes: int, crc: int | None = None) -> int | None:
+        return self._take(nbytes, crc, lambda _at, n, c: self._stream.skip(n, c))
+
+    def finish(self) -> None:
+        """Read the rest of every piece; the stream is then at the next target's reply."""
+        while True:
+            if self._left:
+                self._stream.skip(self._left)
+            self._left = 0
+            if not self._pieces_left:
+                break
+            self._next_piece()
+        if self._owe_crlf:
+            self._stream.crlf()
+
+
 def _parse_len(raw: bytes) -> int:
     """A bulk length as the C code accepts it: optional '-', 1-18 characters, digits only."""
     digits = raw[1:] if raw[:1] == b"-" else raw
@@ -467,7 +613,8 @@ def _parse_len(raw: bytes) -> int:
 
 
 def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
-    """One reply's first line: ("bulk", length), ("nil", None), ("error" | "status", text)."""
+    """One reply's first line: ("bulk", length), ("nil", None), ("error" | "status", text),
+    ("int", value)."""
     line = stream.line()
     if not line:
         raise ProtocolError("empty reply line")
@@ -475,6 +622,11 @@ def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
     if kind == b"$":
         length = _parse_len(rest)
         return ("nil", None) if length < 0 else ("bulk", length)
+    if kind == b":":
+        digits = rest[1:] if rest[:1] == b"-" else rest
+        if not 0 < len(rest) <= 18 or not digits or not digits.isdigit():
+            raise ProtocolError("bad integer reply")
+        return "int", int(rest)
     if kind == b"_":
         if rest:
             raise ProtocolError("bad RESP3 null")
@@ -514,7 +666,7 @@ def _be32(view: memoryview, offset: int) -> int:
 
 
 def _receive_value(
-    stream: _Stream, target: LoadTarget, dests: Sequence[Any], length: int
+    stream: _Stream | _Pieces, target: LoadTarget, dests: Sequence[Any], length: int
 ) -> LoadResult:
     """The Python twin of the C ``receive_value`` (same rules, same writes); ``dests`` are
     the target's destinations as a sequence (:func:`_check_target`)."""
@@ -525,7 +677,7 @@ def _receive_value(
     header_len = -1
     crc: int | None = None
     matched = False
-    if length >= PREFIX_BYTES:
+    if length >= PREFIX_BYTES and not stream.changed:
         header_len = _be32(head, HEADER_LEN_AT)
         end = PREFIX_BYTES + header_len
         if end <= length and end <= head.nbytes:
@@ -643,6 +795,7 @@ def python_load_values(
     timeout_s: float,
     window: int = DEFAULT_WINDOW,
     budget_s: float | None = None,
+    piece_bytes: int = 0,
 ) -> list[LoadResult]:
     """:func:`load_values` in pure Python: the oracle of the native path, and its fallback."""
     _check_budget(budget_s)
@@ -650,6 +803,8 @@ def python_load_values(
         raise ValueError("one command per target")
     if window < 0:
         raise ValueError("window must be >= 0")
+    if piece_bytes < 0:
+        raise ValueError("piece_bytes must be >= 0")
     dest_lists = [_check_target(target) for target in targets]
     count = len(targets)
     socks = _sockets(sock)
@@ -666,7 +821,12 @@ def python_load_values(
             if sent < count:  # command ``sent`` is this socket's next (sent == idx + window * k)
                 _send(socks[lane], [commands[sent]], waits[lane])
                 sent += 1
-            out.append(_load_reply(streams[lane], target, dest_lists[idx], kind, detail))
+            pieces = pieces_of(target.max_len, piece_bytes)
+            if pieces:
+                value = _Pieces(streams[lane], piece_bytes, pieces)
+                out.append(_take_pieces(value, target, dest_lists[idx], kind, detail))
+            else:
+                out.append(_load_reply(streams[lane], target, dest_lists[idx], kind, detail))
         _check_drained(streams)
     return out
 
@@ -693,6 +853,8 @@ def _load_reply(
         return LoadResult(LoadStatus.ERROR, 0, -1, False, None, detail)
     if kind == "status":
         raise ProtocolError("status reply to GET")
+    if kind == "int":
+        raise ProtocolError("unexpected reply type")
     assert isinstance(detail, int)
     if detail > target.max_len:
         stream.skip(detail)
@@ -700,6 +862,39 @@ def _load_reply(
     else:
         result = _receive_value(stream, target, dests, detail)
     stream.crlf()
+    return result
+
+
+def _take_pieces(
+    value: _Pieces,
+    target: LoadTarget,
+    dests: Sequence[Any],
+    kind: str,
+    detail: int | str | None,
+) -> LoadResult:
+    """A value read in pieces, STRLEN's reply read (the C ``take_pieces``): missing (0),
+    oversized, an error, or received; then every piece is read to its end."""
+    if kind == "error":
+        assert isinstance(detail, str)
+        value.finish()
+        return LoadResult(LoadStatus.ERROR, 0, -1, False, None, detail)
+    if kind != "int":
+        raise ProtocolError("unexpected reply to STRLEN")
+    assert isinstance(detail, int)
+    if not 0 <= detail <= _MAX_VALUE:
+        raise ProtocolError("bad STRLEN reply")
+    if detail == 0:
+        result = LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
+    elif detail > target.max_len:
+        value.unclaimed = target.max_len  # the pieces carry max_len bytes, dropped
+        value.skip(target.max_len)
+        result = LoadResult(LoadStatus.OVERSIZED, detail, -1, False, None, None)
+    else:
+        value.unclaimed = detail
+        result = _receive_value(value, target, dests, detail)
+    value.finish()
+    if value.changed:
+        return LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
     return result
 
 
@@ -740,6 +935,6 @@ def python_store_values(
                 assert isinstance(detail, str)
                 out.append(StoreResult(StoreStatus.ERROR, detail))
             else:
-                raise ProtocolError("bulk reply to SET NX")
+                raise ProtocolError(f"{'integer' if kind == 'int' else 'bulk'} reply to SET NX")
         _check_drained(streams)
     return out

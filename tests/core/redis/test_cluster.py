@@ -367,7 +367,7 @@ def test_a_native_load_of_a_moved_key_fails_whole_then_the_next_one_succeeds(
 
 @pytest.mark.parametrize("path", ["native", "twin"])
 def test_native_loads_and_stores_follow_ask_while_a_slot_migrates(
-    clean: LocalCluster, path: str, monkeypatch: pytest.MonkeyPatch
+    clean: LocalCluster, path: str, monkeypatch: pytest.MonkeyPatch, pieces: str
 ) -> None:
     """While a slot is MIGRATING its old owner answers ASK for keys it no longer (or never)
     held: a native load of a key already moved, and a native store of a new key, follow the
@@ -440,7 +440,7 @@ def test_a_cluster_down_at_start_serves_native_loads_and_stores_once_it_is_up() 
 @pytest.mark.parametrize("path", ["native", "twin"])
 @pytest.mark.parametrize("fault", FAULTS, ids=FAULT_IDS)
 def test_a_damaged_value_on_any_node_fails_the_load_and_leaves_its_pages_as_before_or_zero(
-    clean: LocalCluster, path: str, fault: Any, monkeypatch: pytest.MonkeyPatch
+    clean: LocalCluster, path: str, fault: Any, monkeypatch: pytest.MonkeyPatch, pieces: str
 ) -> None:
     """Faults the way the world makes them, on a Cluster: the job's values spread over the
     nodes, each damaged in place (random bytes over the middle half, a NaN/Inf body, a cut

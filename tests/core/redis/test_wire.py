@@ -138,8 +138,14 @@ class Job:
     keys: list[str]
     make: Callable[[int], tuple[list[LoadTarget], list[bytearray]]]
 
-    def commands(self) -> list[bytes]:
-        return [resp("GET", key) for key in self.keys]
+    def commands(self, targets: Sequence[LoadTarget] = (), piece_bytes: int = 0) -> list[bytes]:
+        """GETs, or with ``piece_bytes`` each target's commands (:func:`wire.load_command`)."""
+        if not piece_bytes:
+            return [resp("GET", key) for key in self.keys]
+        return [
+            wire.load_command(key, target.max_len, piece_bytes)
+            for key, target in zip(self.keys, targets, strict=True)
+        ]
 
 
 @contextlib.contextmanager
@@ -160,12 +166,17 @@ def on(socks: list[socket.socket]) -> socket.socket | list[socket.socket]:
 
 
 def run_both(
-    url: str, job: Job, window: int = 0, resp3: bool = False, lanes: int = 1
+    url: str,
+    job: Job,
+    window: int = 0,
+    resp3: bool = False,
+    lanes: int = 1,
+    piece_bytes: int = 0,
 ) -> tuple[list[LoadResult], list[bytearray]]:
     """Run ``job`` through both paths on ``lanes`` fresh connections (on several, the native
-    path also with every connection read on the calling thread, ``one_thread``); assert
-    identical results and identical bytes in every buffer; return the native results and
-    buffers."""
+    path also with every connection read on the calling thread, ``one_thread``); with
+    ``piece_bytes``, targets longer than that read in pieces; assert identical results and
+    identical bytes in every buffer; return the native results and buffers."""
     outcome: dict[str, tuple[list[LoadResult], list[bytes]]] = {}
     native_buffers: list[bytearray] = []
     paths = {name: load for name, (load, _) in PATHS.items()}
@@ -174,7 +185,8 @@ def run_both(
     for name, load in paths.items():
         targets, buffers = job.make(0)
         with connections(url, lanes, resp3) as socks:
-            results = load(on(socks), job.commands(), targets, TIMEOUT_S, window)
+            commands = job.commands(targets, piece_bytes)
+            results = load(on(socks), commands, targets, TIMEOUT_S, window, piece_bytes=piece_bytes)
         outcome[name] = (results, [bytes(b) for b in buffers])
         if name == "native":
             native_buffers = buffers
@@ -191,6 +203,7 @@ def page_job(
     chunks: list[tuple[str, list[int]]],
     cache: Cache,
     form: str = "views",
+    max_len: int = 64 << 20,
 ) -> tuple[Job, dict[str, bytes]]:
     """Store one value per chunk (random body) and build a job that loads them into a copy of
     ``cache`` (destinations in ``form``: "views" or "pages"); returns the job and each key's
@@ -212,7 +225,7 @@ def page_job(
             head = pattern(codec.PREFIX_BYTES + 200, 7 + idx)
             buffers.append(head)
             expected = headers[key].to_msgpack()
-            targets.append(LoadTarget(head, expected, fresh.body(ids, form), None, 64 << 20))
+            targets.append(LoadTarget(head, expected, fresh.body(ids, form), None, max_len))
         return targets, buffers
 
     return Job([key for key, _ in chunks], make), bodies

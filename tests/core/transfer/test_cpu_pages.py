@@ -78,8 +78,11 @@ def test_block_runs_groups_consecutive_ids():
     assert positioned_runs([7]) == [(0, 7, 1)]
 
 
-def test_store_then_load_moves_every_page_and_nothing_else(pages: Pages) -> None:
+def test_store_then_load_moves_every_page_and_nothing_else(
+    pages: Pages, pieces: str, redis_client
+) -> None:
     before = [t.clone() for t in pages.tensors]
+    ranges = redis_client.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0)
     stored = pages.store_job(1, chunks(SRC))
     assert stored.ok and stored.is_store and stored.nbytes > 0
     assert all(torch.equal(a, b) for a, b in zip(before, pages.tensors, strict=True))
@@ -89,6 +92,8 @@ def test_store_then_load_moves_every_page_and_nothing_else(pages: Pages) -> None
     assert pages.moved(SRC, DST)
     # Only the destination pages changed: padding bytes and every other block are as before.
     assert _changed_only_in(before, pages, DST)
+    after = redis_client.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0)
+    assert (after > ranges) == (pieces == "pieces")
 
 
 def test_a_store_of_chunks_known_absent_asks_redis_nothing_and_overwrites_nothing(
@@ -208,7 +213,7 @@ def damage(client: Any, keys: list[str], fault: Any, rng: random.Random) -> None
 
 @pytest.mark.parametrize("fault", FAULTS, ids=FAULT_IDS)
 def test_a_failed_load_leaves_every_page_as_it_was_or_zero(
-    pages: Pages, redis_client, fault
+    pages: Pages, redis_client, fault, pieces: str
 ) -> None:
     """After a failed load, each destination page holds what it held before or zeros: never a
     byte of a value that failed validation (vLLM frees those blocks unwritten, and a later
@@ -258,7 +263,7 @@ def test_concurrent_loads_never_hold_more_than_the_budget(
 
 
 def test_a_value_longer_than_its_chunk_is_refused_unread_and_deleted(
-    redis_client, redis_url, path: str
+    redis_client, redis_url, path: str, pieces: str
 ):
     store = _store(redis_url)
     rig = make_pages(store)
@@ -457,7 +462,7 @@ def test_an_engine_starts_at_once_when_redis_is_down() -> None:
 @pytest.mark.parametrize("fault", ["flipped-bit", "missing"])
 @pytest.mark.parametrize("strided", [False, True], ids=["in-place", "buffered"])
 def test_a_partial_load_lands_its_valid_chunks_and_zeroes_the_others(
-    path: str, redis_client, redis_url: str, strided: bool, fault: str
+    path: str, redis_client, redis_url: str, strided: bool, fault: str, pieces: str
 ) -> None:
     """partial_loads (a secondary tier's promotions): one bad chunk fails alone; the job names
     it, its pages hold zeros or what they held, and every other chunk lands."""

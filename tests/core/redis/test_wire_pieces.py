@@ -1,0 +1,265 @@
+"""Values read in pieces (``STRLEN`` then ``GETRANGE`` commands, :func:`wire.load_command`) on
+both paths: on a real Redis they land exactly as a GET lands them, and every odd or changing
+reply (a scripted server) gives the same result and the same bytes on both paths."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+import pytest
+import redis
+
+from hma_redis.core import codec
+from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
+from hma_redis.core.redis import wire
+from tests.core.redis.test_wire import (
+    PATHS,
+    TIMEOUT_S,
+    Cache,
+    Job,
+    body_of,
+    bulk_reply,
+    expected_layers,
+    header_for,
+    headerless_value,
+    page_job,
+    pattern,
+    run_both,
+)
+
+MISSING = LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
+
+
+def getrange_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats").get("cmdstat_getrange", {})
+    return int(stats.get("calls", 0))
+
+
+def test_load_command_asks_for_each_piece_up_to_max_len() -> None:
+    """A target up to ``piece_bytes`` is one GET; a longer one STRLEN and one GETRANGE per
+    piece of ``max_len`` bytes, the last ending at ``max_len - 1``."""
+    assert wire.load_command("k", 100, 0) == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+    assert wire.load_command("k", 100, 100) == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+    command = wire.load_command("k", 250, 100)
+    assert command == (
+        b"*2\r\n$6\r\nSTRLEN\r\n$1\r\nk\r\n"
+        b"*4\r\n$8\r\nGETRANGE\r\n$1\r\nk\r\n$1\r\n0\r\n$2\r\n99\r\n"
+        b"*4\r\n$8\r\nGETRANGE\r\n$1\r\nk\r\n$3\r\n100\r\n$3\r\n199\r\n"
+        b"*4\r\n$8\r\nGETRANGE\r\n$1\r\nk\r\n$3\r\n200\r\n$3\r\n249\r\n"
+    )
+    assert wire.pieces_of(250, 100) == 3 and wire.pieces_of(100, 100) == 0
+
+
+@pytest.mark.parametrize("piece", [1000, 4096, 29_999], ids=["odd", "page", "whole"])
+@pytest.mark.parametrize("lanes", [1, 3], ids=["1-conn", "3-conns"])
+@pytest.mark.parametrize("window", [0, 1])
+@pytest.mark.parametrize("form", ["views", "pages"])
+def test_values_read_in_pieces_land_as_gets_land_them(
+    redis_url: str, redis_client: redis.Redis, piece: int, lanes: int, window: int, form: str
+) -> None:
+    """Pieces that cut pages anywhere (1000 bytes), on page bounds, or one piece holding the
+    whole value (and an empty last one): the same results and the same bytes as GETs,
+    identical on both paths."""
+    cache = Cache.make(num_layers=2, num_blocks=16, page=4096, row=4096, seed=31)
+    chunks = [("p0", [1, 2, 3]), ("p1", [7]), ("p2", [9, 12]), ("p3", [14, 15])]
+    job, bodies = page_job(redis_client, 3, chunks, cache, form, max_len=30_000)
+    got, buffers = run_both(redis_url, job, window, lanes=lanes)
+    before = getrange_calls(redis_client)
+    pieced, pieced_buffers = run_both(redis_url, job, window, lanes=lanes, piece_bytes=piece)
+    per_path = len(chunks) * wire.pieces_of(30_000, piece)
+    assert (
+        getrange_calls(redis_client) - before == (3 if lanes > 1 else 2) * per_path
+    )  # each path once
+    assert pieced == got
+    assert [bytes(b) for b in pieced_buffers] == [bytes(b) for b in buffers]
+    assert all(r.status is LoadStatus.OK and r.landed is Landed.PAGES and r.crc_ok for r in got)
+    assert [bytes(b) for b in buffers[:2]] == expected_layers(cache, chunks, bodies)
+
+
+def test_every_outcome_of_a_get_is_the_same_in_pieces(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Another writer's value (staging), a truncated one and one longer than ``max_len``, a
+    corrupted body, a missing key, a key of another type (WRONGTYPE on STRLEN): each is what
+    a GET makes of it, on both paths. The one difference: an empty value is missing (STRLEN
+    answers 0 for both)."""
+    cache = Cache.make(num_layers=2, num_blocks=8, page=2048, row=2048, seed=32)
+    header = header_for("mine", 2, cache)
+    other = header_for("theirs", 3, cache)
+    body = body_of(header, 1)
+    values = {
+        "mine": bytes(codec.encode(header, body)),
+        "theirs": bytes(codec.encode(other, body_of(other, 2))),
+        "truncated": bytes(codec.encode(header, body))[:-100],
+        "long": bytes(codec.encode(other, body_of(other, 2))) + bytes(40_000),
+        "corrupt": bytearray(codec.encode(header, body)),
+        "empty": b"",
+    }
+    values["corrupt"][3000] ^= 0xFF
+    for key, value in values.items():
+        redis_client.set(key, bytes(value))
+    redis_client.delete("gone")
+    redis_client.rpush("a-list", "x")
+    keys = [*values, "gone", "a-list", "mine"]
+
+    def make(_: int) -> tuple[list[LoadTarget], list[bytearray]]:
+        targets: list[LoadTarget] = []
+        buffers: list[bytearray] = []
+        for idx in range(len(keys)):
+            layers = [pattern(8 * 2048, 100 * idx + i) for i in range(2)]
+            dests = [
+                memoryview(layer)[2048 * b : 2048 * (b + 1)] for layer in layers for b in (3, 6)
+            ]
+            head = pattern(codec.PREFIX_BYTES + 120, idx)
+            staging = pattern(40_000, 1000 + idx)
+            targets.append(LoadTarget(head, header.to_msgpack(), dests, staging, 40_000))
+            buffers += [*layers, head, staging]
+        return targets, buffers
+
+    job = Job(keys, make)
+    got, buffers = run_both(redis_url, job, window=1)
+    pieced, pieced_buffers = run_both(redis_url, job, window=1, piece_bytes=997)
+    empty = keys.index("empty")
+    assert got[empty].landed is Landed.STAGING and pieced[empty] == MISSING
+    assert pieced[:empty] + pieced[empty + 1 :] == got[:empty] + got[empty + 1 :]
+    assert [bytes(b) for b in pieced_buffers] == [bytes(b) for b in buffers]
+    assert [r.status for r in got] == [
+        LoadStatus.OK,
+        LoadStatus.OK,
+        LoadStatus.LAYOUT_MISMATCH,
+        LoadStatus.OVERSIZED,
+        LoadStatus.OK,
+        LoadStatus.OK,
+        LoadStatus.MISSING,
+        LoadStatus.ERROR,
+        LoadStatus.OK,
+    ]
+    assert [r.landed for r in got[:3]] == [Landed.PAGES, Landed.STAGING, None]
+    assert not got[4].crc_ok and got[-1].crc_ok
+    assert pieced[7].error is not None and pieced[7].error.startswith("WRONGTYPE")
+
+
+# ------------------------------------------------------------------------- a scripted server
+
+PIECE = 1000
+VALUE = headerless_value(bytes(range(256)) * 9)  # 48 + 2304 bytes: three pieces
+
+
+def value_target(max_len: int = 3000) -> tuple[LoadTarget, list[bytearray]]:
+    """A target VALUE lands in (its body into one buffer), with staging."""
+    head, body, staging = pattern(200, 1), pattern(len(VALUE) - 48, 2), pattern(max_len, 3)
+    return LoadTarget(head, b"", [memoryview(body)], staging, max_len), [head, body, staging]
+
+
+def pieces_of(value: bytes, max_len: int = 3000) -> list[bytes]:
+    """What Redis answers to the pieces of a ``max_len`` target holding ``value``."""
+    return [value[at : min(at + PIECE, max_len)] for at in range(0, max_len, PIECE)]
+
+
+def replies(strlen: bytes, pieces: Sequence[bytes | None]) -> bytes:
+    """STRLEN's reply line, then each piece as a bulk string (None: a nil in its place)."""
+    return strlen + b"".join(bulk_reply(p) if p is not None else b"$-1\r\n" for p in pieces)
+
+
+def run_scripted(script: bytes) -> tuple[list[LoadResult], list[bytes]]:
+    """A job of two targets (a value read in pieces, then the same value read in pieces
+    again) against ``script``: the reply bytes of the first, then a correct reply of the
+    second; both paths must agree on results and bytes; returns them."""
+    whole = script + replies(b":%d\r\n" % len(VALUE), pieces_of(VALUE))
+    outcome: dict[str, tuple[list[LoadResult], list[bytes]]] = {}
+    for name, (load, _) in PATHS.items():
+        first, first_buffers = value_target()
+        second, second_buffers = value_target()
+        commands = [wire.load_command("k", 3000, PIECE)] * 2
+        server, client = socket.socketpair()
+        with server, client:
+            server.sendall(whole)
+            results = load(client, commands, [first, second], TIMEOUT_S, piece_bytes=PIECE)
+        outcome[name] = (results, [bytes(b) for b in first_buffers + second_buffers])
+    assert outcome["native"] == outcome["python"]
+    return outcome["native"]
+
+
+def test_a_value_read_in_pieces_lands_from_a_scripted_server() -> None:
+    """The scripted replies of a correct value land it (the oracle for the cases below)."""
+    results, buffers = run_scripted(replies(b":%d\r\n" % len(VALUE), pieces_of(VALUE)))
+    assert results[0] == results[1]
+    assert results[0] == LoadResult(LoadStatus.OK, len(VALUE), 0, False, Landed.PAGES, None)
+    assert buffers[1] == VALUE[48:] and buffers[4] == VALUE[48:]
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        # Shorter than STRLEN said: the key was replaced by a shorter value.
+        replies(b":%d\r\n" % len(VALUE), pieces_of(VALUE[:1500])),
+        # Longer: its pieces are full where the last should be short.
+        replies(b":%d\r\n" % len(VALUE), pieces_of(VALUE + bytes(600))),
+        # Deleted after STRLEN: empty pieces.
+        replies(b":%d\r\n" % len(VALUE), [b"", b"", b""]),
+        # Written after STRLEN answered 0.
+        replies(b":0\r\n", pieces_of(VALUE)),
+        # A nil, an error in a piece's place (moved, or another type now).
+        replies(b":%d\r\n" % len(VALUE), [VALUE[:1000], None, VALUE[2000:]]),
+        b":%d\r\n" % len(VALUE)
+        + bulk_reply(VALUE[:1000])
+        + b"-MOVED 1 x:1\r\n"
+        + bulk_reply(VALUE[2000:]),
+        # The first piece of another length: the prefix never lands.
+        replies(b":%d\r\n" % len(VALUE), [VALUE[:10], VALUE[1000:2000], VALUE[2000:]]),
+    ],
+    ids=["shrank", "grew", "deleted", "appeared", "nil-piece", "error-piece", "short-first"],
+)
+def test_a_value_that_changes_between_its_pieces_is_missing(script: bytes) -> None:
+    """A piece of another length than STRLEN announced, or a nil or an error in its place, is
+    a value that changed while read: ``missing`` (recomputed, never deleted), every piece read
+    to its end, and the next value on the connection lands."""
+    results, buffers = run_scripted(script)
+    assert results[0] == MISSING
+    assert results[1] == LoadResult(LoadStatus.OK, len(VALUE), 0, False, Landed.PAGES, None)
+    assert buffers[4] == VALUE[48:]
+
+
+def test_strlen_errors_oversized_and_missing_values_in_pieces() -> None:
+    """An error reply to STRLEN is ``error`` (its pieces' errors read past); a value longer
+    than ``max_len`` is ``oversized`` (only ``max_len`` bytes asked for, drained); STRLEN 0
+    is missing."""
+    wrongtype = b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+    results, _ = run_scripted(wrongtype + wrongtype * 3)
+    assert results[0].status is LoadStatus.ERROR and results[0].error == wrongtype[1:-2].decode()
+    big = bytes(5000)
+    results, buffers = run_scripted(replies(b":5000\r\n", pieces_of(big)))
+    assert results[0] == LoadResult(LoadStatus.OVERSIZED, 5000, -1, False, None, None)
+    assert buffers[1] == bytes(pattern(len(VALUE) - 48, 2))  # nothing landed
+    results, _ = run_scripted(replies(b":0\r\n", [b"", b"", b""]))
+    assert results[0] == MISSING
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        b"+OK\r\n",
+        b"$3\r\nabc\r\n",
+        b":-1\r\n",
+        b":12x\r\n",
+        b":%d\r\n" % len(VALUE) + b":1\r\n",
+        b":%d\r\n" % len(VALUE) + b"+OK\r\n",
+        b":%d\r\n" % len(VALUE) + b"$1000\r\n" + VALUE[:1000] + b"XX",
+    ],
+    ids=["status", "bulk", "negative", "not-a-number", "int-piece", "status-piece", "no-crlf"],
+)
+def test_replies_that_fit_no_piece_raise_on_both_paths(script: bytes) -> None:
+    """A reply to STRLEN that is not an integer or an error, a negative or malformed one, a
+    piece that is not a bulk string, nil or error, or one not ended by CRLF: ProtocolError on
+    both paths (the caller drops the connection)."""
+    for load, _ in PATHS.values():
+        target, _ = value_target()
+        server, client = socket.socketpair()
+        with server, client:
+            server.sendall(script)
+            server.shutdown(socket.SHUT_WR)
+            with pytest.raises(wire.ProtocolError):
+                load(
+                    client, [wire.load_command("k", 3000, PIECE)], [target], 1.0, piece_bytes=PIECE
+                )
