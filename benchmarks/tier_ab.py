@@ -1,7 +1,8 @@
 """Interleaved A/B of the tier benchmark's jobs (``hma-redis bench``: the real worker, 8 layers
 of 16 KiB pages at random block ids, fresh keys, timed from submit until ``get_finished``
 reports the job) on two workers against one Redis, their jobs alternated (a, b, b, a, ...) so
-that both meet the same machine. Prints, per value size and operation, the median GB/s of
+that both meet the same machine, each job on new connections (a connection's speed on this host
+is a draw that lasts its life). Prints, per value size and operation, the median GB/s of
 each, their ratio, and in how many pairs b was faster. What differs (``--compare``):
 
 * ``connections``: A runs ``--a`` connections per thread, B ``--b``;
@@ -19,12 +20,15 @@ each, their ratio, and in how many pairs b was faster. What differs (``--compare
   ``--window`` (B's jobs run with ``window_for`` replaced; the two never run at once);
 * ``lanes``: A's C load jobs read their connections on the calling thread, in turn (the
   ``one_thread`` switch of ``wire.native_load_values``: how loads ran before), B's on a thread
-  per connection (the default).
+  per connection (the default);
+* ``pieces``: A's loads ask for each value with one GET (``HMA_REDIS_PIECE_BYTES=0``), B's as
+  ``wire.piece_bytes_for`` says (the default: pieces of 1 MiB for values over 6 MiB), or in
+  pieces of ``--piece-bytes`` for values over that.
 
     .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
         [--compare connections --a 1 --b 2 | --compare pages | --compare congestion
          | --compare threads | --compare landing | --compare window --window 2
-         | --compare lanes]
+         | --compare lanes | --compare pieces [--piece-bytes N]]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -45,7 +49,7 @@ from typing import Any
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.redis import wire
 from hma_redis.tools.bench.common import Samples, server_config
-from hma_redis.tools.bench.tier import FULL, TierBench, size_label
+from hma_redis.tools.bench.tier import FULL, TierBench, _warm_then_timed, size_label
 
 
 def main() -> None:
@@ -54,13 +58,23 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument(
         "--compare",
-        choices=("connections", "pages", "congestion", "threads", "landing", "window", "lanes"),
+        choices=(
+            "connections",
+            "pages",
+            "congestion",
+            "threads",
+            "landing",
+            "window",
+            "lanes",
+            "pieces",
+        ),
         default="connections",
     )
     parser.add_argument("--congestion", default="cubic", help="B's tcp_congestion")
     parser.add_argument("--a", type=int, default=1, help="connections_per_thread of A")
     parser.add_argument("--b", type=int, default=2, help="connections_per_thread of B")
     parser.add_argument("--window", type=int, default=2, help="B's GETs in flight per socket")
+    parser.add_argument("--piece-bytes", type=int, help="B's HMA_REDIS_PIECE_BYTES (pieces)")
     args = parser.parse_args()
     if args.compare != "connections":
         args.a = args.b = RedisTierConfig().connections_per_thread
@@ -109,9 +123,10 @@ def main() -> None:
                                 args.window if args.compare == "window" and name == "b" else None
                             ),
                             _one_thread(args.compare == "lanes" and name == "a"),
+                            _pieces(args, name),
                         ):
-                            benches[name].run(size, Samples())  # as the bench: warm, then timed
-                            benches[name].run(size, samples)
+                            # As the bench: new connections, a warm job, then the timed one.
+                            _warm_then_timed(benches[name], size, samples)
                 for op in ("load", "store"):
                     a = samples.values[f"a {op} {size}"]
                     b = samples.values[f"b {op} {size}"]
@@ -160,7 +175,32 @@ def _one_thread(enabled: bool) -> Iterator[None]:
         wire.native_load_values = saved
 
 
+@contextlib.contextmanager
+def _pieces(args: argparse.Namespace, name: str) -> Iterator[None]:
+    """With ``--compare pieces``: A's loads inside the block are GETs, B's in pieces (the
+    default rule, or ``--piece-bytes``)."""
+    if args.compare != "pieces":
+        yield
+        return
+    value = "0" if name == "a" else args.piece_bytes
+    saved = os.environ.get(wire.PIECES_ENV)
+    if value is None:
+        os.environ.pop(wire.PIECES_ENV, None)
+    else:
+        os.environ[wire.PIECES_ENV] = str(value)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(wire.PIECES_ENV, None)
+        else:
+            os.environ[wire.PIECES_ENV] = saved
+
+
 def _describe(args: argparse.Namespace) -> str:
+    if args.compare == "pieces":
+        b = f"pieces of {args.piece_bytes} B" if args.piece_bytes else "wire.piece_bytes_for"
+        return f"A: one GET per value, B: {b}"
     if args.compare == "lanes":
         return "A: C loads read their connections on one thread, B: a thread per connection"
     if args.compare == "landing":

@@ -130,14 +130,15 @@ _MAX_VALUE = 512 << 20  # Redis' proto-max-bulk-len default: a longer bulk lengt
 DEFAULT_WINDOW = 2
 ONE_AT_A_TIME_BYTES = 3 << 20
 
-# Values whose target may exceed PIECE_BYTES are read in pieces of that many bytes: ``STRLEN``,
-# then one ``GETRANGE`` per piece, as a GET of 512 KiB values is read. Redis 7.0 copies a GET's
-# whole value into one reply buffer of its size; at 8 MiB that costs the server 0.84 s per GB
-# read against 0.36-0.38 in 512 KiB-1 MiB ranges, and one client connection read 8 MiB values
-# 2.3-2.5x as fast in 1 MiB ranges (docs/performance.md, issue 39). A job reads its values in
-# pieces when one of them may exceed PIECED_ABOVE: 2 MiB values gained nothing from it.
+# A job whose values may exceed PIECED_ABOVE reads them in pieces of PIECE_BYTES: ``STRLEN``,
+# then one ``GETRANGE`` per piece. Redis 7.0 copies a GET's whole value into one reply buffer of
+# its size, and its jemalloc serves 8 MiB and larger from an arena that unmaps memory as soon as
+# it is freed (``opt.oversize_threshold``), so each such reply faults in fresh pages: 0.84 s of
+# server CPU per GB read against 0.36-0.38 in 512 KiB-1 MiB ranges, and 8 MiB values loaded
+# 1.9x as fast in 1 MiB pieces; 2 MiB and 4 MiB values gained nothing from pieces
+# (docs/performance.md, issue 39).
 PIECE_BYTES = 1 << 20
-PIECED_ABOVE = ONE_AT_A_TIME_BYTES
+PIECED_ABOVE = 6 << 20
 
 # The most connections one job runs on (the C code's limit).
 MAX_JOB_CONNECTIONS = 64
