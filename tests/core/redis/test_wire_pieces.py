@@ -11,8 +11,10 @@ import pytest
 import redis
 
 from hma_redis.core import codec
+from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
 from hma_redis.core.redis import wire
+from hma_redis.core.redis.store import RedisBlockStore
 from tests.core.redis.test_wire import (
     PATHS,
     TIMEOUT_S,
@@ -27,6 +29,7 @@ from tests.core.redis.test_wire import (
     pattern,
     run_both,
 )
+from tests.support.error_server import CommandServer
 
 MISSING = LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
 
@@ -263,3 +266,78 @@ def test_replies_that_fit_no_piece_raise_on_both_paths(script: bytes) -> None:
                 load(
                     client, [wire.load_command("k", 3000, PIECE)], [target], 1.0, piece_bytes=PIECE
                 )
+
+
+# ------------------------------------------------------------- which servers get pieces
+
+
+class ValueServer(CommandServer):
+    """A stand-in for a server holding ``values``: GET, STRLEN and GETRANGE as Redis answers
+    them, INFO server answered with ``info`` (bytes: a bulk string of it; None: a NOPERM
+    error), every command it receives kept in ``seen``."""
+
+    def __init__(self, values: dict[bytes, bytes], info: bytes | None) -> None:
+        self.values = values
+        self.info = info
+        self.seen: list[bytes] = []
+        super().__init__()
+
+    def _answer(self, command: list[bytes]) -> bytes:
+        name = command[0].upper()
+        if name == b"HELLO":
+            proto = command[1] if len(command) > 1 else b"2"
+            return b"%1\r\n$5\r\nproto\r\n:" + proto + b"\r\n"
+        if name in (b"PING", b"CLIENT", b"SELECT", b"AUTH"):
+            return b"+PONG\r\n" if name == b"PING" else b"+OK\r\n"
+        self.seen.append(name)
+        value = self.values.get(command[1], b"") if len(command) > 1 else b""
+        if name == b"INFO":
+            if self.info is None:
+                return b"-NOPERM this user has no permissions to run the 'info' command\r\n"
+            return bulk_reply(self.info)
+        if name == b"GET":
+            return bulk_reply(value) if command[1] in self.values else b"$-1\r\n"
+        if name == b"STRLEN":
+            return b":%d\r\n" % len(value)
+        if name == b"GETRANGE":
+            return bulk_reply(value[int(command[2]) : int(command[3]) + 1])
+        return b"-ERR unknown command\r\n"
+
+
+@pytest.mark.parametrize(
+    ("info", "pieces"),
+    [
+        (b"# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n", True),
+        (
+            b"# Server\r\nredis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:9.1.2\r\n",
+            False,
+        ),
+        (None, True),  # INFO refused (an ACL without +info): Redis' rule
+        (b"no colon here at all\r\n:::\r\n", True),
+    ],
+    ids=["redis", "valkey", "info-refused", "odd-info"],
+)
+def test_large_values_are_read_in_pieces_unless_the_server_is_valkey(
+    info: bytes | None, pieces: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose values may exceed 6 MiB reads them in pieces from Redis (it copies a GET's
+    whole value into its reply) and with one GET each from Valkey (it writes large values from
+    the value itself): one INFO per store tells them apart; refused or odd, Redis' rule. The
+    values land either way, and smaller jobs never ask."""
+    monkeypatch.delenv(wire.PIECES_ENV, raising=False)
+    value = headerless_value(bytes(range(256)) * 40)
+    server = ValueServer({b"k": value, b"j": value}, info)
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": server.url}, env={}))
+    try:
+        for max_len in (1 << 20, 7 << 20, 7 << 20):
+            body = bytearray(len(value) - 48)
+            target = LoadTarget(bytearray(300), b"", [memoryview(body)], None, max_len)
+            results = store.load_values(["k"], [target])
+            assert results is not None and results[0].status is LoadStatus.OK, results
+            assert body == value[48:]
+    finally:
+        store.close()
+        server.close()
+    assert server.seen.count(b"INFO") == 1
+    expected_large = [b"STRLEN", *[b"GETRANGE"] * 7] if pieces else [b"GET"]
+    assert [c for c in server.seen if c != b"INFO"] == [b"GET", *expected_large * 2]
