@@ -25,6 +25,7 @@ source scripts/native_copy.sh
 TESTS=(
     tests/core/redis/test_wire.py
     tests/core/redis/test_wire_bounds.py
+    tests/core/redis/test_wire_pieces.py
     tests/core/redis/test_resp_fuzz.py
     tests/core/transfer/test_cpu_pages.py
     tests/core/transfer/test_value_checks.py

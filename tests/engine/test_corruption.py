@@ -32,7 +32,7 @@ pytestmark = pytest.mark.engine
 MAX_TOKENS = 6
 TIER_OPTIONS = {"read_timeout_s": 1.0, "connect_timeout_s": 0.5, "retry_interval_s": 1.0}
 # The data paths' environments: the C job, its twin, and the C job reading values in pieces of
-# 1000 bytes (as values over 6 MiB are read).
+# 1000 bytes (as values over 3 MiB are read).
 PATHS = {
     "native": {NATIVE_ENV: "1"},
     "python": {NATIVE_ENV: "0"},

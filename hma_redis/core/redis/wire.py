@@ -135,10 +135,11 @@ ONE_AT_A_TIME_BYTES = 3 << 20
 # its size, and its jemalloc serves 8 MiB and larger from an arena that unmaps memory as soon as
 # it is freed (``opt.oversize_threshold``), so each such reply faults in fresh pages: 0.84 s of
 # server CPU per GB read against 0.36-0.38 in 512 KiB-1 MiB ranges, and 8 MiB values loaded
-# 1.9x as fast in 1 MiB pieces; 2 MiB and 4 MiB values gained nothing from pieces
-# (docs/performance.md, issue 39).
+# 1.7x as fast in 1 MiB pieces. 2 MiB values gained nothing (not pieced); 4 MiB ones were level
+# in a warm A/B and loaded a fresh engine's first request faster in pieces (a reply buffer of
+# 1 MiB touches less fresh server memory than one of 4 MiB) (docs/performance.md, issue 39).
 PIECE_BYTES = 1 << 20
-PIECED_ABOVE = 6 << 20
+PIECED_ABOVE = 3 << 20
 
 # The most connections one job runs on (the C code's limit).
 MAX_JOB_CONNECTIONS = 64

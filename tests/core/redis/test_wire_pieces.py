@@ -320,7 +320,7 @@ class ValueServer(CommandServer):
 def test_large_values_are_read_in_pieces_unless_the_server_is_valkey(
     info: bytes | None, pieces: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A job whose values may exceed 6 MiB reads them in pieces from Redis (it copies a GET's
+    """A job whose values may exceed 3 MiB reads them in pieces from Redis (it copies a GET's
     whole value into its reply) and with one GET each from Valkey (it writes large values from
     the value itself): one INFO per store tells them apart; refused or odd, Redis' rule. The
     values land either way, and smaller jobs never ask."""
