@@ -128,14 +128,16 @@ def load_both(
     window: int = 0,
     timeout_s: float = TIMEOUT_S,
     pieces: Sequence[int] = (),
+    piece_bytes: int = 0,
 ) -> Outcome:
-    """A load job through both paths against ``reply``; asserts the same results (or the same
-    exception type), the same bytes in every buffer and on the wire; returns the outcome."""
+    """A load job through both paths against ``reply`` (with ``piece_bytes``, targets longer
+    than that read in pieces); asserts the same results (or the same exception type), the same
+    bytes in every buffer and on the wire; returns the outcome."""
     outcomes = {}
     for name, (load, _) in PATHS.items():
 
         def job(sock: socket.socket, targets: Sequence[Any], load: Any = load) -> list[Any]:
-            return list(load(sock, commands, targets, timeout_s, window))
+            return list(load(sock, commands, targets, timeout_s, window, piece_bytes=piece_bytes))
 
         outcomes[name] = run_path(reply, job, make, pieces)
     return same(outcomes)

@@ -18,6 +18,7 @@ import pytest
 from hma_redis.core import codec
 from hma_redis.core.codec import BlockHeader
 from hma_redis.core.medium import LoadTarget
+from hma_redis.core.redis import wire
 from tests.support.canned_redis import bulk, exact_buffer, load_both
 
 CASES = int(os.environ.get("HMA_FUZZ_CASES", "150"))
@@ -137,3 +138,65 @@ def test_random_replies_give_the_same_outcome_on_both_paths(seed: int) -> None:
     bytes in every buffer, on both paths."""
     stream, commands, make = _job(seed)
     load_both(stream, commands, make, window=random.Random(seed).randrange(3))
+
+
+def _strlen_reply(rng: random.Random, length: int) -> bytes:
+    """STRLEN's reply: mostly the length, sometimes a lie, an error or another type."""
+    kind = rng.randrange(12)  # 5-11: the length
+    if kind == 0:
+        return b":%d\r\n" % max(0, length + rng.choice([-1, 1, 7]))
+    if kind == 1:
+        return b":0\r\n"
+    if kind == 2:
+        return b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+    if kind == 3:
+        return rng.choice([b":-1\r\n", b":x\r\n", b"+OK\r\n", b"$1\r\n1\r\n", b"_\r\n"])
+    if kind == 4:
+        return b":%d\r\n" % rng.randrange(1 << 30)
+    return b":%d\r\n" % length
+
+
+def _pieces_job(seed: int) -> tuple[bytes, list[bytes], Any, int]:
+    """A random job whose longer targets are read in pieces (the targets and values of the GET
+    job of this seed, bounds over 64 pieces cut to 64): each one's STRLEN reply and its pieces'
+    replies (mostly the value's slices, sometimes anything :func:`_reply` sends), the others
+    one GET's reply; its stream, commands, target maker and piece size."""
+    rng = random.Random(seed)
+    values = [_chunk(rng)[0] for _ in range(rng.randrange(1, 6))]  # as _job draws them
+    _, _, make = _job(seed)
+    rng = random.Random(seed + 7)
+    piece = rng.choice([1, 5, 64, 200, 4096])
+
+    def capped() -> tuple[list[Any], list[Any]]:
+        targets, buffers = make()
+        return [t._replace(max_len=min(t.max_len, 64 * piece)) for t in targets], buffers
+
+    replies: list[bytes] = []
+    commands: list[bytes] = []
+    for target, value in zip(capped()[0], values, strict=True):
+        value = _damaged(rng, value)
+        count = wire.pieces_of(target.max_len, piece)
+        commands.append(wire.load_command("k", target.max_len, piece))
+        if not count:
+            replies.append(_reply(rng, value))
+            continue
+        replies.append(_strlen_reply(rng, len(value)))
+        for idx in range(count):
+            part = value[idx * piece : min((idx + 1) * piece, target.max_len)]
+            replies.append(_reply(rng, part) if rng.random() < 0.03 else bulk(part))
+    out = b"".join(replies)
+    if rng.random() < 0.1 and out:
+        out = out[: rng.randrange(len(out))]  # the server stops mid-stream
+    return out, commands, capped, piece
+
+
+@pytest.mark.parametrize("seed", range(CASES // 2))
+def test_random_replies_to_values_read_in_pieces_give_the_same_outcome_on_both_paths(
+    seed: int,
+) -> None:
+    """STRLEN and GETRANGE replies as a hostile server sends them (lying lengths, values that
+    change between pieces, errors, nils and other types in a piece's place, a stream cut
+    short): the same results or exception type, and the same bytes in every buffer, on both
+    paths (under AddressSanitizer with ``scripts/asan.sh``)."""
+    stream, commands, make, piece = _pieces_job(seed)
+    load_both(stream, commands, make, window=random.Random(seed).randrange(3), piece_bytes=piece)
