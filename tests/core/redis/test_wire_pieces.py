@@ -51,7 +51,8 @@ def test_load_command_asks_for_each_piece_up_to_max_len() -> None:
         b"*4\r\n$8\r\nGETRANGE\r\n$1\r\nk\r\n$3\r\n100\r\n$3\r\n199\r\n"
         b"*4\r\n$8\r\nGETRANGE\r\n$1\r\nk\r\n$3\r\n200\r\n$3\r\n249\r\n"
     )
-    assert wire.pieces_of(250, 100) == 3 and wire.pieces_of(100, 100) == 0
+    assert wire.pieces_of(250, 100) == 3
+    assert [wire.pieces_of(n, 100) for n in (99, 100, 101)] == [0, 0, 2]
 
 
 @pytest.mark.parametrize("piece", [1000, 4096, 29_999], ids=["odd", "page", "whole"])
@@ -341,3 +342,43 @@ def test_large_values_are_read_in_pieces_unless_the_server_is_valkey(
     assert server.seen.count(b"INFO") == 1
     expected_large = [b"STRLEN", *[b"GETRANGE"] * 7] if pieces else [b"GET"]
     assert [c for c in server.seen if c != b"INFO"] == [b"GET", *expected_large * 2]
+
+
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_strlen_at_the_bound_of_max_len(delta: int) -> None:
+    """STRLEN one byte under, at and over the target's bound: the first two are received
+    (here the header is the expected one and the length is not: layout-mismatch), the last is
+    oversized (only the bound's bytes asked for and drained); both paths alike."""
+    n = 3000 + delta
+    value = headerless_value(bytes(pattern(n - 48, 9)))
+    results, _ = run_scripted(replies(b":%d\r\n" % n, pieces_of(value)))
+    status = LoadStatus.OVERSIZED if delta > 0 else LoadStatus.LAYOUT_MISMATCH
+    assert (results[0].status, results[0].value_len) == (status, n)
+
+
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_a_middle_piece_one_byte_off_is_a_changed_value(delta: int) -> None:
+    """The second piece one byte shorter, exact, one byte longer than STRLEN's length says:
+    only the exact one lands; the others are missing, and the next value still lands."""
+    middle = VALUE[1000:2000] + bytes(max(delta, 0))
+    middle = middle[: len(middle) + min(delta, 0)]
+    results, buffers = run_scripted(
+        replies(b":%d\r\n" % len(VALUE), [VALUE[:1000], middle, VALUE[2000:]])
+    )
+    assert (results[0].status is LoadStatus.OK) == (delta == 0)
+    assert results[1].status is LoadStatus.OK and buffers[4] == VALUE[48:]
+
+
+@pytest.mark.parametrize("delta", [0, 1])
+def test_a_strlen_past_the_longest_value_redis_takes_is_a_protocol_error(delta: int) -> None:
+    """STRLEN of 512 MiB (Redis' proto-max-bulk-len default) is oversized; one byte more is a
+    reply no Redis sends: ProtocolError on both paths."""
+    n = (512 << 20) + delta
+    script = replies(
+        b":%d\r\n" % n, [VALUE[:1000], VALUE[1000:2000], VALUE[2000:2352] + bytes(648)]
+    )
+    if delta:
+        test_replies_that_fit_no_piece_raise_on_both_paths(script)
+        return
+    results, _ = run_scripted(script)
+    assert (results[0].status, results[0].value_len) == (LoadStatus.OVERSIZED, n)
