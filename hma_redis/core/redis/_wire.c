@@ -711,8 +711,9 @@ static uint32_t be32(const uint8_t *p) {
  * ``pieces``, the last one ending at max_len - 1) arrives as that many bulk strings: STRLEN's
  * integer N says how long each should be (P, then what is left of N, then empty ones). A piece
  * of another length (or a nil or an error in its place) means the key changed between the
- * commands: the value is then ``changed`` and its receiver fills nothing more (the caller
- * reports it missing); every piece is still consumed, by its own length, in value_finish.
+ * commands, or a piece was refused: the value is then ``changed`` and its receiver fills
+ * nothing more (the caller reports it missing, or the first piece's error); every piece is
+ * still consumed, by its own length, in value_finish.
  * ---------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -723,6 +724,7 @@ typedef struct {
     long long unclaimed; /* value bytes no piece read so far has carried */
     int owe_crlf;        /* the current piece's CRLF is unread */
     int changed;
+    char *error;         /* the first error reply in a piece's place (malloc'd), or NULL */
 } value_t;
 
 /* Read the next piece's reply line: the bytes it carries become ``left``. */
@@ -735,8 +737,11 @@ static int value_next_piece(value_t *v) {
     reply_t r;
     if (read_reply_line(c, &r) < 0) return -1;
     v->pieces_left--;
-    if (r.kind == R_NIL || r.kind == R_ERROR) { /* gone, or moved, since STRLEN */
-        free(r.text);
+    if (r.kind == R_NIL || r.kind == R_ERROR) { /* gone, moved or refused since STRLEN */
+        if (r.kind == R_ERROR && !v->error)
+            v->error = r.text;
+        else
+            free(r.text);
         v->changed = 1;
         return 0;
     }
@@ -866,40 +871,44 @@ static int receive_value(value_t *v, target_t *t, long long len) {
 
 /* A value read in pieces, STRLEN's reply ``r`` read: missing (0), oversized, an error, or
  * received; then every piece is consumed. A value that changed between the commands is
- * reported missing (recomputed, not deleted: it may be a valid value written meanwhile). */
+ * reported missing (recomputed, not deleted: it may be a valid value written meanwhile); an
+ * error reply in a piece's place (NOPERM: no GETRANGE; MOVED, ASK) is the target's error. */
 static int take_pieces(conn_t *c, target_t *t, reply_t *r) {
     value_t v = {.c = c, .piece = t->piece, .pieces_left = t->pieces};
     if (r->kind == R_ERROR) {
         t->status = L_ERROR;
         t->error = r->text;
-        return value_finish(&v);
-    }
-    if (r->kind != R_INT) {
+    } else if (r->kind != R_INT) {
         free(r->text);
         return conn_failed(c, FAIL_PROTOCOL, 0, "unexpected reply to STRLEN");
-    }
-    if (r->len < 0 || r->len > MAX_VALUE)
+    } else if (r->len < 0 || r->len > MAX_VALUE) {
         return conn_failed(c, FAIL_PROTOCOL, 0, "bad STRLEN reply");
-    if (r->len == 0) {
+    } else if (r->len == 0) {
         t->status = L_MISSING;
     } else if (r->len > t->max_len) {
         t->status = L_OVERSIZED;
         t->value_len = r->len;
         v.unclaimed = t->max_len; /* the pieces carry max_len bytes, dropped */
-        if (value_drain(&v, (size_t)t->max_len) < 0) return -1;
+        if (value_drain(&v, (size_t)t->max_len) < 0) goto failed;
     } else {
         v.unclaimed = r->len;
-        if (receive_value(&v, t, r->len) < 0) return -1;
+        if (receive_value(&v, t, r->len) < 0) goto failed;
     }
-    if (value_finish(&v) < 0) return -1;
+    if (value_finish(&v) < 0) goto failed;
     if (v.changed && t->status != L_ERROR) {
-        t->status = L_MISSING;
+        t->status = v.error ? L_ERROR : L_MISSING;
+        t->error = v.error;
+        v.error = NULL;
         t->landed = LAND_NONE;
         t->crc_ok = 0;
         t->header_len = -1;
         t->value_len = 0;
     }
+    free(v.error);
     return 0;
+failed:
+    free(v.error);
+    return -1;
 }
 
 /* The rest of one target's reply, its first line ``r`` read: the value lands (or is drained),

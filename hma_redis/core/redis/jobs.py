@@ -176,6 +176,8 @@ class ValueJobs:
             for result in results:
                 if result.status is LoadStatus.ERROR:
                     self._job_error("GET", result.error)
+                    if piece_bytes and (result.error or "").startswith("NOPERM"):
+                        self._pieces_refused()
             return results
 
         return self._guard.run("GET", load, None, within, outcome, Operation.LOAD)
@@ -190,6 +192,20 @@ class ValueJobs:
         if self._copies_replies is None:
             self._copies_replies = self._guard.run("INFO", self._server_copies_replies, None)
         return piece if self._copies_replies is not False else 0
+
+    def _pieces_refused(self) -> None:
+        """A value read in pieces was refused (NOPERM: the user may not run STRLEN or
+        GETRANGE): this store's jobs read every value with one GET from now on, and say so
+        once. The job that met it failed (its chunks are recomputed)."""
+        if self._copies_replies is False:
+            return
+        self._copies_replies = False
+        logger.warning(
+            "hma_redis: Redis refused STRLEN or GETRANGE (NOPERM), which read values over %d "
+            "MiB in pieces; they are read with one GET each from now on (slower for values of "
+            "8 MiB and more). Grant the tier's user +strlen +getrange (docs/security.md)",
+            wire.PIECED_ABOVE >> 20,
+        )
 
     def _server_copies_replies(self) -> bool:
         """Whether the server copies a GET's whole value into its reply: Redis does (and its

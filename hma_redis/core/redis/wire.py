@@ -62,9 +62,10 @@ length: 0 is ``missing`` (Redis answers 0 for a missing key), ``N > max_len`` is
 (the pieces, ``max_len`` bytes, drained), otherwise the pieces' bytes back to back are the
 value and land by the rules above. A piece whose length is not the one N announces, or a nil or
 an error in its place, means the key changed between the commands: the value is ``missing``
-(recomputed, never deleted: it may be a valid value written meanwhile), whatever of it landed is
-the caller's to discard, and every piece is still read to its end. An error reply to STRLEN is
-``error``.
+(recomputed, never deleted: it may be a valid value written meanwhile), or ``error`` with the
+first error reply in a piece's place (NOPERM: a user without GETRANGE; MOVED, ASK); whatever of
+it landed is the caller's to discard, and every piece is still read to its end. An error reply
+to STRLEN is ``error``.
 
 A timeout (no progress for ``timeout_s``, or the job not done within ``budget_s`` seconds of
 its start when a budget is given), an EOF or a malformed reply (among them a reply line that
@@ -548,6 +549,7 @@ class _Pieces:
         self._left = 0  # bytes left in the current piece's body
         self._owe_crlf = False
         self.changed = False
+        self.error: str | None = None  # the first error reply in a piece's place
 
     def _next_piece(self) -> None:
         if self._owe_crlf:
@@ -557,7 +559,10 @@ class _Pieces:
             raise ProtocolError("a value outgrew the pieces asked for")
         kind, detail = _reply_line(self._stream)
         self._pieces_left -= 1
-        if kind in ("nil", "error"):  # gone, or moved, since STRLEN
+        if kind in ("nil", "error"):  # gone, moved or refused since STRLEN
+            if kind == "error" and self.error is None:
+                assert isinstance(detail, str)
+                self.error = detail
             self.changed = True
             return
         if kind != "bulk":
@@ -896,6 +901,8 @@ def _take_pieces(
         result = _receive_value(value, target, dests, detail)
     value.finish()
     if value.changed:
+        if value.error is not None:  # NOPERM (no GETRANGE), MOVED, ASK: the target's error
+            return LoadResult(LoadStatus.ERROR, 0, -1, False, None, value.error)
         return LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
     return result
 

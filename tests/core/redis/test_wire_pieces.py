@@ -4,6 +4,7 @@ reply (a scripted server) gives the same result and the same bytes on both paths
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
 from hma_redis.core.redis import wire
 from hma_redis.core.redis.store import RedisBlockStore
+from tests.adapter.test_memory_gauges import _documented_tier_rules
 from tests.core.redis.test_wire import (
     PATHS,
     TIMEOUT_S,
@@ -204,16 +206,12 @@ def test_a_value_read_in_pieces_lands_from_a_scripted_server() -> None:
         replies(b":%d\r\n" % len(VALUE), [b"", b"", b""]),
         # Written after STRLEN answered 0.
         replies(b":0\r\n", pieces_of(VALUE)),
-        # A nil, an error in a piece's place (moved, or another type now).
+        # A nil in a piece's place: deleted since STRLEN.
         replies(b":%d\r\n" % len(VALUE), [VALUE[:1000], None, VALUE[2000:]]),
-        b":%d\r\n" % len(VALUE)
-        + bulk_reply(VALUE[:1000])
-        + b"-MOVED 1 x:1\r\n"
-        + bulk_reply(VALUE[2000:]),
         # The first piece of another length: the prefix never lands.
         replies(b":%d\r\n" % len(VALUE), [VALUE[:10], VALUE[1000:2000], VALUE[2000:]]),
     ],
-    ids=["shrank", "grew", "deleted", "appeared", "nil-piece", "error-piece", "short-first"],
+    ids=["shrank", "grew", "deleted", "appeared", "nil-piece", "short-first"],
 )
 def test_a_value_that_changes_between_its_pieces_is_missing(script: bytes) -> None:
     """A piece of another length than STRLEN announced, or a nil or an error in its place, is
@@ -223,6 +221,20 @@ def test_a_value_that_changes_between_its_pieces_is_missing(script: bytes) -> No
     assert results[0] == MISSING
     assert results[1] == LoadResult(LoadStatus.OK, len(VALUE), 0, False, Landed.PAGES, None)
     assert buffers[4] == VALUE[48:]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [b"-MOVED 1 127.0.0.1:1", b"-NOPERM this user has no permissions to run the 'getrange'"],
+)
+def test_an_error_in_a_pieces_place_is_the_targets_error(error: bytes) -> None:
+    """An error reply in a piece's place (a key that moved, a user without GETRANGE) is the
+    target's ``error`` with that text, so the store counts and follows it as a GET's; the
+    next value still lands."""
+    script = b":%d\r\n" % len(VALUE) + bulk_reply(VALUE[:1000]) + error + b"\r\n" + error + b"\r\n"
+    results, buffers = run_scripted(script)
+    assert results[0] == LoadResult(LoadStatus.ERROR, 0, -1, False, None, error[1:].decode())
+    assert results[1].status is LoadStatus.OK and buffers[4] == VALUE[48:]
 
 
 def test_strlen_errors_oversized_and_missing_values_in_pieces() -> None:
@@ -382,3 +394,47 @@ def test_a_strlen_past_the_longest_value_redis_takes_is_a_protocol_error(delta: 
         return
     results, _ = run_scripted(script)
     assert (results[0].status, results[0].value_len) == (LoadStatus.OVERSIZED, n)
+
+
+@pytest.mark.parametrize("getrange", [True, False], ids=["documented-acl", "no-getrange"])
+def test_under_the_documented_acl_large_values_load_in_pieces_and_without_getrange_with_gets(
+    redis_url: str,
+    redis_client: redis.Redis,
+    getrange: bool,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tier's user as docs/security.md gives it (no INFO: Redis' rule) loads values that
+    may exceed 3 MiB in pieces at once. A user without GETRANGE gets its first such load
+    refused (NOPERM, counted; its chunks would be recomputed), one warning, and every later
+    load with one GET, which lands."""
+    monkeypatch.delenv(wire.PIECES_ENV, raising=False)
+    rules = [r for r in _documented_tier_rules() if getrange or r != "+getrange"]
+    user = f"hma-pieces-{getrange}"
+    redis_client.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw", *rules)
+    port = redis_client.connection_pool.connection_kwargs["port"]
+    url = f"redis://{user}:pw@127.0.0.1:{port}/0"
+    value = headerless_value(bytes(pattern(5000, 4)))
+    redis_client.set("hma:pieces:k", value)
+    store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": url}, env={}))
+    statuses = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="hma_redis"):
+            for _ in range(3):
+                body = bytearray(len(value) - 48)
+                target = LoadTarget(bytearray(300), b"", [memoryview(body)], None, 7 << 20)
+                results = store.load_values(["hma:pieces:k"], [target])
+                assert results is not None
+                statuses.append(results[0].status)
+                if results[0].status is LoadStatus.OK:
+                    assert body == value[48:]
+        refused = store.counters.snapshot().get("refused_noperm", 0)
+    finally:
+        store.close()
+        redis_client.execute_command("ACL", "DELUSER", user)
+    warned = [r for r in caplog.records if "refused STRLEN or GETRANGE" in r.getMessage()]
+    if getrange:
+        assert statuses == [LoadStatus.OK] * 3 and not warned and not refused
+    else:
+        assert statuses == [LoadStatus.ERROR, LoadStatus.OK, LoadStatus.OK]
+        assert len(warned) == 1 and "+getrange" in warned[0].getMessage() and refused >= 1
