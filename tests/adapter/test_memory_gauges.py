@@ -5,10 +5,7 @@ simply absent (nothing else changing) under an ACL that refuses INFO."""
 from __future__ import annotations
 
 import logging
-import re
-import shlex
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -22,11 +19,11 @@ from hma_redis.core.redis.breaker import BreakerState
 from hma_redis.core.redis.memory import MemoryPoller, TierMemory
 from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.tools.devkit.cluster import LocalCluster
+from tests.support.acl import documented_tier_rules
 from tests.support.cluster_servers import started_cluster
 from tests.support.redis_server import LocalRedis, command_calls
 
 R = RedisMetricName
-SECURITY_MD = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 MIB = 1024 * 1024
 
 
@@ -93,15 +90,6 @@ def test_no_limit_is_a_max_of_zero(redis_url: str, redis_client: redis.Redis) ->
         redis_client.config_set("maxmemory", saved)
 
 
-def _documented_tier_rules() -> list[str]:
-    """The tier user's rules as docs/security.md gives them."""
-    for line in SECURITY_MD.read_text().splitlines():
-        match = re.fullmatch(r"ACL SETUSER hma-tier (.+)", line.strip())
-        if match:
-            return [r for r in shlex.split(match.group(1)) if not r.startswith(">")]
-    raise AssertionError("docs/security.md gives no hma-tier user")
-
-
 def test_under_the_documented_tier_acl_the_gauges_are_absent_and_the_tier_works(
     local_redis: LocalRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -109,7 +97,7 @@ def test_under_the_documented_tier_acl_the_gauges_are_absent_and_the_tier_works(
     counted, Redis still available, lookups and stores as before. ``+info`` (as the doc says)
     brings the gauges."""
     admin = redis.Redis(port=local_redis.port)
-    admin.execute_command("ACL", "SETUSER", "hma-tier", ">pw", *_documented_tier_rules())
+    admin.execute_command("ACL", "SETUSER", "hma-tier", ">pw", *documented_tier_rules())
     url = f"redis://hma-tier:pw@127.0.0.1:{local_redis.port}/0"
     manager = _manager(url)
     try:

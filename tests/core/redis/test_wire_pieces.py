@@ -16,7 +16,6 @@ from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.medium import Landed, LoadResult, LoadStatus, LoadTarget
 from hma_redis.core.redis import wire
 from hma_redis.core.redis.store import RedisBlockStore
-from tests.adapter.test_memory_gauges import _documented_tier_rules
 from tests.core.redis.test_wire import (
     PATHS,
     TIMEOUT_S,
@@ -31,6 +30,7 @@ from tests.core.redis.test_wire import (
     pattern,
     run_both,
 )
+from tests.support.acl import documented_tier_rules
 from tests.support.error_server import CommandServer
 
 MISSING = LoadResult(LoadStatus.MISSING, 0, -1, False, None, None)
@@ -409,7 +409,7 @@ def test_under_the_documented_acl_large_values_load_in_pieces_and_without_getran
     refused (NOPERM, counted; its chunks would be recomputed), one warning, and every later
     load with one GET, which lands."""
     monkeypatch.delenv(wire.PIECES_ENV, raising=False)
-    rules = [r for r in _documented_tier_rules() if getrange or r != "+getrange"]
+    rules = [r for r in documented_tier_rules() if getrange or r != "+getrange"]
     user = f"hma-pieces-{getrange}"
     redis_client.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw", *rules)
     port = redis_client.connection_pool.connection_kwargs["port"]
