@@ -19,12 +19,15 @@ under another key, fails authentication. The tag replaces the keyed BLAKE3 MAC: 
 carries one check, not two. The layout of the tag and nonce inside a value is the codec's.
 
 ``cryptography`` does the cipher (OpenSSL's AES-NI / VAES code; it releases the GIL over the
-bytes). Its ``update_into`` decrypts in place, which the load path uses: a sealed value is
-decrypted inside its staging buffer and reaches the KV cache only once its tag holds.
+bytes). A sealed value is decrypted inside its staging buffer and reaches the KV cache only once
+its tag holds. ``update_into`` refuses buffers that share memory from cryptography 51 on (older
+releases took exact in-place calls), so in-place work goes through a per-thread scratch buffer of
+:data:`SCRATCH_BYTES`, one cache-sized piece at a time: the same bytes on every release.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import threading
@@ -42,6 +45,8 @@ _GCM_NONCE = bytes(12)  # every value key seals one value: a constant GCM nonce 
 _KEY_CONTEXT = "hma_redis 2026-12 value encryption key"
 _ID_CONTEXT = "hma_redis 2026-12 encryption key id"
 _COUNTER_LIMIT = 1 << 64
+SCRATCH_BYTES = 256 * 1024  # in-place pieces: small enough to stay in the core's cache
+_scratch = threading.local()
 
 
 class SealingUnavailable(RuntimeError):
@@ -121,6 +126,40 @@ class NonceSource:
             return self._prefix + count.to_bytes(8, "big")
 
 
+def _address(view: memoryview) -> int | None:
+    """Where a writable view's bytes start; None for a read-only one (it cannot be written
+    through, so it is never an output)."""
+    if view.readonly or not view.nbytes:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _shares_memory(src: memoryview, dst: memoryview) -> bool:
+    start, out = _address(src), _address(dst)
+    if start is None or out is None:
+        return False
+    return start < out + dst.nbytes and out < start + src.nbytes
+
+
+def _update_into(context: Any, src: memoryview, dst: memoryview) -> None:
+    """``context.update_into(src, dst)`` (a stream mode: ``dst`` holds ``src.nbytes``), also
+    in place (``src`` and ``dst`` the same bytes): then one :data:`SCRATCH_BYTES` piece at a
+    time through this thread's scratch buffer, each piece read before it is written over.
+    ValueError for buffers that overlap otherwise (no caller makes them)."""
+    if not _shares_memory(src, dst):
+        context.update_into(src, dst)
+        return
+    if _address(src) != _address(dst) or src.nbytes != dst.nbytes:
+        raise ValueError("sealing: input and output overlap without being the same bytes")
+    scratch: memoryview | None = getattr(_scratch, "view", None)
+    if scratch is None:
+        scratch = _scratch.view = memoryview(bytearray(SCRATCH_BYTES))
+    for offset in range(0, src.nbytes, SCRATCH_BYTES):
+        piece = src[offset : offset + SCRATCH_BYTES]
+        context.update_into(piece, scratch[: piece.nbytes])
+        dst[offset : offset + piece.nbytes] = scratch[: piece.nbytes]
+
+
 def _cipher(value_key: bytes, tag: bytes | None = None) -> Any:
     try:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -154,7 +193,7 @@ def seal_into(
     offset = 0
     for piece in pieces:
         view = memoryview(piece).cast("B")
-        encryptor.update_into(view, out[offset : offset + view.nbytes])
+        _update_into(encryptor, view, out[offset : offset + view.nbytes])
         offset += view.nbytes
     if offset != out.nbytes:
         raise ValueError(f"body pieces hold {offset} bytes, the sealed body {out.nbytes}")
@@ -180,7 +219,7 @@ def open_in_place(
     for part in aad:
         decryptor.authenticate_additional_data(bytes(part))
     if body.nbytes:
-        decryptor.update_into(body, body)
+        _update_into(decryptor, body, body)
     try:
         decryptor.finalize()
     except InvalidTag:
