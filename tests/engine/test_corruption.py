@@ -3,8 +3,10 @@
 Engine A stores three groups of prompts (two of them share a 300-token prefix), each group's
 values are then damaged in its own way: random bytes over the middle half of the value, a body
 of NaN and Inf in the KV dtype, or another key's perfectly valid value. A fresh engine B then
-serves every prompt, on the native path and on the Python path (``HMA_REDIS_NATIVE=0``). Its
-greedy tokens must equal a run without the tier; nothing damaged may count as cached.
+serves every prompt, on the native path and on the Python path (``HMA_REDIS_NATIVE=0``), each
+also reading values in pieces of 1000 bytes (``HMA_REDIS_PIECE_BYTES``, as values over 3 MiB
+are read). Its greedy tokens must equal a run without the tier; nothing damaged may count as
+cached.
 
 Runs on a hybrid model (Gemma-3-shaped: sliding-window and full-attention layers, two KV-cache
 groups) in float32 and bfloat16, and on a one-group (Llama-shaped) model.
@@ -37,6 +39,7 @@ PATHS = {
     "native": {NATIVE_ENV: "1"},
     "python": {NATIVE_ENV: "0"},
     "native-pieces": {NATIVE_ENV: "1", PIECES_ENV: "1000"},
+    "python-pieces": {NATIVE_ENV: "0", PIECES_ENV: "1000"},
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from hma_redis.core.keys import parse_block_key
-from hma_redis.core.redis.wire import PIECES_ENV
+from hma_redis.core.redis.wire import NATIVE_ENV, PIECES_ENV
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_gemma3, build_llama
 from tests.support.engine_runner import EngineRun, make_prompts, run_engine
 from tests.support.tier import chunk_aligned_prefix, tier_config
@@ -54,16 +54,24 @@ def test_second_engine_loads_prefix_from_redis_with_identical_tokens(
     engine_a = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url))
     engine_b = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url))
     ranges = _getrange_calls(redis_client)
-    # Engine C reads the values in pieces of 1000 bytes, as values over 3 MiB are read.
+    # Engines C and D read the values in pieces of 1000 bytes, as values over 3 MiB are read:
+    # C on the native data path, D on its Python twin.
     pieced = {PIECES_ENV: "1000"}
     engine_c = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url), extra_env=pieced)
+    after_c = _getrange_calls(redis_client)
+    python_pieced = {**pieced, NATIVE_ENV: "0"}
+    engine_d = run_engine(
+        model, prompts, MAX_TOKENS, tier_config(redis_url), extra_env=python_pieced
+    )
 
     assert engine_a.token_ids == baseline.token_ids
     assert engine_a.num_cached_tokens == [0] * len(prompts)  # nothing in Redis yet
-    for engine in (engine_b, engine_c):
+    for engine in (engine_b, engine_c, engine_d):
         assert engine.token_ids == baseline.token_ids, engine.stderr_tail
         _assert_mostly_from_redis(engine, prompts)
-    assert _getrange_calls(redis_client) > ranges, "engine C read no value in pieces"
+    assert after_c > ranges, "engine C read no value in pieces"
+    assert _getrange_calls(redis_client) > after_c, "engine D read no value in pieces"
+    assert "transfer data path: pure Python" in engine_d.stderr, engine_d.stderr_tail
 
 
 def test_prompts_sharing_only_a_prefix_get_partial_hits(
