@@ -134,22 +134,16 @@ def _address(view: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _shares_memory(src: memoryview, dst: memoryview) -> bool:
-    start, out = _address(src), _address(dst)
-    if start is None or out is None:
-        return False
-    return start < out + dst.nbytes and out < start + src.nbytes
-
-
 def _update_into(context: Any, src: memoryview, dst: memoryview) -> None:
     """``context.update_into(src, dst)`` (a stream mode: ``dst`` holds ``src.nbytes``), also
     in place (``src`` and ``dst`` the same bytes): then one :data:`SCRATCH_BYTES` piece at a
     time through this thread's scratch buffer, each piece read before it is written over.
     ValueError for buffers that overlap otherwise (no caller makes them)."""
-    if not _shares_memory(src, dst):
+    start, out = _address(src), _address(dst)
+    if start is None or out is None or not (start < out + dst.nbytes and out < start + src.nbytes):
         context.update_into(src, dst)
         return
-    if _address(src) != _address(dst) or src.nbytes != dst.nbytes:
+    if start != out or src.nbytes != dst.nbytes:
         raise ValueError("sealing: input and output overlap without being the same bytes")
     scratch: memoryview | None = getattr(_scratch, "view", None)
     if scratch is None:
