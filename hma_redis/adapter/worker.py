@@ -139,6 +139,13 @@ class RedisOffloadingWorker(OffloadingWorker):
         transfer could use. Returns at once when no load runs or one has finished already."""
         self._engine.wait_for_finish(self._idle_wait_s)
 
+    def wait_for_any_job(self, timeout_s: float) -> None:
+        """Sleep until a running job, load or store, finishes (at most ``timeout_s``); at once
+        when none runs or one has finished already. For benchmarks that wait on their own
+        jobs the way LMCache's peers wait on their completion events, not for an engine step
+        (which waits only on loads: :meth:`wait_while_idle`)."""
+        self._engine.wait_for_finish(timeout_s, stores_too=True)
+
     def enable_failure_reporting(self) -> None:
         """Called by RedisOffloadingConnector, which reads :meth:`take_failed_load_jobs` and
         has vLLM recompute those requests: from now on a failed load's result says success

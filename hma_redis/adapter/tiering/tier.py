@@ -258,6 +258,13 @@ class RedisSecondaryTier(SecondaryTierManager):
         done, self._done = self._done, []
         return done
 
+    def wait_for_any_job(self, timeout_s: float) -> None:
+        """Sleep until a running job finishes (at most ``timeout_s``); at once when none runs
+        or one has finished already. For benchmarks waiting on their own jobs (vLLM's
+        tiering manager polls :meth:`get_finished_jobs` and never calls this)."""
+        if self._engine is not None:
+            self._engine.wait_for_finish(timeout_s, stores_too=True)
+
     def _collect(self) -> None:
         if self._engine is None:
             return

@@ -290,12 +290,15 @@ class TransferEngine:
             except queue.Empty:
                 return results
 
-    def wait_for_finish(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` while a load job runs and no job has finished since the
-        last :meth:`finished` call; return at once otherwise. For a caller with nothing else
-        to do (an engine step that computes nothing): it sleeps instead of polling, and wakes
-        the moment a job is done. Whether a finished job is waiting to be collected."""
-        if timeout_s > 0 and self._loads_running > 0 and not self._job_done.is_set():
+    def wait_for_finish(self, timeout_s: float, stores_too: bool = False) -> bool:
+        """Block up to ``timeout_s`` while a load job runs (with ``stores_too``, any job) and
+        no job has finished since the last :meth:`finished` call; return at once otherwise.
+        For a caller with nothing else to do (an engine step that computes nothing; with
+        ``stores_too`` a benchmark waiting on its own jobs, as LMCache's peers wait on their
+        completion events): it sleeps instead of polling, and wakes the moment a job is done.
+        Whether a finished job is waiting to be collected."""
+        running = self._jobs if stores_too else self._loads_running
+        if timeout_s > 0 and running and not self._job_done.is_set():
             self._job_done.wait(timeout_s)
         return self._job_done.is_set()
 

@@ -30,6 +30,8 @@ from hma_redis.tools.devkit.local_redis import redis_or_local
 KIB = 1024
 MIB = 1024 * KIB
 GB = 1e9
+# The longest a benchmark sleeps in one wait for its own jobs (woken at once when one ends).
+WAIT_SLICE_S = 0.05
 
 # benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
 LMCACHE_PEER = Path(__file__).resolve().parents[3] / "benchmarks" / "lmcache_peer.py"

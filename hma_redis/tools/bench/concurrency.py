@@ -50,6 +50,7 @@ from hma_redis.tools.bench.common import (
     LMCACHE_PEER,
     MIB,
     PAGE_BYTES,
+    WAIT_SLICE_S,
     BenchError,
     OffloadKeys,
     bench_kv_cache,
@@ -374,13 +375,12 @@ class HmaConcurrency:
 
     @staticmethod
     def _finished(worker: Any, running: dict[int, _InFlight]) -> list[tuple[_InFlight, int]]:
-        """Wait, as an engine's idle step does, until at least one job has finished; those
-        jobs (their finish time set) with the bytes each moved."""
+        """Asleep until at least one job has finished (as LMCache's peer awaits its jobs);
+        those jobs (their finish time set) with the bytes each moved."""
         while True:
-            worker.wait_while_idle()
+            worker.wait_for_any_job(WAIT_SLICE_S)
             results = worker.get_finished()
             if not results:
-                time.sleep(0.0002)
                 continue
             now = time.perf_counter()
             failed = worker.take_failed_load_jobs()

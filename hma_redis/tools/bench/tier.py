@@ -95,6 +95,7 @@ from hma_redis.tools.bench.common import (
     MIB,
     MOONCAKE_PEER,
     PAGE_BYTES,
+    WAIT_SLICE_S,
     BenchError,
     Cost,
     Meter,
@@ -426,13 +427,14 @@ class TierBench:
             )
 
     def _wait(self, worker: Any, job_id: int) -> Any:
-        """Poll as an engine's steps do; a load is waited for as an idle step waits for it."""
+        """Asleep until the job has finished, as LMCache's peer waits on its adapter's event
+        fd and redis-py's on its socket: a thread polling ``get_finished`` would take CPU from
+        the job on a small host (docs/performance.md, "The bench's own wait")."""
         while True:
-            worker.wait_while_idle()
+            worker.wait_for_any_job(WAIT_SLICE_S)
             for result in worker.get_finished():
                 if result.job_id == job_id:
                     return result
-            time.sleep(0.0002)
 
     def run(self, size: int, samples: Samples) -> None:
         from vllm.v1.kv_offload.base import GPULoadStoreSpec

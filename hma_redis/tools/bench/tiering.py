@@ -24,7 +24,7 @@ import numpy as np
 
 from hma_redis.core.config import PASSWORD_ENV, RedisTierConfig, strip_userinfo
 from hma_redis.core.redis.store import RedisBlockStore
-from hma_redis.tools.bench.common import MIB, Meter, OffloadKeys, Samples, check
+from hma_redis.tools.bench.common import MIB, WAIT_SLICE_S, Meter, OffloadKeys, Samples, check
 
 NAME = "hma-tiering"
 
@@ -110,10 +110,10 @@ class SpecTier:
         t0 = time.perf_counter()
         (self.tier.submit_load if promotion else self.tier.submit_store)(job)
         while True:
+            self.tier.wait_for_any_job(WAIT_SLICE_S)
             for result in self.tier.get_finished_jobs():
                 if result.job_id == job_id:
                     return time.perf_counter() - t0, result
-            time.sleep(0.0002)
 
     def delete(self, keys: list[bytes]) -> None:
         """Remove the job's values (fresh keys each run: the tier never saw them before)."""

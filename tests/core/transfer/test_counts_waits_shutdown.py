@@ -2,7 +2,7 @@
 relies on, against a real Redis (no vLLM): every stored chunk is counted once as stored,
 existed or failed; a valid value under another chunk's key is never loaded; a value that holds
 more blocks than the load needs lands from the right block; ``wait_for_finish`` sleeps only as
-long as asked; shutdown flushes queued stores and then takes no work; a KV cache whose layers
+long as asked, and on a store only when asked to; shutdown flushes queued stores and then takes no work; a KV cache whose layers
 mix host memory and strided views stores and loads every page.
 
 Each job runs on both data paths (the C job and its twin, ``HMA_REDIS_NATIVE=0``)."""
@@ -140,6 +140,38 @@ def test_wait_for_finish_waits_as_long_as_asked_and_no_longer(
         assert rig.engine.wait_for_finish(0.4) is False  # still running after 0.4 s
         assert 0.35 <= time.monotonic() - started < 2.5
     finally:
+        rig.close()
+        store.close()
+
+
+def test_wait_for_finish_sleeps_on_a_running_store_only_when_asked_to(
+    path: str, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """An engine step (loads only) never waits on a store; a benchmark waiting on its own jobs
+    (``stores_too``) sleeps while the store runs and wakes when it ends. Redis holds the store's
+    SETs with CLIENT PAUSE WRITE for 1 s."""
+    store = store_at(redis_url)
+    rig = make_pages(store)
+    try:
+        redis_client.execute_command("CLIENT", "PAUSE", "1000", "WRITE")
+        paused_at = time.monotonic()
+        rig.engine.submit_store(1, chunks(SRC))
+        started = time.monotonic()
+        assert rig.engine.wait_for_finish(5.0) is False  # no load runs: at once
+        assert time.monotonic() - started < 0.5
+        started = time.monotonic()
+        assert rig.engine.wait_for_finish(0.3, stores_too=True) is False  # still held
+        assert 0.25 <= time.monotonic() - started < 0.9
+        assert rig.engine.wait_for_finish(10.0, stores_too=True) is True  # woken by its end
+        assert 0.9 <= time.monotonic() - paused_at < 5.0
+        (result,) = rig.engine.finished()
+        assert result.ok and result.nbytes > 0
+        assert all(redis_client.exists(c.redis_key) for c in chunks(SRC))
+        started = time.monotonic()
+        assert rig.engine.wait_for_finish(5.0, stores_too=True) is False  # nothing runs
+        assert time.monotonic() - started < 0.5
+    finally:
+        redis_client.execute_command("CLIENT", "UNPAUSE")
         rig.close()
         store.close()
 
