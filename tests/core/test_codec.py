@@ -321,3 +321,37 @@ def test_check_seal_reports_each_state() -> None:
     assert check_seal(sealed, Keyring.from_secrets(b"n" * 32)) is MacCheck.UNCHECKED
     assert check_seal(bytes(encode(_sealed_header(), body)), ring) is MacCheck.ABSENT
     assert check_seal(b"short", ring) is MacCheck.UNREADABLE
+
+
+@pytest.mark.parametrize("key_id", ["", "k1-0123abcd"])
+@pytest.mark.parametrize("key_len", [0, 1, 31, 32, 255, 256, 65535, 65536])
+def test_header_template_packs_the_bytes_of_the_header_with_that_key(key_id, key_len):
+    """The oracle is the header's own msgpack: every msgpack string size class of the key
+    (fixstr, str8, str16, str32), with and without a key id, non-ASCII keys, large fields."""
+    import random
+    from dataclasses import replace
+
+    rng = random.Random(key_len)
+    shape = BlockHeader(
+        key="", group=rng.randrange(1 << 20), first_block=rng.randrange(64),
+        num_blocks=rng.randrange(1, 65), page_bytes=(16384, 1 << 40, 3),
+        kv_dtype="fp8_e4m3", kv_cache_layout="HND", key_id=key_id,
+    )  # fmt: skip
+    template = codec.HeaderTemplate(shape)
+    for key in ("x" * key_len, ("é" * key_len)[:key_len], "hma:ns:g0:" + "ab" * 16):
+        assert template.pack(key) == replace(shape, key=key).to_msgpack()
+    assert template.header is shape
+
+
+def test_a_header_template_refuses_a_header_it_cannot_cut():
+    """More fields than a fixmap holds would change the map's first bytes: refused, not
+    packed wrong."""
+
+    class Wide(BlockHeader):
+        def _fields(self):
+            fields = super()._fields()
+            fields.update({f"x{i}": i for i in range(10)})
+            return fields
+
+    with pytest.raises(ValueError, match="at most 15 fields"):
+        codec.HeaderTemplate(Wide(key="", group=0, first_block=0, num_blocks=1, page_bytes=(8,)))

@@ -180,6 +180,8 @@ class TransferEngine:
         self._layers: list[list[LayerSource]] = [list(group) for group in groups]
         self._pages = [tuple(layer.page_bytes for layer in group) for group in self._layers]
         self._bounds: dict[tuple[int, int, int], int] = {}  # _value_bound's, by chunk shape
+        self._templates: dict[tuple[int, int, int, int], codec.HeaderTemplate] = {}  # _expected's
+        self._signed: dict[int, bytes] = {}  # _expected's prefix fields, by header length
         self._budget = ByteBudget(max_inflight_bytes)
         pinned = any(layer_device(group) == "cuda" for group in self._layers)
         first = next((layer for group in self._layers for layer in group), None)
@@ -521,10 +523,21 @@ class TransferEngine:
         return results
 
     def _expected(self, chunk: ChunkTransfer) -> ExpectedValue:
-        header = self._header(chunk)
-        packed = header.to_msgpack()
-        signed = codec.signed_prefix(len(packed), self._mac_key, sealed=self._keyring is not None)
-        return ExpectedValue(header, packed, signed)
+        """The value this engine writes for ``chunk``, up to its CRC32C: its header's bytes
+        from a template per chunk shape (:class:`~hma_redis.core.codec.HeaderTemplate`; at most
+        groups x blocks_per_chunk^2 shapes), the prefix's signed fields per header length."""
+        shape = (chunk.group_pos, chunk.group, chunk.start, len(chunk.block_ids))
+        template = self._templates.get(shape)
+        if template is None:
+            template = codec.HeaderTemplate(self._header(replace(chunk, redis_key="")))
+            self._templates[shape] = template
+        packed = template.pack(chunk.redis_key)
+        signed = self._signed.get(len(packed))
+        if signed is None:
+            sealed = self._keyring is not None
+            signed = codec.signed_prefix(len(packed), self._mac_key, sealed=sealed)
+            self._signed[len(packed)] = signed
+        return ExpectedValue(template.header, chunk.redis_key, packed, signed)
 
     def _value_head(self, layout: ExpectedValue, body: Sequence[memoryview] | Pages) -> bytearray:
         """A value's prefix and header, every field but the CRC32C (zero: the store job

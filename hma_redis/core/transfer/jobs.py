@@ -8,7 +8,8 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
@@ -143,11 +144,19 @@ class ExpectedValue:
     """What a value written by this engine for a chunk starts with: its header (and that
     header as msgpack), and the prefix fields before the CRC (magic, version, flags, header
     length). A load's value must be exactly this (and its body) to land in its target; any
-    other value lands in staging and is decoded."""
+    other value lands in staging and is decoded.
 
-    header: BlockHeader
+    ``shape`` is the header with every field but the key (``redis_key``): the header itself
+    is built only when asked for (:attr:`header`), as most loads never need it."""
+
+    shape: BlockHeader
+    redis_key: str
     packed: bytes
     signed: bytes
+
+    @cached_property
+    def header(self) -> BlockHeader:
+        return replace(self.shape, key=self.redis_key)
 
     @property
     def head_bytes(self) -> int:
@@ -155,7 +164,7 @@ class ExpectedValue:
 
     @property
     def value_bytes(self) -> int:
-        return self.head_bytes + self.header.body_bytes
+        return self.head_bytes + self.shape.body_bytes
 
 
 @dataclass

@@ -2,8 +2,9 @@
 relies on, against a real Redis (no vLLM): every stored chunk is counted once as stored,
 existed or failed; a valid value under another chunk's key is never loaded; a value that holds
 more blocks than the load needs lands from the right block; ``wait_for_finish`` sleeps only as
-long as asked, and on a store only when asked to; shutdown flushes queued stores and then takes no work; a KV cache whose layers
-mix host memory and strided views stores and loads every page.
+long as asked, and on a store only when asked to; shutdown flushes queued stores and then takes
+no work; a KV cache whose layers mix host memory and strided views stores and loads every
+page.
 
 Each job runs on both data paths (the C job and its twin, ``HMA_REDIS_NATIVE=0``)."""
 
