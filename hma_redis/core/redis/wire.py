@@ -434,9 +434,7 @@ def native_load_values(
         fds, commands, targets, timeout_s, window, budget, one_thread, piece_bytes
     )
     return [
-        LoadResult(
-            _LOAD_STATUS[status], value_len, header_len, crc_ok, _LANDED.get(landed), error
-        )
+        LoadResult(_LOAD_STATUS[status], value_len, header_len, crc_ok, _LANDED.get(landed), error)
         for status, value_len, header_len, crc_ok, landed, error in raw
     ]
 
