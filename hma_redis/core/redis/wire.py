@@ -192,6 +192,9 @@ class StoreStatus(Enum):
     ERROR = "error"
 
 
+_STORE_STATUS = {status.value: status for status in StoreStatus}  # as _LOAD_STATUS
+
+
 class StoreResult(NamedTuple):
     status: StoreStatus
     error: str | None
@@ -451,7 +454,7 @@ def native_store_values(
     budget = _check_budget(budget_s)
     fds = [s.fileno() for s in _sockets(sock)]
     raw = _native.store_values(fds, values, timeout_s, budget)
-    return [StoreResult(StoreStatus(status), error) for status, error in raw]
+    return [StoreResult(_STORE_STATUS[status], error) for status, error in raw]
 
 
 # ---------------------------------------------------------------------------------- pure Python

@@ -546,9 +546,9 @@ class TransferEngine:
         computes it. ValueError if the body's size is not the header's, so such a value is
         never sent."""
         size = body_bytes(body)
-        if size != layout.header.body_bytes:
+        if size != layout.shape.body_bytes:
             raise ValueError(
-                f"body pieces hold {size} bytes, the header says {layout.header.body_bytes}"
+                f"body pieces hold {size} bytes, the header says {layout.shape.body_bytes}"
             )
         mac = None
         if self._mac_key is not None:
