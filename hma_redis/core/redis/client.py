@@ -379,12 +379,17 @@ class _Call:
         self._done = False
 
     def take(self, conn: Any) -> None:
+        """``conn`` is about to be used (or connected) by the call. Past the deadline it is
+        shut down, and one not connected yet is refused (``redis.TimeoutError``): the watchdog
+        has already expired the call, so nothing would shut its new socket down."""
         with self._lock:
             if self._done:
                 return
             self._connections.add(conn)
             if self.expired:
                 _shut_down(conn)
+                if conn._sock is None:
+                    raise redis.TimeoutError("Redis did not finish the call within its deadline")
 
     def give_back(self, conn: Any) -> bool:
         """Forget ``conn``; whether it may have been shut down (so must be dropped)."""
@@ -524,16 +529,20 @@ class _BoundedPoolMixin:
         conn = super().make_connection()  # type: ignore[misc]
         if type(conn._parser) is _HiredisParser:
             conn.set_parser(_ReplyBoundParser)
-        connect = conn.connect
+        # Every use of a pooled connection goes through connect_check_health (a no-op once
+        # connected): connect() calls it, and so does a send on a connection without a
+        # socket (redis-py reconnects there without connect()); older releases have only
+        # connect().
+        name = "connect_check_health" if hasattr(conn, "connect_check_health") else "connect"
+        connect = getattr(conn, name)
 
-        def connect_within_call() -> None:
+        def connect_within_call(*args: Any, **kwargs: Any) -> Any:
             call = getattr(_current, "call", None)
             if call is not None:
                 call.take(conn)
-            connect()
+            return connect(*args, **kwargs)
 
-        # Every use of a pooled connection goes through connect() (a no-op once connected).
-        conn.connect = connect_within_call
+        setattr(conn, name, connect_within_call)
         return conn
 
     def release(self, connection: Any) -> None:

@@ -16,10 +16,12 @@ import redis
 
 from hma_redis.core import codec
 from hma_redis.core.config import RedisTierConfig
-from hma_redis.core.deadline import budget_s
+from hma_redis.core.deadline import Deadline, budget_s
 from hma_redis.core.medium import LoadTarget
+from hma_redis.core.redis import client as client_module
 from hma_redis.core.redis import wire
 from hma_redis.core.redis.breaker import BreakerState
+from hma_redis.core.redis.client import bounded
 from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.core.redis.wire import NATIVE_ENV, StoreValue
 from hma_redis.core.transfer.engine import TEST_LOAD_DELAY_ENV
@@ -99,6 +101,26 @@ def _finished(rig: Pages, job_id: int, within_s: float) -> JobResult | None:
                 return result
         time.sleep(0.005)
     return None
+
+
+def test_a_call_past_its_deadline_opens_no_connection(slow_proxy: BreakingProxy) -> None:
+    """The watchdog may expire a call before the call takes its first connection (a thread
+    held up on a loaded host): that connection is refused before it connects, or nothing would
+    shut its socket down and a slow server could hold the call for its whole reply."""
+    store = _store(slow_proxy)
+    try:
+        slow_proxy.byte_delay_s = BYTE_DELAY_S
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError, match="deadline"), bounded(Deadline.after(0.0)):
+            call = client_module._current.call
+            while not call.expired:  # the watchdog expires it on its own thread
+                assert time.monotonic() - started < MARGIN_S, "the watchdog never fired"
+                time.sleep(0.001)
+            store.client.ping()  # the pool's first connection, through the slow proxy
+        assert time.monotonic() - started < MARGIN_S
+    finally:
+        slow_proxy.byte_delay_s = None
+        store.close()
 
 
 @pytest.mark.parametrize("connected", [True, False], ids=["open-connection", "new-connection"])
