@@ -115,17 +115,20 @@ def install() -> None:
 
     @functools.wraps(original)
     def native_load(*args: Any, **kwargs: Any) -> Any:
-        # With its page faults: of this whole process (the engine idles meanwhile) and of
-        # redis-server (its reply buffers).
+        # With its page faults and CPU: of this whole process (the engine idles meanwhile)
+        # and of redis-server (its reply buffers).
         engine, server = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _redis_faults()
+        engine_cpu, server_cpu = _own_cpu_ms(), _redis_cpu_ms()
         t0 = time.perf_counter()
         result = original(*args, **kwargs)
         ms = (time.perf_counter() - t0) * 1e3
+        engine_cpu, server_cpu = _own_cpu_ms() - engine_cpu, _redis_cpu_ms() - server_cpu
         engine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - engine
         server = _redis_faults() - server
         note(
             f"  native load_values {ms:6.2f} ms ({len(result)} values; page faults: "
-            f"{engine} here, {server} in redis-server)",
+            f"{engine} here, {server} in redis-server; CPU: {engine_cpu:.1f} ms here, "
+            f"{server_cpu:.1f} ms in redis-server)",
             t0,
         )
         return result
@@ -139,6 +142,25 @@ def install() -> None:
 
 
 REDIS_PID: list[int] = []  # the private redis-server's pid, once started
+
+
+def _own_cpu_ms() -> float:
+    """User + system CPU ms of this process so far, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return (usage.ru_utime + usage.ru_stime) * 1e3
+
+
+def _redis_cpu_ms() -> float:
+    """CPU ms the private redis-server's threads have run so far (the scheduler's
+    nanosecond count, not the clock ticks of ``stat``)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{REDIS_PID[0]}/task"):
+        try:
+            with open(f"/proc/{REDIS_PID[0]}/task/{tid}/schedstat") as schedstat:
+                total += int(schedstat.read().split()[0])
+        except OSError:  # the thread ended meanwhile
+            continue
+    return total / 1e6
 
 
 def _redis_faults() -> int:
