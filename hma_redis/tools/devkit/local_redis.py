@@ -3,13 +3,14 @@ and tests: started from PATH, stopped by its pid."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,16 +32,22 @@ class LocalRedis:
     """A ``redis-server`` process on a loopback port, persistence off, stopped by its pid."""
 
     def __init__(
-        self, port: int | None = None, extra_args: Sequence[str] = (), binary: str | None = None
+        self,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        binary: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """``binary``: the server to run (default: ``redis-server`` on PATH; a
-        ``valkey-server`` takes the same arguments)."""
+        ``valkey-server`` takes the same arguments); ``env``: variables set for it on top of
+        this process's environment (e.g. its allocator's ``MALLOC_CONF``)."""
         binary = binary or shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(INSTALL_HINT)
         self.binary = binary
         self.port = port or free_port()
         self.extra_args = list(extra_args)
+        self.env = dict(env or {})
         self.dir = tempfile.mkdtemp(prefix="hma-redis-test-")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -60,7 +67,8 @@ class LocalRedis:
             *self.extra_args,
         ]  # fmt: skip
         log = open(Path(self.dir) / "redis.log", "ab")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
         return self
 
