@@ -1,0 +1,31 @@
+"""The devkit's private redis-server takes variables for its environment (e.g. its allocator's
+options, for benchmarks/allocator_ab.py) and leaves this process's environment alone."""
+
+from __future__ import annotations
+
+import os
+
+import redis
+
+from hma_redis.tools.devkit.local_redis import LocalRedis
+
+
+def _malloc_stats(server: LocalRedis) -> str:
+    client = redis.Redis(port=server.port)
+    try:
+        stats = client.execute_command("MEMORY MALLOC-STATS")
+    finally:
+        client.close()
+    return stats.decode() if isinstance(stats, bytes) else str(stats)
+
+
+def test_env_reaches_the_server_and_only_it() -> None:
+    plain = LocalRedis().start()
+    tuned = LocalRedis(env={"MALLOC_CONF": "dirty_decay_ms:-1"}).start()
+    try:
+        assert "opt.dirty_decay_ms: -1" in _malloc_stats(tuned)
+        assert "opt.dirty_decay_ms: -1" not in _malloc_stats(plain)
+        assert "MALLOC_CONF" not in os.environ
+    finally:
+        tuned.stop()
+        plain.stop()
