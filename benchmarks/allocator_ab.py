@@ -51,24 +51,16 @@ class Server:
 
     def __post_init__(self) -> None:
         self.client = redis.Redis(port=self.local.port)
-        self.pid = int(self.client.info("server")["process_id"])
         self.socks = [socket.create_connection(("127.0.0.1", self.local.port)) for _ in range(2)]
         for sock in self.socks:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def cpu_ms(self) -> float:
-        total = 0
-        for tid in os.listdir(f"/proc/{self.pid}/task"):
-            try:
-                with open(f"/proc/{self.pid}/task/{tid}/schedstat") as stat:
-                    total += int(stat.read().split()[0])
-            except OSError:  # the thread ended meanwhile
-                continue
-        return total / 1e6
+    def _counts(self) -> tuple[float, int]:
+        return self.local.cpu_ms(), self.local.minor_faults()
 
-    def faults(self) -> int:
-        with open(f"/proc/{self.pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[7])
+    def _since(self, before: tuple[float, int]) -> tuple[float, int]:
+        """The server's CPU ms and page faults since ``before`` (:meth:`_counts`)."""
+        return self.local.cpu_ms() - before[0], self.local.minor_faults() - before[1]
 
     def job(self, size: int, bodies: list[np.ndarray], rbuf: memoryview) -> tuple[float, ...]:
         keys, values = [], []
@@ -83,14 +75,14 @@ class Server:
             )
             head = bytearray(HEAD_BYTES)
             values.append(wire.StoreValue(framing, head, [memoryview(body)], b"\r\n$2\r\nNX\r\n"))
-        cpu, faults, t0 = self.cpu_ms(), self.faults(), time.perf_counter()
+        server, t0 = self._counts(), time.perf_counter()
         results = wire.store_values(self.socks, values, 10.0)
-        store = (time.perf_counter() - t0) * 1e3, self.cpu_ms() - cpu, self.faults() - faults
+        store = ((time.perf_counter() - t0) * 1e3, *self._since(server))
         if not all(r.status is wire.StoreStatus.STORED for r in results):
             raise SystemExit(f"allocator_ab: a store was refused on {self.label}: {results[:1]}")
-        cpu, faults, t0 = self.cpu_ms(), self.faults(), time.perf_counter()
+        server, t0 = self._counts(), time.perf_counter()
         got = self._get_all(keys, rbuf)
-        load = (time.perf_counter() - t0) * 1e3, self.cpu_ms() - cpu, self.faults() - faults
+        load = ((time.perf_counter() - t0) * 1e3, *self._since(server))
         for i, body in enumerate(bodies):
             value = got[i]
             if value is not None and value[HEAD_BYTES:] != memoryview(body):

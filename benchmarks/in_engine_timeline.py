@@ -117,14 +117,17 @@ def install() -> None:
     def native_load(*args: Any, **kwargs: Any) -> Any:
         # With its page faults and CPU: of this whole process (the engine idles meanwhile)
         # and of redis-server (its reply buffers).
-        engine, server = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _redis_faults()
-        engine_cpu, server_cpu = _own_cpu_ms(), _redis_cpu_ms()
+        engine, server = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+            SERVER[0].minor_faults(),
+        )
+        engine_cpu, server_cpu = _own_cpu_ms(), SERVER[0].cpu_ms()
         t0 = time.perf_counter()
         result = original(*args, **kwargs)
         ms = (time.perf_counter() - t0) * 1e3
-        engine_cpu, server_cpu = _own_cpu_ms() - engine_cpu, _redis_cpu_ms() - server_cpu
+        engine_cpu, server_cpu = _own_cpu_ms() - engine_cpu, SERVER[0].cpu_ms() - server_cpu
         engine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - engine
-        server = _redis_faults() - server
+        server = SERVER[0].minor_faults() - server
         note(
             f"  native load_values {ms:6.2f} ms ({len(result)} values; page faults: "
             f"{engine} here, {server} in redis-server; CPU: {engine_cpu:.1f} ms here, "
@@ -141,32 +144,13 @@ def install() -> None:
     )
 
 
-REDIS_PID: list[int] = []  # the private redis-server's pid, once started
+SERVER: list[LocalRedis] = []  # the private redis-server, once started
 
 
 def _own_cpu_ms() -> float:
     """User + system CPU ms of this process so far, all its threads."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return (usage.ru_utime + usage.ru_stime) * 1e3
-
-
-def _redis_cpu_ms() -> float:
-    """CPU ms the private redis-server's threads have run so far (the scheduler's
-    nanosecond count, not the clock ticks of ``stat``)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{REDIS_PID[0]}/task"):
-        try:
-            with open(f"/proc/{REDIS_PID[0]}/task/{tid}/schedstat") as schedstat:
-                total += int(schedstat.read().split()[0])
-        except OSError:  # the thread ended meanwhile
-            continue
-    return total / 1e6
-
-
-def _redis_faults() -> int:
-    """Minor page faults of the private redis-server so far."""
-    with open(f"/proc/{REDIS_PID[0]}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[7])
 
 
 def timeline(start: float, end: float) -> list[str]:
@@ -192,7 +176,7 @@ def main() -> int:
         model = build_model(os.path.join(workdir, "llama-1024x8"))
         server = LocalRedis().start()
         assert server.proc is not None
-        REDIS_PID.append(server.proc.pid)
+        SERVER.append(server)
         try:
             job = {
                 "model": model,

@@ -29,3 +29,16 @@ def test_env_reaches_the_server_and_only_it() -> None:
     finally:
         tuned.stop()
         plain.stop()
+
+
+def test_cpu_and_page_faults_count_the_servers_own_work() -> None:
+    server = LocalRedis().start()
+    client = redis.Redis(port=server.port)
+    try:
+        cpu, faults = server.cpu_ms(), server.minor_faults()
+        client.set("big", b"x" * (32 << 20))  # 32 MiB the server has never touched
+        assert server.minor_faults() - faults > 4000
+        assert server.cpu_ms() > cpu
+    finally:
+        client.close()
+        server.stop()

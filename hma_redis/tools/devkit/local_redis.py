@@ -88,6 +88,26 @@ class LocalRedis:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout_s}s")
 
+    def cpu_ms(self) -> float:
+        """CPU ms the server's threads have run so far: the scheduler's nanosecond counts
+        (``/proc/PID/task/*/schedstat``), not the clock ticks of ``stat``. For benchmarks."""
+        assert self.proc is not None
+        total = 0
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/schedstat") as schedstat:
+                    total += int(schedstat.read().split()[0])
+            except OSError:  # the thread ended meanwhile
+                continue
+        return total / 1e6
+
+    def minor_faults(self) -> int:
+        """The server's minor page faults so far (memory it touched for the first time since
+        its allocator got it from the system). For benchmarks."""
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[7])
+
     def kill(self) -> None:
         """SIGKILL the server (an outage, not a clean shutdown)."""
         if self.proc is not None and self.proc.poll() is None:
