@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import redis
 
 from hma_redis.tools.devkit.local_redis import LocalRedis
@@ -19,7 +20,8 @@ def _malloc_stats(server: LocalRedis) -> str:
     return stats.decode() if isinstance(stats, bytes) else str(stats)
 
 
-def test_env_reaches_the_server_and_only_it() -> None:
+def test_env_reaches_the_server_and_only_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MALLOC_CONF", raising=False)  # a caller's own setting is not the test's
     plain = LocalRedis().start()
     tuned = LocalRedis(env={"MALLOC_CONF": "dirty_decay_ms:-1"}).start()
     try:
