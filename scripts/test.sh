@@ -9,7 +9,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/setup.sh
+with_033=1
+[ "${HMA_SKIP_VLLM_033:-0}" != 1 ] || with_033=0
+
+# The 0.33 venv's bulk (vLLM 0.33 and CUDA torch, ~3 min of unpacking) installs in the
+# background while the first venv is set up and checked; the rest of it (hma_redis, editable)
+# waits for the vLLM 0.32 suite, so that nothing rebuilds the native extension while tests load it.
+if [ "$with_033" = 1 ]; then
+    prefetch_log=$(mktemp)
+    bash scripts/setup_033.sh --vllm-only >"$prefetch_log" 2>&1 &
+    prefetch=$!
+    # On an early exit, stop it (its pip first) rather than leave it unpacking.
+    trap 'pkill -P "$prefetch" 2>/dev/null; kill "$prefetch" 2>/dev/null; rm -f "$prefetch_log"' EXIT
+fi
+HMA_SKIP_VLLM_033=1 bash scripts/setup.sh
 
 # A container engine (podman where no Docker answers): the suite's shared Redis then comes from
 # testcontainers and tests/tools/test_compose_redis.py runs docker/compose.yaml's redis service.
@@ -20,16 +33,9 @@ fi
 # shellcheck source=scripts/container_engine.sh
 source scripts/container_engine.sh || [ "${CI:-}" != true ]
 
-with_033=1
-[ "${HMA_SKIP_VLLM_033:-0}" != 1 ] || with_033=0
-
 .venv/bin/ruff check hma_redis tests benchmarks scripts
 .venv/bin/ruff format --check hma_redis tests benchmarks
 .venv/bin/mypy hma_redis
-if [ "$with_033" = 1 ]; then
-    echo "+ mypy hma_redis on vLLM 0.33"
-    .venv-033/bin/mypy --cache-dir .venv-033/.mypy_cache hma_redis
-fi
 
 # The native extension under AddressSanitizer/UBSan (its own build in a copy of the tree; about
 # a minute): the fast-path and transfer tests and a hostile-reply fuzz against it.
@@ -39,6 +45,14 @@ bash scripts/asan.sh
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 .venv/bin/python -m pytest -q tests "$@"
 if [ "$with_033" = 1 ]; then
+    if ! wait "$prefetch"; then
+        echo "scripts/setup_033.sh --vllm-only failed:" >&2
+        tail -n 40 "$prefetch_log" >&2
+        exit 1
+    fi
+    bash scripts/setup_033.sh
+    echo "+ mypy hma_redis on vLLM 0.33"
+    .venv-033/bin/mypy --cache-dir .venv-033/.mypy_cache hma_redis
     # The Redis client's and the CLI's tests that use neither vLLM nor torch run once (above)
     # when the Redis side of both venvs is the same release (tests/conftest.py).
     redis_side='import redis, hiredis, msgpack; print(redis.__version__, hiredis.__version__, msgpack.version)'
