@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/in_engine_bench.py --quick    # smoke check, ~2-3 min
     .venv/bin/python benchmarks/in_engine_bench.py --tier-option gil_switch_interval_ms=0
     .venv/bin/python benchmarks/in_engine_bench.py --modes direct   # the direct mode only
+    .venv/bin/python benchmarks/in_engine_bench.py --warm-up-tokens 64  # vLLM's first request apart
 
 The model is e2e_bench's (random-weight Llama shape: hidden 1024, 8 layers, 16 query / 8 KV
 heads of 64, fp32: 32 KiB of KV per token); a private ``redis-server`` is started. Each round
@@ -83,6 +84,9 @@ class Plan:
     decode_prompts: int
     decode_tokens: int
     standalone_reps: int
+    # A prompt of this many tokens the loading engine serves before its first request from
+    # Redis (0: none, that request is the engine's very first).
+    warm_up_tokens: int = 0
 
 
 FULL = Plan(
@@ -221,7 +225,14 @@ def run_round(
         on, _, _ = run_job(model, prompts, budgets, tier)
         log(f"round {idx}, {mode}: engine 'load' (tier on, fresh): each prompt from Redis, twice")
         twice = [p for p in [prompt, *repeats] for _ in range(2)]
-        load, kv_cache, output = run_job(model, twice, [4] * len(twice), tier)
+        if plan.warm_up_tokens:
+            # vLLM's own first request, on a prompt of its own: shorter than one of the tier's
+            # chunks, so nothing of it is looked up, loaded or stored.
+            warm = [rng.randrange(4, VOCAB) for _ in range(plan.warm_up_tokens)]
+            load, kv_cache, output = run_job(model, [warm, *twice], [1] + [4] * len(twice), tier)
+            load = load[1:]
+        else:
+            load, kv_cache, output = run_job(model, twice, [4] * len(twice), tier)
         for n, (got, want) in enumerate(zip((r["token_ids"] for r in load), expected, strict=True)):
             if got != want:
                 raise SystemExit(
@@ -363,6 +374,12 @@ def report(rounds: list[Round], plan: Plan, standalone: float | None, seconds: f
         f"prompt {plan.prompt_tokens} tokens ({first.loaded_bytes / MIB:.1f} MiB of KV from "
         f"Redis), {plan.repeats} repeat(s), decode {plan.decode_tokens} tokens x "
         f"{plan.decode_prompts}",
+        (
+            f"loading engine: a {plan.warm_up_tokens}-token prompt of its own first, so the first "
+            "request from Redis is not vLLM's first request"
+            if plan.warm_up_tokens
+            else "loading engine: the first request from Redis is the engine's first request"
+        ),
         *(f"{mode} data path: {r.data_path}" for mode, r in rounds[0].modes.items()),
         "",
         f"  {'':<46}{header}{'median':>10}",
@@ -477,6 +494,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated: direct (hma_redis' spec), tiering (vLLM's tiering spec with the "
         "Redis secondary tier); default both, side by side",
     )
+    parser.add_argument(
+        "--warm-up-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the loading engine first serves a prompt of N tokens of its own, shorter than one "
+        "chunk (nothing of it touches Redis), so that its first request from Redis is not vLLM's "
+        "first request: separates vLLM's own first-request cost from the first load's (default "
+        "0: none)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every sample as JSON")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -487,10 +514,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,
+        "warm_up_tokens": args.warm_up_tokens,
     }
     plan = Plan(**{**asdict(plan), **{k: v for k, v in overrides.items() if v is not None}})
     if plan.rounds < 1 or plan.repeats < 1 or plan.prompt_tokens < 64:
         parser.error("--rounds and --repeats must be >= 1, --prompt-tokens >= 64")
+    if plan.warm_up_tokens < 0:
+        parser.error("--warm-up-tokens must be >= 0")
     options = parse_options(args.tier_option)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hma-in-engine-") as workdir:
