@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--congestion", default="cubic", help="B's tcp_congestion")
     parser.add_argument("--a", type=int, default=1, help="connections_per_thread of A")
     parser.add_argument("--b", type=int, default=2, help="connections_per_thread of B")
-    parser.add_argument("--window", type=int, default=2, help="B's GETs in flight per socket")
+    parser.add_argument("--window", type=int, default=2, help="B's commands in flight per socket")
     parser.add_argument("--piece-bytes", type=int, help="B's HMA_REDIS_PIECE_BYTES (pieces)")
     args = parser.parse_args()
     if args.compare != "connections":
@@ -148,13 +148,13 @@ def main() -> None:
 
 @contextlib.contextmanager
 def _window(window: int | None) -> Iterator[None]:
-    """Loads inside the block keep ``window`` GETs in flight per connection (None: as
+    """Loads inside the block keep ``window`` commands in flight per connection (None: as
     ``wire.window_for`` says)."""
     if window is None:
         yield
         return
     saved = wire.window_for
-    wire.window_for = lambda targets, connections=1: window
+    wire.window_for = lambda *args, **kwargs: window
     try:
         yield
     finally:

@@ -347,6 +347,8 @@ static uint32_t crc_update_no_fold(uint32_t crc, const void *data, size_t n) {
 
 enum fail_kind { FAIL_NONE, FAIL_TIMEOUT, FAIL_EOF, FAIL_OS, FAIL_PROTOCOL, FAIL_MEMORY };
 
+struct feed_s; /* a load connection's commands yet to send (feed_t, below) */
+
 typedef struct {
     int fd;
     int timeout_ms;
@@ -357,6 +359,7 @@ typedef struct {
     enum fail_kind fail;
     int fail_errno;
     char fail_msg[200];
+    struct feed_s *feed; /* a load's: one more command sent per reply line read; or NULL */
 } conn_t;
 
 static int conn_failed(conn_t *c, enum fail_kind kind, int err, const char *msg) {
@@ -623,7 +626,7 @@ static int parse_len(const char *p, size_t n, long long *out) {
 }
 
 /* Read one reply's first line. A bulk string's body is left in the stream. */
-static int read_reply_line(conn_t *c, reply_t *r) {
+static int read_reply_line_only(conn_t *c, reply_t *r) {
     const char *line;
     size_t len;
     r->text = NULL;
@@ -703,6 +706,99 @@ typedef struct {
 
 static uint32_t be32(const uint8_t *p) {
     return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+/* ------------------------------------------------------------------------------------------
+ * A load connection's commands, fed one per reply: the commands of targets first, first +
+ * stride, ... below end, in order, one RESP command at a time (a pieced target's STRLEN and
+ * each of its GETRANGEs apart), at most ``window`` unanswered: each reply line read sends the
+ * next. So Redis holds at most ``window`` replies for the connection in its output buffer: with
+ * 1 MiB pieces of 4 or 8 MiB values, two pieces rather than two whole values (a fresh server
+ * faulted in 2 070 pages for 32 values of 4 MiB with whole values' commands sent together,
+ * 520-780 with two pieces; docs/performance.md, issue 39).
+ * ---------------------------------------------------------------------------------------- */
+
+typedef struct feed_s {
+    target_t *targets;
+    size_t next, stride, end; /* the target whose commands go next */
+    size_t off;               /* bytes of its command buffer already sent */
+} feed_t;
+
+/* ``*p`` at ``type`` then a length >= 0 and CRLF in buf[0, len): the length, *p past the CRLF. */
+static int command_field(const char *buf, size_t len, size_t *p, char type, long long *out) {
+    if (*p >= len || buf[*p] != type) return -1;
+    size_t start = *p + 1;
+    const char *cr = memchr(buf + start, '\r', len - start);
+    if (!cr) return -1;
+    size_t at = (size_t)(cr - buf);
+    if (at + 1 >= len || buf[at + 1] != '\n') return -1;
+    if (parse_len(buf + start, at - start, out) < 0 || *out < 0) return -1;
+    *p = at + 2;
+    return 0;
+}
+
+/* The end of the command (a RESP array of bulk strings) at ``off`` in buf[0, len); ``len``
+ * when what is there is not one (the rest then goes as one command). */
+static size_t command_end(const char *buf, size_t len, size_t off) {
+    size_t p = off;
+    long long n;
+    if (command_field(buf, len, &p, '*', &n) < 0) return len;
+    for (long long i = 0; i < n; i++) {
+        long long l;
+        if (command_field(buf, len, &p, '$', &l) < 0 || (size_t)l > len - p ||
+            len - p - (size_t)l < 2)
+            return len;
+        p += (size_t)l + 2;
+    }
+    return p;
+}
+
+/* Send the connection's next ``count`` commands (fewer when fewer are left), in one sendmsg
+ * batch per MAX_IOV. */
+static int feed_send(conn_t *c, size_t count) {
+    feed_t *f = c->feed;
+    struct iovec iov[MAX_IOV];
+    int n = 0;
+    while (count > 0 && f->next < f->end) {
+        target_t *t = &f->targets[f->next];
+        const char *buf = t->command.buf;
+        size_t len = (size_t)t->command.len;
+        size_t to = f->off < len ? command_end(buf, len, f->off) : len;
+        iov[n].iov_base = (void *)(buf + f->off);
+        iov[n].iov_len = to - f->off;
+        n++;
+        count--;
+        f->off = to;
+        if (f->off >= len) {
+            f->next += f->stride;
+            f->off = 0;
+        }
+        if (n == MAX_IOV) {
+            if (conn_send(c, iov, n) < 0) return -1;
+            n = 0;
+        }
+    }
+    return n ? conn_send(c, iov, n) : 0;
+}
+
+/* Start feeding the connection targets first, first + stride, ... below end: ``window``
+ * commands now (0: all of them). */
+static int feed_start(conn_t *c, feed_t *f, target_t *targets, size_t first, size_t stride,
+                      size_t end, size_t window) {
+    *f = (feed_t){.targets = targets, .next = first, .stride = stride, .end = end};
+    c->feed = f;
+    return feed_send(c, window ? window : SIZE_MAX);
+}
+
+/* Read one reply's first line; on a fed connection, send its next command. */
+static int read_reply_line(conn_t *c, reply_t *r) {
+    if (read_reply_line_only(c, r) < 0) return -1;
+    if (c->feed && feed_send(c, 1) < 0) {
+        free(r->text);
+        r->text = NULL;
+        return -1;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -942,20 +1038,6 @@ static int take_reply(conn_t *c, target_t *t, reply_t *r) {
     return conn_crlf(c);
 }
 
-/* Send the commands of targets [from, to) in one sendmsg batch. */
-static int send_commands(conn_t *c, target_t *targets, size_t from, size_t to) {
-    struct iovec iov[MAX_IOV];
-    while (from < to) {
-        int n = 0;
-        for (; from < to && n < MAX_IOV; from++, n++) {
-            iov[n].iov_base = targets[from].command.buf;
-            iov[n].iov_len = (size_t)targets[from].command.len;
-        }
-        if (conn_send(c, iov, n) < 0) return -1;
-    }
-    return 0;
-}
-
 /* Every connection of the job ends at a reply boundary with nothing unread (else *failed is the
  * one holding bytes past its last reply). */
 static int conns_drained(conn_t *cs, size_t k, size_t *failed) {
@@ -967,77 +1049,57 @@ static int conns_drained(conn_t *cs, size_t k, size_t *failed) {
     return 0;
 }
 
-/* Send the commands of targets from, from + k, from + 2k, ... below ``to`` on one connection
- * (the targets of connection ``from % k``). */
-static int send_strided(conn_t *c, target_t *targets, size_t from, size_t to, size_t k) {
-    struct iovec iov[MAX_IOV];
-    while (from < to) {
-        int n = 0;
-        for (; from < to && n < MAX_IOV; from += k, n++) {
-            iov[n].iov_base = targets[from].command.buf;
-            iov[n].iov_len = (size_t)targets[from].command.len;
-        }
-        if (conn_send(c, iov, n) < 0) return -1;
-    }
-    return 0;
-}
-
 /* The whole job on the calling thread alone (load_values' ``one_thread``, an A/B switch for
  * benchmarks), on ``k`` connections: target i travels on connection i % k, and replies are read
  * in target order. At most ``window`` commands per connection are unanswered at once (0: all
- * sent first); the next is sent as soon as a reply's first line arrives, so Redis prepares it
- * (and the other connections' replies) while this value is received. On failure *failed is the
- * connection that failed. */
-static int run_loads(conn_t *cs, size_t k, target_t *targets, size_t n, size_t window,
-                     size_t *failed) {
-    /* min(window * k, n) without overflow (k >= 1): window > n / k means window * k > n */
-    size_t sent = window == 0 || window > n / k ? n : window * k;
+ * sent first); the next is sent as soon as a reply's first line arrives (feed_t), so Redis
+ * prepares it (and the other connections' replies) while this value is received. On failure
+ * *failed is the connection that failed. */
+static int run_loads_fed(conn_t *cs, size_t k, target_t *targets, size_t n, size_t window,
+                         size_t *failed, feed_t *feeds) {
     for (size_t j = 0; j < k && j < n; j++) {
         *failed = j;
-        if (send_strided(&cs[j], targets, j, sent, k) < 0) return -1;
+        if (feed_start(&cs[j], &feeds[j], targets, j, k, n, window) < 0) return -1;
     }
     for (size_t i = 0; i < n; i++) {
         conn_t *c = &cs[i % k];
         *failed = i % k;
-        target_t *t = &targets[i];
         reply_t r;
         if (read_reply_line(c, &r) < 0) return -1;
-        if (sent < n) { /* target ``sent`` is this connection's next: sent == i + window * k */
-            if (send_commands(c, targets, sent, sent + 1) < 0) {
-                free(r.text);
-                return -1;
-            }
-            sent++;
-        }
-        if (take_reply(c, t, &r) < 0) return -1;
+        if (take_reply(c, &targets[i], &r) < 0) return -1;
     }
     return conns_drained(cs, k, failed);
 }
 
+static int run_loads(conn_t *cs, size_t k, target_t *targets, size_t n, size_t window,
+                     size_t *failed) {
+    feed_t feeds[MAX_CONNS];
+    int rc = run_loads_fed(cs, k, targets, n, window, failed, feeds);
+    for (size_t j = 0; j < k; j++) cs[j].feed = NULL; /* the feeds go with this frame */
+    return rc;
+}
+
 /* One connection's part of a job: targets first, first + stride, ... below n, read in that
- * order, at most ``window`` of them unanswered at once (0: all sent first). */
-static int run_lane(conn_t *c, target_t *targets, size_t first, size_t n, size_t stride,
-                    size_t window) {
-    size_t count = first < n ? (n - first + stride - 1) / stride : 0;
-    size_t sent = window == 0 || window > count ? count : window; /* in this lane's order */
-    if (send_strided(c, targets, first, first + sent * stride, stride) < 0) return -1;
-    for (size_t q = 0; q < count; q++) {
-        target_t *t = &targets[first + q * stride];
+ * order, at most ``window`` commands unanswered at once (0: all sent first; feed_t). */
+static int run_lane_fed(conn_t *c, feed_t *feed, target_t *targets, size_t first, size_t n,
+                        size_t stride, size_t window) {
+    if (feed_start(c, feed, targets, first, stride, n, window) < 0) return -1;
+    for (size_t i = first; i < n; i += stride) {
         reply_t r;
         if (read_reply_line(c, &r) < 0) return -1;
-        if (sent < count) { /* this lane's next command, sent while this value arrives */
-            size_t next = first + sent * stride;
-            if (send_commands(c, targets, next, next + 1) < 0) {
-                free(r.text);
-                return -1;
-            }
-            sent++;
-        }
-        if (take_reply(c, t, &r) < 0) return -1;
+        if (take_reply(c, &targets[i], &r) < 0) return -1;
     }
     if (c->rlen != c->rpos)
         return conn_failed(c, FAIL_PROTOCOL, 0, "unexpected bytes after the last reply");
     return 0;
+}
+
+static int run_lane(conn_t *c, target_t *targets, size_t first, size_t n, size_t stride,
+                    size_t window) {
+    feed_t feed;
+    int rc = run_lane_fed(c, &feed, targets, first, n, stride, window);
+    c->feed = NULL; /* the feed goes with this frame */
+    return rc;
 }
 
 /* A load job with a thread per connection: connection j's lane (targets j, j + k, ...) runs on

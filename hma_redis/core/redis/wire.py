@@ -31,7 +31,9 @@ takes.
 
 A load job (:func:`load_values`) sends one command per target (a ``GET``; at most ``window``
 unanswered at once per socket) and reads one reply per target: RESP2 ``$len``/``$-1``, RESP3
-``_``, or an error. Each value of ``len`` bytes lands by these rules, in this order:
+``_``, or an error. ``window`` counts commands, not targets: a value read in pieces (below)
+has its ``STRLEN`` and each ``GETRANGE`` sent one by one, the next as a reply's first line
+arrives. Each value of ``len`` bytes lands by these rules, in this order:
 
 1. ``len > max_len``: drained in bounded pieces (never held whole), ``oversized``.
 2. Its first ``min(len, 48)`` bytes (the codec's prefix) go to ``head[0:]``. If ``len >= 48``
@@ -145,6 +147,11 @@ _LANDED = {landed.value: landed for landed in Landed}
 # 1 MiB touches less fresh server memory than one of 4 MiB) (docs/performance.md, issue 39).
 PIECE_BYTES = 1 << 20
 PIECED_ABOVE = 3 << 20
+# Commands unanswered at once per socket in a native job that reads values in pieces: Redis
+# then holds two 1 MiB replies per connection rather than two whole values (32 values of 4 MiB
+# from a fresh server: 520-780 page faults against 2 070 with a value's commands sent together,
+# and faster once warm; docs/performance.md, issue 39).
+PIECE_WINDOW = 2
 
 # The most connections one job runs on (the C code's limit).
 MAX_JOB_CONNECTIONS = 64
@@ -363,12 +370,15 @@ def job_connections(
     return max(1, min(wanted, count))
 
 
-def window_for(targets: Sequence[LoadTarget], connections: int = 1) -> int:
+def window_for(targets: Sequence[LoadTarget], connections: int = 1, piece_bytes: int = 0) -> int:
     """GETs in flight per connection for a job of ``targets`` on ``connections`` sockets:
     :data:`DEFAULT_WINDOW` on one; one when the job has several (each socket's reply is
     prepared while another's is received, and two per socket measured no faster), or when one
-    of its values may be longer than :data:`ONE_AT_A_TIME_BYTES`."""
+    of its values may be longer than :data:`ONE_AT_A_TIME_BYTES`. A job that reads values in
+    pieces of ``piece_bytes``: :data:`PIECE_WINDOW` (its commands one by one)."""
     largest = max((target.max_len for target in targets), default=0)
+    if piece_bytes and largest > piece_bytes:
+        return PIECE_WINDOW
     if largest > ONE_AT_A_TIME_BYTES or connections > 1:
         return 1
     return DEFAULT_WINDOW
@@ -386,13 +396,13 @@ def load_values(
 ) -> list[LoadResult]:
     """Run a load job on ``sock``, one socket or several (see the module docstring):
     ``commands[i]`` asks for the value that goes to ``targets[i]`` (:func:`load_command` of
-    the same ``piece_bytes``); at most ``window`` targets are unanswered at once per socket (0:
+    the same ``piece_bytes``); at most ``window`` commands are unanswered at once per socket (0:
     all sent first; None: :func:`window_for` the targets); the whole job within ``budget_s``
     seconds when given (TimeoutError at once when it is not > 0). Native unless unavailable, a
     socket is TLS or ``native`` is False; the pure-Python twin otherwise."""
     socks = _sockets(sock)
     if window is None:
-        window = window_for(targets, len(socks))
+        window = window_for(targets, len(socks), piece_bytes)
     if _native_for(socks, native):
         return native_load_values(
             sock, commands, targets, timeout_s, window, budget_s, piece_bytes=piece_bytes
@@ -486,6 +496,7 @@ class _Stream:
         self._waits = waits
         self._buf = bytearray()
         self._scratch: memoryview | None = None
+        self.feed: _Feed | None = None  # a load's: one more command per reply line read
 
     def leftover(self) -> int:
         return len(self._buf)
@@ -624,7 +635,80 @@ def _parse_len(raw: bytes) -> int:
     return value
 
 
+class _Feed:
+    """A load socket's commands, one RESP command at a time (the C job's ``feed_t``): the
+    commands of its targets in order, each split into the commands it holds; one more is sent
+    per reply line read."""
+
+    def __init__(
+        self, sock: socket.socket, commands: Sequence[bytes | memoryview], waits: _Waits
+    ) -> None:
+        self._sock = sock
+        self._waits = waits
+        self._commands = [part for command in commands for part in _split_commands(command)]
+        self._next = 0
+
+    def send(self, count: int) -> None:
+        """Send the next ``count`` commands (0: all that are left)."""
+        end = len(self._commands) if count == 0 else min(self._next + count, len(self._commands))
+        if end > self._next:
+            _send(self._sock, self._commands[self._next : end], self._waits)
+            self._next = end
+
+
+def _split_commands(command: bytes | memoryview) -> list[bytes]:
+    """The RESP commands (arrays of bulk strings) ``command`` holds back to back; what is not
+    one goes as one with the rest (the C job's ``command_end``). An empty command is one."""
+    data = bytes(command)
+    parts: list[bytes] = []
+    start = 0
+    while True:
+        end = _command_end(data, start)
+        parts.append(data[start:end])
+        if end >= len(data):
+            return parts
+        start = end
+
+
+def _command_end(data: bytes, start: int) -> int:
+    """Where the command at ``start`` ends; ``len(data)`` when what is there is not one."""
+    header = _command_field(data, start, b"*")
+    if header is None:
+        return len(data)
+    count, pos = header
+    for _ in range(count):
+        field = _command_field(data, pos, b"$")
+        if field is None or len(data) - field[1] < field[0] + 2:
+            return len(data)
+        pos = field[1] + field[0] + 2
+    return pos
+
+
+def _command_field(data: bytes, pos: int, kind: bytes) -> tuple[int, int] | None:
+    """``kind`` at ``pos``, a length >= 0 as the C code parses one, CRLF: (length, the position
+    past the CRLF), or None."""
+    if data[pos : pos + 1] != kind:
+        return None
+    cr = data.find(b"\r", pos + 1)
+    if cr < 0 or data[cr + 1 : cr + 2] != b"\n":
+        return None
+    raw = data[pos + 1 : cr]
+    digits = raw[1:] if raw[:1] == b"-" else raw
+    if not 0 < len(raw) <= 18 or not digits or not digits.isdigit() or int(raw) < 0:
+        return None
+    return int(raw), cr + 2
+
+
 def _reply_line(stream: _Stream) -> tuple[str, int | str | None]:
+    """One reply's first line (:func:`_reply_line_only`); on a fed socket, its next command
+    goes."""
+    reply = _reply_line_only(stream)
+    if stream.feed is not None:
+        stream.feed.send(1)
+    return reply
+
+
+def _reply_line_only(stream: _Stream) -> tuple[str, int | str | None]:
     """One reply's first line: ("bulk", length), ("nil", None), ("error" | "status", text),
     ("int", value)."""
     line = stream.line()
@@ -824,15 +908,13 @@ def python_load_values(
     out: list[LoadResult] = []
     with _timeouts(socks, timeout_s, budget_s) as waits:
         streams = [_Stream(s, w) for s, w in zip(socks, waits, strict=True)]
-        sent = count if window == 0 else min(window * lanes, count)
         for lane in range(min(lanes, count)):
-            _send(socks[lane], commands[lane:sent:lanes], waits[lane])
+            feed = _Feed(socks[lane], commands[lane::lanes], waits[lane])
+            streams[lane].feed = feed
+            feed.send(window)
         for idx, target in enumerate(targets):
             lane = idx % lanes
             kind, detail = _reply_line(streams[lane])
-            if sent < count:  # command ``sent`` is this socket's next (sent == idx + window * k)
-                _send(socks[lane], [commands[sent]], waits[lane])
-                sent += 1
             pieces = pieces_of(target.max_len, piece_bytes)
             if pieces:
                 value = _Pieces(streams[lane], piece_bytes, pieces)

@@ -4,8 +4,11 @@ reply (a scripted server) gives the same result and the same bytes on both paths
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -438,3 +441,45 @@ def test_under_the_documented_acl_large_values_load_in_pieces_and_without_getran
     else:
         assert statuses == [LoadStatus.ERROR, LoadStatus.OK, LoadStatus.OK]
         assert len(warned) == 1 and "+getrange" in warned[0].getMessage() and refused >= 1
+
+
+def test_a_job_in_pieces_keeps_at_most_window_commands_unanswered() -> None:
+    """Redis builds a reply for every command it has read, so the job's window bounds what its
+    output buffer holds: a job of two values in three pieces each (eight commands) with the
+    window :func:`wire.window_for` gives it never has more than that many commands unanswered,
+    on either path, each next one sent as a reply's first line arrives (a whole value's
+    commands sent at once would leave four). A scripted server answers one command at a time,
+    after giving the client time to send whatever it would."""
+    targets_max_len = 3000
+    window = wire.window_for([value_target(targets_max_len)[0]] * 2, 1, PIECE)
+    assert window == wire.PIECE_WINDOW == 2
+    script = [b":%d\r\n" % len(VALUE), *(bulk_reply(p) for p in pieces_of(VALUE))] * 2
+    for name, (load, _) in PATHS.items():
+        server, client = socket.socketpair()
+        unanswered: list[int] = []
+
+        def serve(server: socket.socket = server, unanswered: list[int] = unanswered) -> None:
+            received = b""
+            for answered, reply in enumerate(script):
+                received += server.recv(65536) if not received else b""
+                time.sleep(0.05)  # whatever the client sends before this reply, it has sent
+                server.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    while chunk := server.recv(65536):
+                        received += chunk
+                server.setblocking(True)
+                commands = received.count(b"\r\n*") + received.startswith(b"*")
+                unanswered.append(commands - answered)
+                server.sendall(reply)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        with server, client:
+            thread.start()
+            first, _ = value_target(targets_max_len)
+            second, _ = value_target(targets_max_len)
+            commands = [wire.load_command("k", targets_max_len, PIECE)] * 2
+            results = load(client, commands, [first, second], TIMEOUT_S, window, piece_bytes=PIECE)
+            thread.join(TIMEOUT_S)
+        assert [r.status for r in results] == [LoadStatus.OK] * 2, name
+        assert len(unanswered) == len(script), name
+        assert max(unanswered) == window, (name, unanswered)
