@@ -149,8 +149,8 @@ PIECE_BYTES = 1 << 20
 PIECED_ABOVE = 3 << 20
 # Commands unanswered at once per socket in a native job that reads values in pieces: Redis
 # then holds two 1 MiB replies per connection rather than two whole values (32 values of 4 MiB
-# from a fresh server: 520-780 page faults against 2 070 with a value's commands sent together,
-# and faster once warm; docs/performance.md, issue 39).
+# from a fresh server: 520-780 page faults against 2 070 with a value's commands sent together;
+# a fresh engine's first load 1 290 against 3 870; warm 8 MiB loads level; docs/performance.md).
 PIECE_WINDOW = 2
 
 # The most connections one job runs on (the C code's limit).
