@@ -20,7 +20,8 @@ if [ "$with_033" = 1 ]; then
     bash scripts/setup_033.sh --vllm-only >"$prefetch_log" 2>&1 &
     prefetch=$!
     # On an early exit, stop it (its pip first) rather than leave it unpacking.
-    trap 'pkill -P "$prefetch" 2>/dev/null; kill "$prefetch" 2>/dev/null; rm -f "$prefetch_log"' EXIT
+    # (|| true: under set -e a command that fails in the trap would turn the run's status to 1)
+    trap 'pkill -P "$prefetch" 2>/dev/null || true; kill "$prefetch" 2>/dev/null || true; rm -f "$prefetch_log"' EXIT
 fi
 HMA_SKIP_VLLM_033=1 bash scripts/setup.sh
 
