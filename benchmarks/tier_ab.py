@@ -15,7 +15,8 @@ each, their ratio, and in how many pairs b was faster. What differs (``--compare
   ``connections_per_job`` 1, ``connections_per_thread`` 2), B on two threads with one
   connection each (``connections_per_job`` 2, ``connections_per_thread`` 1: LMCache's shape);
 * ``landing``: A's loads land in the KV cache's pages (the C job, in place), B's in one
-  contiguous buffer per value, copied into the pages once valid (as with an auth_key);
+  contiguous buffer per value, copied into the pages once valid (as with an
+  encryption_key; ``--auth-key``: both MAC'd, as loads with an auth_key ran before 2026-12-06);
 * ``window``: A's loads keep ``wire.window_for``'s GETs in flight per connection, B's
   ``--window`` (B's jobs run with ``window_for`` replaced; the two never run at once);
 * ``lanes``: A's C load jobs read their connections on the calling thread, in turn (the
@@ -28,7 +29,7 @@ each, their ratio, and in how many pairs b was faster. What differs (``--compare
     .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
         [--compare connections --a 1 --b 2 | --compare pages | --compare congestion
          | --compare threads | --compare landing | --compare window --window 2
-         | --compare lanes | --compare pieces [--piece-bytes N]]
+         | --compare lanes | --compare pieces [--piece-bytes N]] [--auth-key]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -75,6 +76,9 @@ def main() -> None:
     parser.add_argument("--b", type=int, default=2, help="connections_per_thread of B")
     parser.add_argument("--window", type=int, default=2, help="B's commands in flight per socket")
     parser.add_argument("--piece-bytes", type=int, help="B's HMA_REDIS_PIECE_BYTES (pieces)")
+    parser.add_argument(
+        "--auth-key", action="store_true", help="both workers MAC their values (a random auth_key)"
+    )
     args = parser.parse_args()
     if args.compare != "connections":
         args.a = args.b = RedisTierConfig().connections_per_thread
@@ -84,6 +88,7 @@ def main() -> None:
     if args.compare == "threads":
         args.a, args.b = 2, 1
     cfg = RedisTierConfig.from_extra_config({"redis_url": args.url}, env={}) if args.url else None
+    auth_key = os.urandom(32) if args.auth_key else None
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     with server_config(cfg) as (target, where):
@@ -94,6 +99,7 @@ def main() -> None:
                     connections_per_thread=n,
                     connections_per_job=per_job.get(name, target.connections_per_job),
                     tcp_congestion=congestion.get(name, target.tcp_congestion),
+                    auth_key=auth_key,
                 ),
                 FULL,
                 f"ab-{name}-{os.getpid()}",
@@ -107,7 +113,8 @@ def main() -> None:
             for worker in benches["b"].workers.values():
                 worker._engine._land_in_place = False
         try:
-            print(f"{_describe(args)}; {where}; {args.pairs} pairs")
+            keyed = "; values MAC'd (auth_key)" if auth_key else ""
+            print(f"{_describe(args)}{keyed}; {where}; {args.pairs} pairs")
             print(f"data path: {benches['a'].data_path} / {benches['b'].data_path}")
             print(f"each job moves {FULL.job_bytes >> 20} MiB; GB/s = 10^9 payload bytes/s")
             print(f"{'value':>8} {'op':>6} {'A GB/s':>8} {'B GB/s':>8} {'B/A':>6} {'b>a':>6}")

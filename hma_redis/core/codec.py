@@ -528,11 +528,12 @@ def head_without_crc(signed: bytes, packed: bytes, mac: bytes | None) -> bytearr
     return head
 
 
-def head_mac_matches(head: memoryview | bytearray, body: memoryview, mac_key: MacKey) -> bool:
+def head_mac_matches(head: memoryview | bytearray, body: Iterable[_Bytes], mac_key: MacKey) -> bool:
     """Whether the MAC in ``head`` (a value's prefix and header, its body elsewhere) is this
-    key's MAC of ``body`` (constant time)."""
+    key's MAC of ``body`` (the body's pieces in order: a buffer, or the KV cache's pages a
+    value landed in) (constant time)."""
     view = memoryview(head).cast("B")
-    want = value_mac(mac_key, (body,), view[PREFIX_BYTES:], view[: _SIGNED.size])
+    want = value_mac(mac_key, body, view[PREFIX_BYTES:], view[: _SIGNED.size])
     return hmac.compare_digest(want, bytes(view[MAC_AT:PREFIX_BYTES]))
 
 

@@ -251,9 +251,11 @@ def test_prefix_offsets_and_head_helpers_match_what_encode_writes():
     assert value[codec.MAC_AT : codec.PREFIX_BYTES] == mac
     head = codec.head_without_crc(signed, packed, mac)
     assert bytes(head) == value[: codec.CRC_AT] + bytes(4) + value[codec.MAC_AT : len(head)]
-    assert codec.head_mac_matches(head, memoryview(body), key)
-    assert not codec.head_mac_matches(head, memoryview(body[:-1] + b"\0"), key)
-    assert not codec.head_mac_matches(head, memoryview(body), MacKey.derive(b"o" * 32))
+    assert codec.head_mac_matches(head, (memoryview(body),), key)
+    # A body in pieces (the pages a value landed in) has the MAC of the pieces joined.
+    assert codec.head_mac_matches(head, (memoryview(body)[:7], memoryview(body)[7:]), key)
+    assert not codec.head_mac_matches(head, (memoryview(body[:-1] + b"\0"),), key)
+    assert not codec.head_mac_matches(head, (memoryview(body),), MacKey.derive(b"o" * 32))
 
 
 # ---------------------------------------------------------------- sealed values

@@ -23,14 +23,15 @@ that call runs the C job
 connection is plain TCP or a unix socket, and its byte-identical pure-Python twin otherwise
 (TLS, ``HMA_REDIS_NATIVE=0``, no extension); one INFO line at start-up says which. The C job
 receives a load's values straight into the KV cache's pages when it is host memory and values
-carry no MAC (else, and always on the twin, into pooled buffers, copied once valid); a value
+are not sealed (else, and always on the twin, into pooled buffers, copied once valid); a value
 that is not exactly what this engine would have written for its chunk lands whole in a
 staging buffer and is judged by ``codec.decode``. A store sends the pages in place (CPU) or
 from pooled buffers (other devices).
 
 A load reports success only once every value was checked: checksum, prefix (magic, version,
 flags), header (key echo, group, dtype, layout, page sizes, blocks) and length, and the MAC
-with an ``auth_key``. In place, pages may land before their value's checksum is known; a job
+with an ``auth_key``. In place, pages may land before their value's checksum and MAC are
+known; a job
 with any bad or missing value fails, and every page it may have written is zeroed before its
 failure is reported: no page the engine may read ever holds bytes that failed validation
 (vLLM frees a failed load's blocks without rewriting them, and reuses them).
@@ -206,21 +207,18 @@ class TransferEngine:
             thread_name_prefix="hma-store",
             initializer=self._streams.init_thread,
         )
-        # Loads land in the KV cache's pages only where it is host memory, values carry no MAC
-        # and are not sealed (a keyed value's MAC, a sealed one's tag, is checked before any of
-        # its bytes reach a page: a sealed body is decrypted in its buffer) and the medium
-        # says its data path should (Redis: the C job; its twin receives into buffers and the
-        # engine copies once every value is valid, so on the fallback no page ever holds a
-        # byte of a load that fails; the cost, one copy, is small beside the twin's own work).
+        # Loads land in the KV cache's pages only where it is host memory, values are not
+        # sealed (a sealed body is decrypted in its buffer: its tag is checked before any byte
+        # reaches a page) and the medium says its data path should (Redis: the C job; its
+        # twin receives into buffers and the engine copies once every value is valid, so on
+        # the fallback no page ever holds a byte of a load that fails; the cost, one copy, is
+        # small beside the twin's own work). A keyed value's MAC is checked over the pages
+        # it landed in, as its checksum is: a value that fails either fails its load, whose
+        # pages are zeroed before the failure is reported (_clear_pages_of_failed_load).
         # Stores send a CPU KV cache's pages in place unless values are sealed (they are
         # sealed into buffers: the ciphertext must not overwrite the pages).
         self._sends_in_place = self._in_place and self._keyring is None
-        self._land_in_place = (
-            store.lands_in_place
-            and self._in_place
-            and self._mac_key is None
-            and self._keyring is None
-        )
+        self._land_in_place = store.lands_in_place and self._in_place and self._keyring is None
         self._connections = max(1, connections_per_job)
         # Threads that run the other connections' parts of a job (its own thread runs one).
         self._parts: ThreadPoolExecutor | None = None
@@ -320,7 +318,7 @@ class TransferEngine:
     @property
     def loads_land_in_place(self) -> bool:
         """Whether loads receive values straight into the KV cache's pages (the C job, CPU KV
-        cache, no auth_key): a failed load may then have written its own blocks."""
+        cache, values not sealed): a failed load may then have written its own blocks."""
         return self._land_in_place
 
     @property
@@ -699,7 +697,7 @@ class TransferEngine:
 
         The byte budget is taken before anything is received, for the most bytes each chunk's
         value can hold (:meth:`_value_bound`); a longer value is never received (its bytes are
-        dropped as they arrive) and is corrupt. Values land in the pages (CPU, no auth_key)
+        dropped as they arrive) and is corrupt. Values land in the pages (CPU, not sealed)
         or in buffers copied once every chunk is valid (each valid chunk with
         ``partial_loads``); a value that does not look like what this engine would have
         written for its chunk (another header or prefix) is never written into a page: it
@@ -797,7 +795,7 @@ class TransferEngine:
                 self._judge_staged(got, idx, plan[idx], targets[idx], result.value_len)
             elif not result.crc_ok:
                 got.invalid[key] = CorruptBlockError(f"{key}: checksum mismatch")
-            elif not self._mac_ok(targets[idx].head, bodies[idx]):
+            elif not self._mac_ok(targets[idx].head, targets[idx].dests):
                 got.invalid[key] = CorruptBlockError(
                     f"{key}: MAC mismatch: written with another auth_key, or tampered with"
                 )
@@ -863,13 +861,13 @@ class TransferEngine:
             targets.append(LoadTarget(head, layout.packed, dests, buffer, bound, layout.signed))
         return targets, bodies
 
-    def _mac_ok(self, head: memoryview | bytearray, body: memoryview | None) -> bool:
-        """Whether a value that landed in a buffer carries the MAC of this engine's key (True
-        without a key: the prefix's flags, compared on arrival, say it has no MAC)."""
+    def _mac_ok(self, head: memoryview | bytearray, body: Sequence[memoryview] | Pages) -> bool:
+        """Whether a value that landed as expected carries the MAC of this engine's key over
+        ``body``, where its body landed (its buffer, or its chunk's pages); True without a key
+        (the prefix's flags, compared on arrival, say it has no MAC)."""
         if self._mac_key is None:
             return True
-        assert body is not None  # keyed values always land in buffers
-        return codec.head_mac_matches(head, body, self._mac_key)
+        return codec.head_mac_matches(head, body_pieces(body), self._mac_key)
 
     def _opened(self, key: str, head: memoryview | bytearray, body: memoryview | None) -> bool:
         """Decrypt in its buffer the sealed body of a value that landed as expected (its header

@@ -181,7 +181,7 @@ def corruption(rig: Rig, rng: random.Random, job_blocks: int, labels: Labels) ->
     """Store, flip the last byte of one value in Redis, load: the load fails, no page outside
     the destination blocks changes, the bad value is deleted, and no destination page is
     written either, unless the engine says its loads land in place
-    (:attr:`TransferEngine.loads_land_in_place`: the C job, a CPU cache without auth_key),
+    (:attr:`TransferEngine.loads_land_in_place`: the C job, a CPU cache, values not sealed),
     where a failed load may have written its own blocks (vLLM recomputes them): that is
     reported, not failed."""
     cache = rig.cache

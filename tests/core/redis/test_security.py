@@ -572,14 +572,18 @@ def test_forged_value_with_valid_checksum_is_refused_only_with_an_auth_key(
     make_engine: Any, redis_client: redis.Redis
 ) -> None:
     """Someone who can write to Redis (no secret) replaces a chunk's KV and fixes the CRC32C:
-    without an auth_key the instance serves their bytes; with one it refuses them."""
+    without an auth_key the instance serves their bytes; with one it refuses them, and no
+    page holds a byte of them afterwards (keyed values land in the pages on the C job and
+    their MAC is checked there: a refused load's pages are zeroed)."""
     import crc32c
+
+    attacker = 0x5A  # the attacker's KV: every byte 0x5A
 
     def forge(key: str) -> None:
         value = bytearray(redis_client.get(key))
         header_len = int.from_bytes(value[8:12], "big")
         body_at = codec.PREFIX_BYTES + header_len
-        value[body_at:] = bytes(len(value) - body_at)  # the attacker's KV: zeros
+        value[body_at:] = bytes([attacker]) * (len(value) - body_at)
         value[12:16] = crc32c.crc32c(bytes(value[codec.PREFIX_BYTES :])).to_bytes(4, "big")
         redis_client.set(key, bytes(value))
 
@@ -589,6 +593,9 @@ def test_forged_value_with_valid_checksum_is_refused_only_with_an_auth_key(
         for key in _stored_keys(redis_client):
             forge(key)
         reader = make_engine(2, **options)
+        before = [t.clone() for t in reader.tensors]
         loaded = _job(reader, 2, load=True)
-        zeros = all(not t[BLOCKS].any() for t in reader.tensors)
-        assert (loaded, zeros) == (served, served), options
+        forged = all(bool((t[BLOCKS] == attacker).all()) for t in reader.tensors)
+        assert (loaded, forged) == (served, served), options
+        if not served:
+            assert as_before_or_cleared(before, reader.tensors), "a page holds forged bytes"

@@ -525,7 +525,7 @@ def _engine(store: RedisBlockStore, tensors: list[torch.Tensor], **kwargs) -> Tr
         (False, None, None, "loads land in the KV cache's pages"),
         (True, None, None, "loads received into buffers, copied once valid"),
         (False, False, None, "loads received into buffers, copied once valid"),
-        (False, None, b"k" * 32, "loads received into buffers, copied once valid"),
+        (False, None, b"k" * 32, "loads land in the KV cache's pages"),
     ],
     ids=["host", "strided", "python-asked", "auth-key"],
 )

@@ -14,10 +14,21 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 
 from hma_redis.core import codec
 from hma_redis.tools.devkit.local_redis import LocalRedis
-from tests.support.kv_pages import DST, SRC, UNSTORED_HASHES, Pages, chunks, make_pages, store_at
+from tests.support.kv_pages import (
+    DST,
+    PAGES,
+    SRC,
+    UNSTORED_HASHES,
+    Pages,
+    as_before_or_cleared,
+    chunks,
+    make_pages,
+    store_at,
+)
 from tests.support.tcp_proxy import BreakingProxy
 
 
@@ -97,16 +108,25 @@ def test_a_staged_value_that_fails_says_why(
 def test_a_value_signed_with_another_key_fails_as_a_mac_mismatch(
     path: str, redis_client: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Keyed values land in the pages on the C job (their MAC checked there, as their
+    checksum is) and in buffers on the twin; either way a value MAC'd with another key fails
+    its load and no page holds a byte of it afterwards."""
     writer_store, reader_store = store_at(redis_url), store_at(redis_url)
     writer = make_pages(writer_store, auth_key=b"w" * 32)
     reader = make_pages(reader_store, auth_key=b"r" * 32)
     try:
+        assert reader.engine.loads_land_in_place == (path == "native")
         assert writer.store_job(1, chunks(SRC)).ok
+        before = [t.clone() for t in reader.tensors]
         with caplog.at_level("WARNING", logger="hma_redis.core.transfer.engine"):
             assert not reader.load_job(2, chunks(DST)).ok
         said = _warnings(caplog)
         assert f"0 chunk(s) missing, {len(chunks(DST))} invalid" in said, said
         assert "MAC mismatch" in said
+        layer_pages = [PAGES[0 if idx < 3 else 1] for idx in range(len(before))]
+        assert as_before_or_cleared(before, reader.tensors, layer_pages)
+        if path == "python":
+            assert all(torch.equal(a, b) for a, b in zip(before, reader.tensors, strict=True))
     finally:
         for rig, store in ((writer, writer_store), (reader, reader_store)):
             rig.close()

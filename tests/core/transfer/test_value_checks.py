@@ -98,7 +98,8 @@ def test_a_value_without_this_engines_mac_is_corrupt(
 ) -> None:
     """With an ``auth_key``, a value whose MAC does not verify (a flipped MAC byte, or a body
     changed with a valid checksum) is corrupt on both paths: the native path compares the
-    MAC of what landed in its buffer before anything reaches the KV cache."""
+    MAC over the pages the value landed in (the job's pages are zeroed when it fails), the
+    twin over its buffer before anything reaches the KV cache."""
     for rig in _rig(redis_url, path, auth_key=AUTH_KEY):
         assert rig.store_job(1, chunks(SRC)).ok
         bad = chunks(DST)[1]
