@@ -31,10 +31,9 @@ from pooled buffers (other devices).
 A load reports success only once every value was checked: checksum, prefix (magic, version,
 flags), header (key echo, group, dtype, layout, page sizes, blocks) and length, and the MAC
 with an ``auth_key``. In place, pages may land before their value's checksum and MAC are
-known; a job
-with any bad or missing value fails, and every page it may have written is zeroed before its
-failure is reported: no page the engine may read ever holds bytes that failed validation
-(vLLM frees a failed load's blocks without rewriting them, and reuses them).
+known; a job with any bad or missing value fails, and every page it may have written is zeroed
+before its failure is reported: no page the engine may read ever holds bytes that failed
+validation (vLLM frees a failed load's blocks without rewriting them, and reuses them).
 
     engine = TransferEngine(store, [[LayerSource.of(t, page_bytes) for t in tensors]],
                             ValueFormat(kv_dtype="float16"), blocks_per_chunk=16)
