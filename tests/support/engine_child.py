@@ -7,6 +7,11 @@ and tests), its stdout/stderr sent to the files the request names. The server ne
 engine itself, so each forked child is a new vLLM instance; it only skips the interpreter start
 and the imports. A run without the fork server is ``python -m hma_redis.tools.devkit.engine``.
 
+A request with ``connect`` (a loopback port) starts a long-lived engine instead (the fault
+fuzz's and the soak's, :mod:`tests.support.fuzz_child`): the child connects to that port and
+serves requests over the connection until it closes, and the server answers with its pid at
+once, without waiting for it (it reaps such children as it goes).
+
 Not a test module (pytest does not collect it).
 """
 
@@ -17,6 +22,7 @@ import contextlib
 import importlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -50,6 +56,10 @@ def run_forked(request: dict[str, Any]) -> None:
     """In the forked child: redirect stdio, take the job's environment, run it, exit."""
     code = 1
     try:
+        # A long-lived engine's connection first: its parent waits for it.
+        conn = None
+        if "connect" in request:
+            conn = socket.create_connection(("127.0.0.1", request["connect"]))
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
@@ -60,7 +70,13 @@ def run_forked(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request.get("cwd") or os.getcwd())
-        emit_result(run_job(request["job"]))
+        if conn is None:
+            emit_result(run_job(request["job"]))
+        else:
+            from tests.support.fuzz_child import serve_job
+
+            # (left open: the exit closes it after a traceback is in the log)
+            serve_job(request["job"], conn.makefile("r"), conn.makefile("w"))
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -95,6 +111,7 @@ def serve() -> int:
     reply = sys.stdout
     reply.write(READY_LINE + "\n")
     reply.flush()
+    detached: set[int] = set()  # long-lived engines, reaped once they have exited
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -105,9 +122,17 @@ def serve() -> int:
             run_forked(request)  # never returns
         reply.write(json.dumps({"pid": pid}) + "\n")
         reply.flush()
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        reply.flush()
+        if "connect" in request:
+            detached.add(pid)
+        else:
+            _, status = os.waitpid(pid, 0)
+            reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+            reply.flush()
+        for child in list(detached):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(child, os.WNOHANG)[0] == 0:
+                    continue
+            detached.discard(child)
     return 0
 
 

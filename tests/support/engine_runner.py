@@ -242,6 +242,25 @@ class _ForkServer:
                 self.close()  # out of step with its replies: never reuse it
             return returncode, _read_text(out_path), _read_text(err_path)
 
+    def start(self, job: dict[str, Any], env: dict[str, str], port: int, log_path: str) -> int:
+        """Fork a long-lived engine child (:mod:`tests.support.fuzz_child`) that connects to
+        ``port`` on loopback and serves there, its stderr in ``log_path``; its pid, at once."""
+        assert self.proc.stdin is not None
+        request = {
+            "job": job,
+            "env": env,
+            "cwd": REPO_ROOT,
+            "stdout_path": os.devnull,
+            "stderr_path": log_path,
+            "connect": port,
+        }
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        started = self._read_line(30.0)
+        if started is None:
+            raise AssertionError(f"engine fork server died; log tail:\n{self.log_tail()}")
+        return int(json.loads(started)["pid"])
+
     def close(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
@@ -295,10 +314,21 @@ class _ForkServerPool:
 _POOL = _ForkServerPool()
 
 
-def _use_forkserver(fresh_interpreter: bool | None) -> bool:
+def use_forkserver(fresh_interpreter: bool | None) -> bool:
     if fresh_interpreter is not None:
         return not fresh_interpreter
     return os.environ.get("HMA_ENGINE_FORKSERVER", "1").lower() not in ("0", "false", "no")
+
+
+def fork_long_lived(job: dict[str, Any], env: dict[str, str], port: int, log_path: str) -> int:
+    """A long-lived engine (:mod:`tests.support.fuzz_child`'s ``serve_job``) forked from the
+    fork server of ``env`` (a :func:`child_env`), serving on a connection to ``port``; its pid.
+    The server answers at once: the caller waits for the connection and the ready line."""
+    server = _POOL.acquire(env)
+    try:
+        return server.start(job, env, port, log_path)
+    finally:
+        _POOL.release(env, server)
 
 
 def run_engine(
@@ -341,7 +371,7 @@ def run_engine(
         "kv_transfer_params": kv_transfer_params,
     }
     env = child_env(extra_env)
-    forked = _use_forkserver(fresh_interpreter)
+    forked = use_forkserver(fresh_interpreter)
 
     t0 = time.monotonic()
     if forked:

@@ -26,6 +26,7 @@ import math
 import os
 import random
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -51,7 +52,13 @@ from hma_redis.tools.devkit.tiny_models import (
     build_gemma3,
     build_llama,
 )
-from tests.support.engine_runner import child_env, make_prompts, shared_prefix_prompts
+from tests.support.engine_runner import (
+    child_env,
+    fork_long_lived,
+    make_prompts,
+    shared_prefix_prompts,
+    use_forkserver,
+)
 from tests.support.fuzz_child import READY_LINE
 from tests.support.loopback import LoopbackServer
 
@@ -94,6 +101,8 @@ LOGPROB_TOLERANCE = 0.02
 READ_TIMEOUT_S = 1.0
 TIER_OPTIONS = {"read_timeout_s": READ_TIMEOUT_S, "connect_timeout_s": 0.5, "retry_interval_s": 0.5}
 REQUEST_TIMEOUT_S = 300.0
+CONNECT_TIMEOUT_S = 60.0  # a forked engine connects before it builds anything
+CLOSE_TIMEOUT_S = 60.0
 
 
 class TrickleProxy(LoopbackServer):
@@ -134,48 +143,69 @@ class TrickleProxy(LoopbackServer):
 
 
 class Engine:
-    """One long-lived engine process (:mod:`tests.support.fuzz_child`)."""
+    """One long-lived engine process (:mod:`tests.support.fuzz_child`): a child of the engine
+    fork server (torch and vLLM imported already) serving on a loopback connection, or with
+    ``HMA_ENGINE_FORKSERVER=0`` a new interpreter serving on its stdin and stdout."""
 
     def __init__(self, job: dict[str, Any], env: dict[str, str], log_path: Path) -> None:
         self.log_path = log_path
-        self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 (closed in close())
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.fuzz_child", json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=child_env(env),
-            cwd=REPO_ROOT,
-        )
-        line = self._read_line(REQUEST_TIMEOUT_S)
+        self._conn: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: IO[bytes]
+        self._writer: IO[bytes]
+        if use_forkserver(None):
+            with socket.create_server(("127.0.0.1", 0)) as listener:
+                port = listener.getsockname()[1]
+                self._pid = fork_long_lived(job, child_env(env), port, str(log_path))
+                listener.settimeout(CONNECT_TIMEOUT_S)
+                try:
+                    self._conn = listener.accept()[0]
+                except TimeoutError:
+                    raise RuntimeError(f"engine did not connect: {self.log_tail()}") from None
+            self._reader, self._writer = self._conn.makefile("rb"), self._conn.makefile("wb")
+        else:
+            with open(log_path, "wb") as log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "tests.support.fuzz_child", json.dumps(job)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=child_env(env),
+                    cwd=REPO_ROOT,
+                )
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            self._pid = self._proc.pid
+            self._reader, self._writer = self._proc.stdout, self._proc.stdin
+        try:
+            line = self._read_line(REQUEST_TIMEOUT_S)
+        except RuntimeError:
+            line = ""
         if line != READY_LINE:
             self.close()
             raise RuntimeError(f"engine did not start: {self.log_tail()}")
 
     def _read_line(self, timeout_s: float) -> str:
-        assert self._proc.stdout is not None
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or self._proc.poll() is not None:
-                ready = select.select([self._proc.stdout], [], [], 0)[0]
-                if not ready:
-                    raise RuntimeError(f"engine gave no answer: {self.log_tail()}")
-            ready = select.select([self._proc.stdout], [], [], max(0.0, min(left, 1.0)))[0]
-            if ready:
-                return self._proc.stdout.readline().decode().strip()
+            if left <= 0:
+                raise RuntimeError(f"engine gave no answer: {self.log_tail()}")
+            if select.select([self._reader], [], [], min(left, 1.0))[0]:
+                line = self._reader.readline()
+                if not line:
+                    raise RuntimeError(f"engine exited: {self.log_tail()}")
+                return line.decode().strip()
 
     def serve(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        assert self._proc.stdin is not None
         request = {"prompts": prompts, "max_tokens": MAX_TOKENS}
-        self._proc.stdin.write((json.dumps(request) + "\n").encode())
-        self._proc.stdin.flush()
+        self._writer.write((json.dumps(request) + "\n").encode())
+        self._writer.flush()
         return list(json.loads(self._read_line(REQUEST_TIMEOUT_S))["results"])
 
     @property
     def pid(self) -> int:
         """The engine process's pid."""
-        return self._proc.pid
+        return self._pid
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -184,15 +214,31 @@ class Engine:
         return self.log_text()[-n:]
 
     def close(self) -> None:
-        if self._proc.stdin is not None:
+        """End of requests: the engine shuts down and exits (killed after a minute)."""
+        with contextlib.suppress(OSError):
+            self._writer.close()
+        if self._conn is not None:
             with contextlib.suppress(OSError):
-                self._proc.stdin.close()
-        try:
-            self._proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._log.close()
+                self._conn.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            with contextlib.suppress(OSError, ValueError):
+                while (left := deadline - time.monotonic()) > 0:
+                    if select.select([self._reader], [], [], left)[0] and not self._reader.read(
+                        65536
+                    ):
+                        break  # the child closed its end: it has exited
+                else:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self._pid, signal.SIGKILL)
+            self._reader.close()
+            self._conn.close()
+        elif self._proc is not None:
+            try:
+                self._proc.wait(CLOSE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._reader.close()
 
 
 @dataclass

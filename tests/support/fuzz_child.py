@@ -1,6 +1,7 @@
 """A long-lived engine for the fault fuzz (:mod:`tests.support.fault_fuzz`).
 
-``python -m tests.support.fuzz_child '<job json>'`` builds one engine (job fields as
+``python -m tests.support.fuzz_child '<job json>'`` (or a child of the engine fork server,
+:mod:`tests.support.engine_child`, over a loopback connection) builds one engine (job fields as
 :func:`hma_redis.tools.devkit.engine.run_job`: ``model``, ``dtype``, ``kv_transfer_config``,
 ``llm_kwargs``), prints
 ``READY_LINE``, then serves one JSON request per stdin line, ``{"prompts": [[ids]], "max_tokens":
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from hma_redis.tools.devkit.engine import LLM_DEFAULTS
 
@@ -51,8 +52,9 @@ def _serve(llm: Any, request: dict[str, Any], reset_connector: bool) -> dict[str
     return {"results": results}
 
 
-def main() -> int:
-    job = json.loads(sys.argv[1])
+def serve_job(job: dict[str, Any], reader: TextIO, writer: TextIO) -> None:
+    """Build the job's engine, write ``READY_LINE``, then answer each request line of
+    ``reader`` with one line on ``writer`` until ``reader`` ends; shut the engine down."""
     if "kv_cache_memory_bytes" in job.get("llm_kwargs", {}):
         # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE (whole GiB) override the job's size.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -68,12 +70,18 @@ def main() -> int:
         kv_transfer_config=KVTransferConfig(**cfg) if cfg else None,
         **job.get("llm_kwargs", {}),
     )
-    print(READY_LINE, flush=True)
-    for line in sys.stdin:
+    writer.write(READY_LINE + "\n")
+    writer.flush()
+    for line in reader:
         if line.strip():
             request = json.loads(line)
-            print(json.dumps(_serve(llm, request, bool(job.get("reset_connector")))), flush=True)
+            writer.write(json.dumps(_serve(llm, request, bool(job.get("reset_connector")))) + "\n")
+            writer.flush()
     llm.llm_engine.engine_core.shutdown()
+
+
+def main() -> int:
+    serve_job(json.loads(sys.argv[1]), sys.stdin, sys.stdout)
     return 0
 
 
