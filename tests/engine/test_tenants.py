@@ -7,10 +7,6 @@ tier."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +19,7 @@ from hma_redis.core.redis import quotas
 from hma_redis.core.tenants import tenant_id
 from hma_redis.tools.devkit.engine import RESULT_PREFIX
 from hma_redis.tools.devkit.tiny_models import VOCAB_SIZE, build_llama
-from tests.support.engine_runner import REPO_ROOT, child_env, make_prompts, run_engine
+from tests.support.engine_runner import child_env, make_prompts, run_engine, run_forked_job
 from tests.support.salt_child import SALT_ENV
 from tests.support.tier import chunk_aligned_prefix, tier_config
 
@@ -40,60 +36,34 @@ def _salted_runs(runs: list[dict[str, Any]], model: str) -> list[dict[str, Any]]
     """Run each ``{"salt": str | None, "tier": dict | None, "prompts": ..., "env": {...}}``
     (``env`` optional) as its own vLLM instance (forked process), in order; return each run's
     result payload."""
-    with tempfile.TemporaryDirectory(prefix="hma-salt-") as tmp:
-        requests = []
-        for i, run in enumerate(runs):
-            salt_env = {SALT_ENV: run["salt"]} if run["salt"] else {}
-            env = child_env({**salt_env, **run.get("env", {})})
-            if not run["salt"]:
-                env.pop(SALT_ENV, None)
-            if "HMA_REDIS_AUTH_KEY" not in run.get("env", {}):
-                env.pop("HMA_REDIS_AUTH_KEY", None)
-            job = {
-                "model": model,
-                "prompts": run["prompts"],
-                "max_tokens": SALT_MAX_TOKENS,
-                "kv_transfer_config": run["tier"],
-                "block_size": None,
-                "reset_prefix_cache_between": True,
-                "dtype": "float32",
-                "max_model_len": 2048,
-                "llm_kwargs": {},
-            }
-            requests.append(
-                {
-                    "job": job,
-                    "env": env,
-                    "cwd": REPO_ROOT,
-                    "stdout_path": os.path.join(tmp, f"{i}.out"),
-                    "stderr_path": os.path.join(tmp, f"{i}.err"),
-                }
-            )
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.support.salt_child"],
-            input=json.dumps(requests),
-            capture_output=True,
-            text=True,
-            env=child_env(),
-            cwd=REPO_ROOT,
-            timeout=SALT_TIMEOUT_S,
+    payloads: list[dict[str, Any]] = []
+    for i, run in enumerate(runs):
+        salt_env = {SALT_ENV: run["salt"]} if run["salt"] else {}
+        env = child_env({**salt_env, **run.get("env", {})})
+        if not run["salt"]:
+            env.pop(SALT_ENV, None)
+        if "HMA_REDIS_AUTH_KEY" not in run.get("env", {}):
+            env.pop("HMA_REDIS_AUTH_KEY", None)
+        job = {
+            "model": model,
+            "prompts": run["prompts"],
+            "max_tokens": SALT_MAX_TOKENS,
+            "kv_transfer_config": run["tier"],
+            "block_size": None,
+            "reset_prefix_cache_between": True,
+            "dtype": "float32",
+            "max_model_len": 2048,
+            "llm_kwargs": {},
+        }
+        _, out = run_forked_job(job, env, SALT_TIMEOUT_S, salted=True)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+        assert out.returncode == 0 and len(lines) == 1, (
+            f"salted engine run {i} failed (exit {out.returncode}); stderr:\n{out.stderr[-3000:]}"
         )
-        payloads: list[dict[str, Any]] = []
-        for request in requests:
-            out = Path(request["stdout_path"])
-            err = Path(request["stderr_path"])
-            stdout = out.read_text(errors="replace") if out.exists() else ""
-            stderr = err.read_text(errors="replace") if err.exists() else ""
-            lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-            assert len(lines) == 1, (
-                f"salted engine run {len(payloads)} failed (child exit {proc.returncode}); "
-                f"child stderr:\n{proc.stderr[-2000:]}\nrun stderr:\n{stderr[-3000:]}"
-            )
-            payload = json.loads(lines[0][len(RESULT_PREFIX) :])
-            payload["stderr_tail"] = stderr[-3000:]
-            payloads.append(payload)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return payloads
+        payload = json.loads(lines[0][len(RESULT_PREFIX) :])
+        payload["stderr_tail"] = out.stderr[-3000:]
+        payloads.append(payload)
+    return payloads
 
 
 def test_cache_salt_keeps_tenants_apart_across_engines(

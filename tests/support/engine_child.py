@@ -70,6 +70,10 @@ def run_forked(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request.get("cwd") or os.getcwd())
+        if request.get("salted"):
+            from tests.support.salt_child import install_salt
+
+            install_salt()
         if conn is None:
             emit_result(run_job(request["job"]))
         else:

@@ -210,25 +210,13 @@ class _ForkServer:
         return line.decode()
 
     def run(
-        self, job: dict[str, Any], env: dict[str, str], timeout_s: float
+        self, job: dict[str, Any], env: dict[str, str], timeout_s: float, **extra: Any
     ) -> tuple[int | None, str, str]:
-        """Fork a child for ``job``; return (exit code or None on timeout, stdout, stderr)."""
-        assert self.proc.stdin is not None
+        """Fork a child for ``job`` (``extra``: more fields of the request, e.g. ``salted``);
+        return (exit code or None on timeout, stdout, stderr)."""
         with tempfile.TemporaryDirectory(prefix="hma-engine-") as tmp:
             out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {
-                "job": job,
-                "env": env,
-                "cwd": REPO_ROOT,
-                "stdout_path": out_path,
-                "stderr_path": err_path,
-            }
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            started = self._read_line(30.0)
-            if started is None:
-                raise AssertionError(f"engine fork server died; log tail:\n{self.log_tail()}")
-            pid = int(json.loads(started)["pid"])
+            pid = self._fork(job, env, out_path, err_path, **extra)
             done = self._read_line(timeout_s)
             returncode: int | None
             if done is None:
@@ -245,14 +233,21 @@ class _ForkServer:
     def start(self, job: dict[str, Any], env: dict[str, str], port: int, log_path: str) -> int:
         """Fork a long-lived engine child (:mod:`tests.support.fuzz_child`) that connects to
         ``port`` on loopback and serves there, its stderr in ``log_path``; its pid, at once."""
+        return self._fork(job, env, os.devnull, log_path, connect=port)
+
+    def _fork(
+        self, job: dict[str, Any], env: dict[str, str], out: str, err: str, **extra: Any
+    ) -> int:
+        """Send one request (the child's stdout and stderr go to ``out`` and ``err``); the
+        forked child's pid."""
         assert self.proc.stdin is not None
         request = {
             "job": job,
             "env": env,
             "cwd": REPO_ROOT,
-            "stdout_path": os.devnull,
-            "stderr_path": log_path,
-            "connect": port,
+            "stdout_path": out,
+            "stderr_path": err,
+            **extra,
         }
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
@@ -320,6 +315,22 @@ def use_forkserver(fresh_interpreter: bool | None) -> bool:
     return os.environ.get("HMA_ENGINE_FORKSERVER", "1").lower() not in ("0", "false", "no")
 
 
+def run_forked_job(
+    job: dict[str, Any], env: dict[str, str], timeout_s: float, **extra: Any
+) -> tuple[float, ProcessOutput]:
+    """A :func:`hma_redis.tools.devkit.engine.run_job` job in a child forked from the fork
+    server of ``env`` (a :func:`child_env`; the first call per environment starts one,
+    ~15-25 s): when the fork was asked (``time.monotonic()``) and the child's output.
+    ``extra``: more fields of the request (``salted=True``: the prompts carry ``cache_salt``,
+    :mod:`tests.support.salt_child`)."""
+    server = _POOL.acquire(env)
+    try:
+        asked = time.monotonic()
+        return asked, ProcessOutput(*server.run(job, env, timeout_s, **extra))
+    finally:
+        _POOL.release(env, server)
+
+
 def fork_long_lived(job: dict[str, Any], env: dict[str, str], port: int, log_path: str) -> int:
     """A long-lived engine (:mod:`tests.support.fuzz_child`'s ``serve_job``) forked from the
     fork server of ``env`` (a :func:`child_env`), serving on a connection to ``port``; its pid.
@@ -375,12 +386,7 @@ def run_engine(
 
     t0 = time.monotonic()
     if forked:
-        server = _POOL.acquire(env)  # the first call per environment starts one (~15-25 s)
-        try:
-            t0 = time.monotonic()
-            out = ProcessOutput(*server.run(job, env, timeout_s))
-        finally:
-            _POOL.release(env, server)
+        t0, out = run_forked_job(job, env, timeout_s)
     else:
         out = run_engine_process(job, env, timeout_s, cwd=REPO_ROOT)
     process_s = time.monotonic() - t0
