@@ -334,12 +334,18 @@ def run_forked_job(
 def fork_long_lived(job: dict[str, Any], env: dict[str, str], port: int, log_path: str) -> int:
     """A long-lived engine (:mod:`tests.support.fuzz_child`'s ``serve_job``) forked from the
     fork server of ``env`` (a :func:`child_env`), serving on a connection to ``port``; its pid.
-    The server answers at once: the caller waits for the connection and the ready line."""
-    server = _POOL.acquire(env)
-    try:
-        return server.start(job, env, port, log_path)
-    finally:
-        _POOL.release(env, server)
+    The server answers at once: the caller waits for the connection and the ready line. One
+    at a time, so that engines started together (the soak's) share one server rather than each
+    starting its own."""
+    with _LONG_LIVED_LOCK:
+        server = _POOL.acquire(env)
+        try:
+            return server.start(job, env, port, log_path)
+        finally:
+            _POOL.release(env, server)
+
+
+_LONG_LIVED_LOCK = threading.Lock()
 
 
 def run_engine(
