@@ -220,13 +220,13 @@ class Engine:
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._conn.shutdown(socket.SHUT_WR)
+            # Until the child's end closes (it has exited), on the socket itself: a buffered
+            # read would wait for its whole size, past the deadline.
             deadline = time.monotonic() + CLOSE_TIMEOUT_S
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError):
                 while (left := deadline - time.monotonic()) > 0:
-                    if select.select([self._reader], [], [], left)[0] and not self._reader.read(
-                        65536
-                    ):
-                        break  # the child closed its end: it has exited
+                    if select.select([self._conn], [], [], left)[0] and not self._conn.recv(65536):
+                        break
                 else:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(self._pid, signal.SIGKILL)
