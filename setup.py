@@ -25,6 +25,23 @@ setup(
             # A load job's connections each run on a thread of their own (POSIX threads).
             extra_link_args=["-pthread"],
             optional=True,
-        )
+        ),
+        # The bench's copy counter: a library the bench preloads (LD_PRELOAD) into the clients
+        # it measures, never imported (hma_redis/tools/bench/copies.py).
+        Extension(
+            "hma_redis.tools.bench._copycount",
+            sources=["hma_redis/tools/bench/_copycount.c"],
+            extra_compile_args=[
+                "-O2",
+                "-std=gnu11",
+                "-pthread",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+            ],
+            extra_link_args=["-pthread"],
+            libraries=["dl"],
+            optional=True,
+        ),
     ]
 )

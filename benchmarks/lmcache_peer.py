@@ -125,6 +125,7 @@ class _Span:
     def __init__(self) -> None:
         self.server: redis.Redis | None = None
         self.counter: Any = None  # --count-syscalls: hma_redis' SyscallCounter
+        self.copies: Any = None  # and its CopyCounter, where the bench preloaded it
         self._start: tuple[float, float, int] = (0.0, 0.0, 0)
         self.last: dict[str, Any] = {}
 
@@ -140,10 +141,13 @@ class _Span:
         cpu, calls = self._server()
         if self.counter is not None:  # after the INFO: its calls are not the span's
             self.counter.begin()
+        if self.copies is not None:
+            self.copies.begin()
         self._start = (_tree_cpu_s(), cpu, calls)
 
     def end(self) -> None:
         mine = _tree_cpu_s()
+        copies = self.copies.end() if self.copies is not None else None
         syscalls = self.counter.end() if self.counter is not None else None
         cpu, calls = self._server()
         self.last = {
@@ -151,21 +155,22 @@ class _Span:
             "server_cpu_s": cpu - self._start[1],
             "commands": calls - self._start[2] - 1,
             "syscalls": syscalls,
+            "copies": copies,
         }
 
 
-def _syscall_counter() -> Any:
-    """hma_redis' ``SyscallCounter``, loaded from this checkout's file (standard library only:
-    this interpreter has no hma_redis)."""
+def _bench_module(name: str) -> Any:
+    """hma_redis' ``hma_redis/tools/bench/<name>.py``, loaded from this checkout's file (standard
+    library only: this interpreter has no hma_redis)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "hma_redis" / "tools" / "bench" / "syscalls.py"
-    spec = importlib.util.spec_from_file_location("hma_bench_syscalls", path)
+    path = Path(__file__).resolve().parents[1] / "hma_redis" / "tools" / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"hma_bench_{name}", path)
     if spec is None or spec.loader is None:
         raise BenchError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.SyscallCounter()
+    return module
 
 
 def _tree_cpu_s() -> float:
@@ -679,7 +684,8 @@ def _measure(args: argparse.Namespace, r: redis.Redis, prefix: str) -> dict[str,
     reget_cost: list[dict[str, float]] = []
     _SPAN.server = r
     if args.count_syscalls:
-        _SPAN.counter = _syscall_counter()
+        _SPAN.counter = _bench_module("syscalls").SyscallCounter()
+        _SPAN.copies = _bench_module("copies").CopyCounter.attached()
     for rep in range(args.warmup + args.reps):
         tag = f"{prefix}r{rep}"
         payloads = [os.urandom(args.size) for _ in range(args.count)]
@@ -751,7 +757,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--count-syscalls",
         action="store_true",
-        help="count each put's and get's system calls (strace -c -f attached; slow, untimed)",
+        help="count each put's and get's system calls (strace -c -f attached; slow, untimed) "
+        "and, where the bench preloaded its copy counter, bytes copied",
     )
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="seconds one LMCache batch may take"

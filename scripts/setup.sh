@@ -24,7 +24,7 @@ fi
 
 # Reinstall only when the build inputs changed since the last successful run.
 stamp=.venv/.hma-setup-stamp
-want=$(cat pyproject.toml setup.py hma_redis/core/redis/_wire.c | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py hma_redis/core/redis/_wire.c hma_redis/tools/bench/_copycount.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/pip install -e '.[cpu,test]'
     echo "$want" >"$stamp"

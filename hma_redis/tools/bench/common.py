@@ -91,6 +91,9 @@ class Cost:
     commands: int
     # System calls per name (hma_redis.tools.bench.syscalls), in a counting run only.
     syscalls: dict[str, int] | None = None
+    # Bytes copied and moved through the kernel (hma_redis.tools.bench.copies), in a counting
+    # run with the copy counter preloaded only.
+    copies: dict[str, int] | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Cost:
@@ -99,6 +102,7 @@ class Cost:
             float(data["server_cpu_s"]),
             int(data["commands"]),
             data.get("syscalls"),
+            data.get("copies"),
         )
 
 
@@ -132,24 +136,29 @@ class Meter:
     """:class:`Cost` of a span of this process's work against one Redis:
     ``started = meter.start()`` ... ``cost = meter.stop(started)``. With ``counter`` set (a
     :class:`~hma_redis.tools.bench.syscalls.SyscallCounter`: the counting run) the span's
-    system calls too."""
+    system calls too, and with ``copies`` (a :class:`~hma_redis.tools.bench.copies.CopyCounter`)
+    its bytes copied."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self.counter: Any = None
+        self.copies: Any = None
 
     def start(self) -> tuple[float, float, int]:
         cpu, calls = server_counters(self.client)
         if self.counter is not None:  # after the INFO: its calls are not the span's
             self.counter.begin()
+        if self.copies is not None:  # after strace attached: a quiet process, nothing copied
+            self.copies.begin()
         return process_cpu_s(), cpu, calls
 
     def stop(self, started: tuple[float, float, int]) -> Cost:
         mine = process_cpu_s()
+        copies = self.copies.end() if self.copies is not None else None
         syscalls = self.counter.end() if self.counter is not None else None
         cpu, calls = server_counters(self.client)
         # The INFO of start() is counted by the INFO here; this one's own call is not yet.
-        return Cost(mine - started[0], cpu - started[1], calls - started[2] - 1, syscalls)
+        return Cost(mine - started[0], cpu - started[1], calls - started[2] - 1, syscalls, copies)
 
 
 @dataclass
@@ -176,11 +185,13 @@ class Samples:
         if not costs:
             return None
         counted = [c.syscalls for c in costs if c.syscalls is not None]
+        copied = [c.copies for c in costs if c.copies is not None]
         return Cost(
             statistics.median(c.client_cpu_s for c in costs),
             statistics.median(c.server_cpu_s for c in costs),
             int(statistics.median(c.commands for c in costs)),
             counted[-1] if counted else None,
+            copied[-1] if copied else None,
         )
 
     def median(self, name: str) -> float:

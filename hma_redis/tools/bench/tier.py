@@ -86,6 +86,7 @@ import torch
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis.client import tls_options
+from hma_redis.tools.bench import copies
 from hma_redis.tools.bench.common import (
     GB,
     KIB,
@@ -267,15 +268,25 @@ class LMCachePeer:
         self.notes: list[str] = []  # why a column is absent
 
     def run(self, size: int, samples: Samples, count_syscalls: bool = False) -> None:
+        """One sample of each connector at ``size``; with ``count_syscalls`` (the counting
+        run) its system calls, and its bytes copied where the copy counter is built."""
         for connector in self._connectors():
             args = [
                 self.python, str(LMCACHE_PEER), "--url", self.url, "--connector", connector,
                 "--size", str(size), "--count", str(self.plan.job_bytes // size),
                 "--reps", "1", "--threads", "2",
             ]  # fmt: skip
+            env = None
+            library = copies.library_path()
             if count_syscalls:
                 args.append("--count-syscalls")
-            proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+                if library is not None:
+                    env = copies.preload_env(dict(os.environ), library, copies.new_counters_file())
+            try:
+                proc = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
+            finally:
+                if env is not None and os.path.exists(env[copies.COUNTERS_ENV]):
+                    os.unlink(env[copies.COUNTERS_ENV])
             lines = proc.stdout.strip().splitlines()
             why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             if connector == "mp" and proc.returncode == _NO_MP_MODE_STATUS:
@@ -609,6 +620,10 @@ class Report:
     data_path: str = ""
     # name -> calls per system call of one job, from the counting run (--syscalls).
     syscalls: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # name -> bytes copied and through the kernel in one job (the counting run, the copy
+    # counter preloaded), and why there are none where the counting run had no counter.
+    copies: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    copies_note: str = ""
 
     @property
     def clients(self) -> list[str]:
@@ -643,6 +658,7 @@ class Report:
             "median_s": {name: self.samples.median(name) for name in self.samples.values},
             "round_trips": self.samples.round_trips,
             "syscalls": self.syscalls,
+            "copies": self.copies,
             "median_cost": {
                 name: dataclasses.asdict(cost)
                 for name in self.samples.costs
@@ -678,12 +694,14 @@ def measure(
     mooncake_python: str | None = None,
     count_syscalls: bool = False,
     encrypted: bool = False,
+    copy_counter: copies.CopyCounter | None = None,
 ) -> Report:
     """Every measurement, interleaved, against the Redis ``cfg`` names. The worker runs on the
     data path its transfer engine picks; with ``python_path`` (always with ``smoke``) also
     on the Python path, with ``encrypted`` (always with ``smoke``) also with a random
     encryption key (column hma-aead: the cost of sealing), and ``smoke`` checks every stored
-    value byte for byte (sealed ones once opened)."""
+    value byte for byte (sealed ones once opened). ``count_syscalls``: a counting run after
+    the timed ones, which counts bytes copied too where ``copy_counter`` is this process's."""
     namespace = f"bench-{os.getpid()}"
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -735,7 +753,9 @@ def measure(
                     runner()
             for _ in range(plan.lookup_samples):
                 lookups.run(samples)
-        syscalls = _count_syscalls(plan, tiers, plain, peer) if count_syscalls else {}
+        counted = _counting_run(plan, tiers, plain, peer, copy_counter) if count_syscalls else {}
+        syscalls = {name: cost.syscalls for name, cost in counted.items() if cost.syscalls}
+        copied = {name: cost.copies for name, cost in counted.items() if cost.copies}
         return Report(
             plan=plan,
             samples=samples,
@@ -751,6 +771,8 @@ def measure(
             notes=(*notes, *(peer.notes if peer is not None else ())),
             data_path=tier.data_path,
             syscalls=syscalls,
+            copies=copied,
+            copies_note=_copies_note(count_syscalls, copy_counter),
         )
     finally:
         lookups.close()
@@ -759,15 +781,16 @@ def measure(
             bench.close()
 
 
-def _count_syscalls(
+def _counting_run(
     plan: TierPlan,
     tiers: Sequence[TierBench | TieringBench],
     plain: RedisPyBench,
     peer: LMCachePeer | None,
-) -> dict[str, dict[str, int]]:
+    copy_counter: copies.CopyCounter | None,
+) -> dict[str, Cost]:
     """The counting run: one more job per client, size and operation, with ``strace -c -f``
     attached for the span its meter times (never timed: a traced process is many times
-    slower); the calls per system call of each."""
+    slower) and the copy counter on where this process has one; each job's :class:`Cost`."""
     from hma_redis.tools.bench.syscalls import SyscallCounter
 
     counter = SyscallCounter()
@@ -775,6 +798,7 @@ def _count_syscalls(
     counted = Samples()
     for meter in meters:
         meter.counter = counter
+        meter.copies = copy_counter
     try:
         for size in plan.sizes:
             for bench in tiers:
@@ -785,12 +809,17 @@ def _count_syscalls(
     finally:
         for meter in meters:
             meter.counter = None
-    return {
-        name: cost.syscalls
-        for name, costs in counted.costs.items()
-        for cost in costs[-1:]
-        if cost.syscalls is not None
-    }
+            meter.copies = None
+    return {name: costs[-1] for name, costs in counted.costs.items() if costs}
+
+
+def _copies_note(count_syscalls: bool, copy_counter: copies.CopyCounter | None) -> str:
+    """Why a counting run has no bytes copied ("" when it has them or there was none)."""
+    if not count_syscalls or copy_counter is not None:
+        return ""
+    if copies.library_path() is None:
+        return "bytes copied: not counted (the copy counter was not built: no C compiler)"
+    return "bytes copied: not counted (only `hma-redis bench --syscalls` preloads the counter)"
 
 
 # ---------------------------------------------------------------------------------- report
@@ -875,6 +904,7 @@ def format_report(report: Report) -> str:
             lines.append(row.format(size_label(size), op, TierBench.blocks_per_chunk(size), *cells))
     lines += cost_lines(report, [short.get(c, c) for c in report.clients])
     lines += syscall_lines(report, [short.get(c, c) for c in report.clients])
+    lines += copy_lines(report, [short.get(c, c) for c in report.clients])
     chunks = PROMPT_TOKENS // CHUNK_TOKENS
     keys = chunks * GROUPS
     lines += [
@@ -958,33 +988,59 @@ _SYSCALL_GROUPS = (
 def syscall_lines(report: Report, labels: Sequence[str]) -> list[str]:
     """System calls per job from the counting run, ``send/recv/wait/futex/other`` per client
     (nothing without ``--syscalls``)."""
-    if not report.syscalls:
+
+    def cell(calls: dict[str, int]) -> str:
+        return "/".join(str(sum(calls.get(n, 0) for n in names)) for _, names in _SYSCALL_GROUPS)
+
+    title = (
+        "system calls per job (strace -c -f, a counting run): send / recv / wait / futex / other"
+    )
+    return _counted_lines(report, labels, report.syscalls, title, cell, 22)
+
+
+def copy_lines(report: Report, labels: Sequence[str]) -> list[str]:
+    """Bytes per payload byte from the counting run with the copy counter: copied in user
+    space / through the kernel (nothing without ``--syscalls``; a note where it had no
+    counter)."""
+    payload = report.plan.job_bytes
+
+    def cell(counted: dict[str, int]) -> str:
+        kernel = counted["kernel_in"] + counted["kernel_out"]
+        return f"{counted['copied'] / payload:.2f} / {kernel / payload:.2f}"
+
+    title = (
+        "bytes per payload byte (the counting run, copy counter preloaded): copied in user "
+        "space (memcpy, memmove) / through the kernel (read, write, send, recv)"
+    )
+    lines = _counted_lines(report, labels, report.copies, title, cell, 14)
+    return lines or ([f"\n{report.copies_note}"] if report.copies_note else [])
+
+
+def _counted_lines(
+    report: Report,
+    labels: Sequence[str],
+    counts: dict[str, dict[str, int]],
+    title: str,
+    cell: Callable[[dict[str, int]], str],
+    width: int,
+) -> list[str]:
+    """A table of the counting run's ``counts`` (by sample name) for the clients it counted,
+    one ``cell`` per client, size and operation."""
+    if not counts:
         return []
     counted = [
         (client, label)
         for client, label in zip(report.clients, labels, strict=True)
-        if any(
-            f"{client} {op} {s}" in report.syscalls for op in TABLE_OPS for s in report.plan.sizes
-        )
+        if any(f"{client} {op} {s}" in counts for op in TABLE_OPS for s in report.plan.sizes)
     ]
-    row = "{:<8}{:<7}" + "{:>22}" * len(counted)
-    lines = [
-        "",
-        "system calls per job (strace -c -f, a counting run): send / recv / wait / futex / other",
-        row.format("value", "op", *(label for _, label in counted)),
-    ]
+    row = "{:<8}{:<7}" + f"{{:>{width}}}" * len(counted)
+    lines = ["", title, row.format("value", "op", *(label for _, label in counted))]
     for size in report.plan.sizes:
         for op in TABLE_OPS:
-            cells = []
-            for client, _ in counted:
-                calls = report.syscalls.get(f"{client} {op} {size}")
-                cells.append(
-                    "-"
-                    if calls is None
-                    else "/".join(
-                        str(sum(calls.get(n, 0) for n in names)) for _, names in _SYSCALL_GROUPS
-                    )
-                )
+            cells = [
+                "-" if (found := counts.get(f"{client} {op} {size}")) is None else cell(found)
+                for client, _ in counted
+            ]
             lines.append(row.format(size_label(size), op, *cells))
     return lines
 
@@ -1126,7 +1182,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--syscalls",
         action="store_true",
         help="after the timed runs, one counting job per client, size and operation with "
-        "strace -c -f attached: system calls per job (needs strace)",
+        "strace -c -f attached: system calls per job (needs strace), and bytes copied per "
+        "payload byte (the bench starts itself again with its copy counter preloaded)",
     )
     parser.add_argument(
         "--lmcache-python",
@@ -1214,6 +1271,8 @@ def _measure_and_print(
 ) -> Report:
     """Measure ``plan`` against ``cfg`` (or a local server); print the tables and the plot's
     path; the report."""
+    # Before any server starts: the counter's preload is not handed to what this process runs.
+    copy_counter = copies.CopyCounter.attached() if args.syscalls else None
     with server_config(cfg) as (target, where):
         report = measure(
             _connections(target, args),
@@ -1225,6 +1284,7 @@ def _measure_and_print(
             mooncake_python=args.mooncake_python,
             count_syscalls=args.syscalls,
             encrypted=args.encrypted,
+            copy_counter=copy_counter,
         )
     print(format_report(report))
     if args.smoke:
@@ -1239,4 +1299,6 @@ def _measure_and_print(
 
 
 if __name__ == "__main__":
+    if "--syscalls" in sys.argv:
+        copies.reexec_preloaded()
     raise SystemExit(main())

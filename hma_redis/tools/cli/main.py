@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse has printed usage and the error already
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command == bench.NAME:
-        return bench.run(args, rest)
+        return bench.run(args, rest, as_program=argv is None)
     report = functools.partial(fail, as_json=args.json)
     try:
         cfg = build_config(args, os.environ)

@@ -22,11 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_options(parser, after_command=True)
 
 
-def run(args: argparse.Namespace, rest: list[str]) -> int:
+def run(args: argparse.Namespace, rest: list[str], as_program: bool = False) -> int:
     """Run the tier benchmark; the connection options (``--url``, ``--password``, TLS, ...)
     are the CLI's and reach the benchmark as a config, never on a command line. Any failure is
-    one line without the password."""
-    from hma_redis.tools.bench import tier
+    one line without the password. ``as_program``: this process is ``hma-redis bench`` itself,
+    which ``--syscalls`` starts again with the bench's copy counter preloaded."""
+    from hma_redis.tools.bench import copies, tier
+
+    if as_program and "--syscalls" in rest:
+        copies.reexec_preloaded()
 
     cfg: RedisTierConfig | None = None
     if args.url is not None:

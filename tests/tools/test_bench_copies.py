@@ -1,0 +1,114 @@
+"""The bench's copy counter (hma_redis/tools/bench/_copycount.c, preloaded, read by
+copies.py): a process started with it counts the bytes every thread copies and moves through
+the kernel during a span, and nothing before or after; ``hma-redis bench --syscalls`` starts
+itself again with it and prints what each client copies per payload byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hma_redis.tools.bench import copies
+
+COPIED = 3_000_000  # bytes the span copies (bytes() of a bytearray: one memcpy)
+SENT = 200_000  # bytes the span sends over a socket pair and receives back
+
+CHILD = f"""
+import json, os, socket, sys, threading
+sys.path.insert(0, {str(Path(copies.__file__).parent)!r})
+import copies
+counter = copies.CopyCounter.attached()
+source = bytearray({COPIED})
+before = bytes(source)  # not counted: before the span
+left, right = socket.socketpair()
+counter.begin()
+
+def work():
+    copied = bytes(source)
+    left.sendall(b"x" * {SENT})
+    got = 0
+    while got < {SENT}:
+        got += len(right.recv(65536))
+
+worker = threading.Thread(target=work)
+worker.start()
+worker.join()
+totals = counter.end()
+after = bytes(source)  # not counted either
+print(json.dumps({{"totals": totals, "preload": os.environ.get("LD_PRELOAD", ""),
+                   "counters": os.environ.get(copies.COUNTERS_ENV)}}))
+"""
+
+
+def _library() -> Path:
+    library = copies.library_path()
+    if library is None:
+        pytest.fail(
+            "the bench's copy counter was not built (pip install -e . builds it with the "
+            "system C compiler: apt-get install -y gcc python3-dev)",
+            pytrace=False,
+        )
+    return library
+
+
+def test_a_span_counts_the_copies_and_kernel_bytes_of_every_thread_and_only_the_span() -> None:
+    env = copies.preload_env(dict(os.environ), _library(), copies.new_counters_file())
+    counters = env[copies.COUNTERS_ENV]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        if os.path.exists(counters):
+            os.unlink(counters)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    totals = result["totals"]
+    # One copy of COPIED bytes and the b"x" * SENT build; the rest is the interpreter's small
+    # copies while the thread starts and stops.
+    assert COPIED <= totals["copied"] < COPIED + SENT + 100_000, totals
+    assert totals["kernel_out"] == SENT and totals["kernel_in"] == SENT, totals
+    # Neither the preload nor the counters' file reach what the counted process starts.
+    assert "_copycount" not in result["preload"] and result["counters"] is None
+
+
+def test_a_process_started_without_the_counter_has_none() -> None:
+    env = {k: v for k, v in os.environ.items() if k != copies.COUNTERS_ENV}
+    code = "from hma_redis.tools.bench import copies; print(copies.CopyCounter.attached())"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "None"
+
+
+def test_bench_syscalls_prints_what_each_client_copies_per_payload_byte() -> None:
+    """The command line a user runs: it starts itself again with the counter preloaded. The
+    worker's stores send from the KV cache's pages (no copy of a payload byte in user space)
+    and its loads land in them; redis-py copies every payload byte at least once more."""
+    _library()
+    hma = Path(sys.executable).with_name("hma-redis")
+    proc = subprocess.run(
+        [str(hma), "--json", "bench", "--smoke", "--syscalls"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert "bytes per payload byte" in proc.stderr
+    job = report["plan"]["job_bytes"]
+    for size in report["plan"]["sizes"]:
+        for op in ("load", "store"):
+            ours = report["copies"][f"hma_redis {op} {size}"]
+            plain = report["copies"][f"redis-py {op} {size}"]
+            # Every payload byte crosses the kernel once (plus commands, replies, headers).
+            assert job <= ours["kernel_in"] + ours["kernel_out"] < 1.05 * job, (op, size, ours)
+            assert plain["copied"] >= job, (op, size, plain)
+            bound = 0.01 if op == "store" else 0.2
+            assert ours["copied"] < bound * job, (op, size, ours)
