@@ -3,7 +3,9 @@ of 16 KiB pages at random block ids, fresh keys, timed from submit until ``get_f
 reports the job) on two workers against one Redis, their jobs alternated (a, b, b, a, ...) so
 that both meet the same machine, each job on new connections (a connection's speed on this host
 is a draw that lasts its life). Prints, per value size and operation, the median GB/s of
-each, their ratio, and in how many pairs b was faster. What differs (``--compare``):
+each, their ratio, and in how many pairs b was faster; then the median client CPU seconds per
+GB of each (this process's threads, as the bench meters them) and in how many pairs b used
+less. What differs (``--compare``):
 
 * ``connections``: A runs ``--a`` connections per thread, B ``--b``;
 * ``pages``: A hands the data path every page as a buffer of its own (one view per page and
@@ -117,7 +119,10 @@ def main() -> None:
             print(f"{_describe(args)}{keyed}; {where}; {args.pairs} pairs")
             print(f"data path: {benches['a'].data_path} / {benches['b'].data_path}")
             print(f"each job moves {FULL.job_bytes >> 20} MiB; GB/s = 10^9 payload bytes/s")
-            print(f"{'value':>8} {'op':>6} {'A GB/s':>8} {'B GB/s':>8} {'B/A':>6} {'b>a':>6}")
+            print(
+                f"{'value':>8} {'op':>6} {'A GB/s':>8} {'B GB/s':>8} {'B/A':>6} {'b>a':>6}"
+                f" {'A CPU s/GB':>11} {'B CPU s/GB':>11} {'b<a':>6}"
+            )
             for size in FULL.sizes:
                 for bench in benches.values():  # untimed: first touch of pages and keys
                     bench.run(size, Samples())
@@ -140,9 +145,15 @@ def main() -> None:
                     wins = sum(tb < ta for ta, tb in zip(a, b, strict=True))
                     gbs_a = FULL.job_bytes / statistics.median(a) / 1e9
                     gbs_b = FULL.job_bytes / statistics.median(b) / 1e9
+                    cpu_a = [c.client_cpu_s for c in samples.costs[f"a {op} {size}"]]
+                    cpu_b = [c.client_cpu_s for c in samples.costs[f"b {op} {size}"]]
+                    fewer = sum(cb < ca for ca, cb in zip(cpu_a, cpu_b, strict=True))
+                    per_gb = FULL.job_bytes / 1e9
                     print(
                         f"{size_label(size):>8} {op:>6} {gbs_a:8.2f} {gbs_b:8.2f} "
                         f"{gbs_b / gbs_a:6.2f} {wins:>3}/{len(a)}"
+                        f" {statistics.median(cpu_a) / per_gb:11.3f}"
+                        f" {statistics.median(cpu_b) / per_gb:11.3f} {fewer:>3}/{len(a)}"
                     )
         finally:
             for bench in benches.values():
