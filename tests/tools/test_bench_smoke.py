@@ -220,11 +220,14 @@ def test_a_missing_mooncake_interpreter_is_one_line_before_anything_runs(capsys)
     assert out == ""
 
 
-def test_mooncake_is_not_measured_under_concurrency(capsys) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "option", [["--mooncake-python", "/usr/bin/python3"], ["--syscalls"]], ids=lambda o: o[0]
+)
+def test_what_the_concurrent_mode_does_not_measure_is_refused(capsys, option) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SystemExit) as exc:
-        bench_tier.main(["--concurrency", "1", "--mooncake-python", "/usr/bin/python3"])
+        bench_tier.main(["--concurrency", "1", *option])
     assert exc.value.code == 2
-    assert "--mooncake-python" in capsys.readouterr().err
+    assert option[0] in capsys.readouterr().err
 
 
 def test_per_op_gbps_counts_the_time_that_op_was_in_flight() -> None:

@@ -14,6 +14,7 @@ LMCache's interpreter (which has no hma_redis) and counts its own spans the same
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -91,11 +92,16 @@ class CopyCounter:
             os.environ["LD_PRELOAD"] = " ".join(kept)
         else:
             os.environ.pop("LD_PRELOAD", None)
-        if path is None or not os.path.exists("/proc/self/maps") or not _loaded():
+        if path is None:
             return None
-        counter = cls(path)
-        os.unlink(path)  # mapped by the library and by this counter: nothing else needs it
-        return counter
+        try:
+            if not os.path.exists("/proc/self/maps") or not _loaded():
+                return None
+            return cls(path)
+        finally:
+            # Mapped by the library and by the counter (or by neither): no one else needs it.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def begin(self) -> None:
         struct.pack_into(f"{len(WORDS)}Q", self._map, 0, *([0] * len(WORDS)))

@@ -1220,17 +1220,22 @@ def main(argv: Sequence[str] | None = None, cfg: RedisTierConfig | None = None) 
             levels = parse_levels(args.concurrency)
         except ValueError as exc:
             parser.error(str(exc))
-        if args.plot or args.python_path or args.mooncake_python:
-            parser.error("--concurrency takes neither --plot, --python-path nor --mooncake-python")
+        if args.plot or args.python_path or args.mooncake_python or args.syscalls:
+            parser.error(
+                "--concurrency takes neither --plot, --python-path, --mooncake-python nor "
+                "--syscalls"
+            )
     if args.mooncake_python is not None:
         require_mooncake_python(args.mooncake_python)  # before any server starts
+    # Before any server starts: the counter's preload is not handed to what this process runs.
+    copy_counter = copies.CopyCounter.attached() if args.syscalls else None
     to_stdout = args.json == "-"
     # With the JSON on stdout, everything else goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
         if levels is not None:
             report: Report | ConcurrencyReport = _concurrency_and_print(cfg, args, levels)
         else:
-            report = _measure_and_print(cfg, args, plan)
+            report = _measure_and_print(cfg, args, plan, copy_counter)
     if to_stdout:
         json.dump(report.to_json(), sys.stdout, indent=2)
         print()
@@ -1267,12 +1272,13 @@ def _concurrency_and_print(
 
 
 def _measure_and_print(
-    cfg: RedisTierConfig | None, args: argparse.Namespace, plan: TierPlan
+    cfg: RedisTierConfig | None,
+    args: argparse.Namespace,
+    plan: TierPlan,
+    copy_counter: copies.CopyCounter | None,
 ) -> Report:
     """Measure ``plan`` against ``cfg`` (or a local server); print the tables and the plot's
     path; the report."""
-    # Before any server starts: the counter's preload is not handed to what this process runs.
-    copy_counter = copies.CopyCounter.attached() if args.syscalls else None
     with server_config(cfg) as (target, where):
         report = measure(
             _connections(target, args),
