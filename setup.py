@@ -9,19 +9,14 @@ run time from cpuid, so the module runs on any x86-64 (and elsewhere with the po
 
 from setuptools import Extension, setup
 
+C_FLAGS = ["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
 setup(
     ext_modules=[
         Extension(
             "hma_redis.core.redis._wire",
             sources=["hma_redis/core/redis/_wire.c"],
-            extra_compile_args=[
-                "-O2",
-                "-std=gnu11",
-                "-pthread",
-                "-Wall",
-                "-Wextra",
-                "-Wno-unused-parameter",
-            ],
+            extra_compile_args=C_FLAGS,
             # A load job's connections each run on a thread of their own (POSIX threads).
             extra_link_args=["-pthread"],
             optional=True,
@@ -31,14 +26,7 @@ setup(
         Extension(
             "hma_redis.tools.bench._copycount",
             sources=["hma_redis/tools/bench/_copycount.c"],
-            extra_compile_args=[
-                "-O2",
-                "-std=gnu11",
-                "-pthread",
-                "-Wall",
-                "-Wextra",
-                "-Wno-unused-parameter",
-            ],
+            extra_compile_args=C_FLAGS,
             extra_link_args=["-pthread"],
             libraries=["dl"],
             optional=True,

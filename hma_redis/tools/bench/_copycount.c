@@ -33,7 +33,6 @@ static volatile uint64_t unmapped[COUNTERS];
 static volatile uint64_t *counters = unmapped;
 
 typedef void *(*copy_fn)(void *, const void *, size_t);
-typedef void *(*copy_chk_fn)(void *, const void *, size_t, size_t);
 typedef ssize_t (*io_fn)(int, void *, size_t);
 typedef ssize_t (*out_fn)(int, const void *, size_t);
 typedef ssize_t (*iov_fn)(int, const struct iovec *, int);
@@ -45,7 +44,6 @@ typedef ssize_t (*recvmsg_fn)(int, struct msghdr *, int);
 typedef ssize_t (*sendmsg_fn)(int, const struct msghdr *, int);
 
 static copy_fn real_memcpy, real_memmove, real_mempcpy;
-static copy_chk_fn real_memcpy_chk, real_memmove_chk, real_mempcpy_chk;
 static io_fn real_read;
 static out_fn real_write;
 static iov_fn real_readv, real_writev;
@@ -103,9 +101,6 @@ static void resolve(void)
     real_memmove = (copy_fn)next("memmove");
     real_memcpy = (copy_fn)next("memcpy");
     real_mempcpy = (copy_fn)next("mempcpy");
-    real_memcpy_chk = (copy_chk_fn)next("__memcpy_chk");
-    real_memmove_chk = (copy_chk_fn)next("__memmove_chk");
-    real_mempcpy_chk = (copy_chk_fn)next("__mempcpy_chk");
     real_read = (io_fn)next("read");
     real_write = (out_fn)next("write");
     real_readv = (iov_fn)next("readv");
@@ -161,34 +156,26 @@ void *mempcpy(void *dst, const void *src, size_t n)
     return (unsigned char *)early_move(dst, src, n) + n;
 }
 
+/* The _chk forms (fortified callers): the bound checked here, the copy counted once. */
 void *__memcpy_chk(void *dst, const void *src, size_t n, size_t dstlen)
 {
-    count_copy(n);
-    if (real_memcpy_chk)
-        return real_memcpy_chk(dst, src, n, dstlen);
     if (n > dstlen)
         abort();
-    return early_move(dst, src, n);
+    return memcpy(dst, src, n);
 }
 
 void *__memmove_chk(void *dst, const void *src, size_t n, size_t dstlen)
 {
-    count_copy(n);
-    if (real_memmove_chk)
-        return real_memmove_chk(dst, src, n, dstlen);
     if (n > dstlen)
         abort();
-    return early_move(dst, src, n);
+    return memmove(dst, src, n);
 }
 
 void *__mempcpy_chk(void *dst, const void *src, size_t n, size_t dstlen)
 {
-    count_copy(n);
-    if (real_mempcpy_chk)
-        return real_mempcpy_chk(dst, src, n, dstlen);
     if (n > dstlen)
         abort();
-    return (unsigned char *)early_move(dst, src, n) + n;
+    return mempcpy(dst, src, n);
 }
 
 /* ----------------------------------------------------- bytes to and from the kernel */
