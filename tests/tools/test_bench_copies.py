@@ -112,3 +112,23 @@ def test_bench_syscalls_prints_what_each_client_copies_per_payload_byte() -> Non
             assert plain["copied"] >= job, (op, size, plain)
             bound = 0.01 if op == "store" else 0.2
             assert ours["copied"] < bound * job, (op, size, ours)
+
+
+def test_a_preload_the_loader_refuses_is_not_tried_again(tmp_path: Path) -> None:
+    """The process started again finds no counter (the loader ignored the library): it runs on
+    without one instead of starting itself over and over."""
+    broken = tmp_path / "_copycount-broken.so"
+    broken.write_bytes(b"not a library")
+    code = (
+        "from hma_redis.tools.bench import copies\n"
+        "copies.reexec_preloaded()\n"
+        "print('ran on:', copies.CopyCounter.attached())\n"
+    )
+    env = copies.preload_env(dict(os.environ), broken, copies.new_counters_file())
+    counters = env[copies.COUNTERS_ENV]
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ran on: None"
+    assert not os.path.exists(counters)  # removed by attached(), counter or not

@@ -62,9 +62,12 @@ def _loaded() -> bool:
 
 def reexec_preloaded() -> None:
     """Start this program again, the same command line, with the counter preloaded; returns
-    only where it is loaded already or cannot be (not built, or not Linux)."""
+    only where it is loaded already or cannot be (not built, or not Linux), and in the process
+    started again even if the loader refused the library (never a second time)."""
     library = library_path()
     if library is None or not os.path.exists("/proc/self/maps") or _loaded():
+        return
+    if COUNTERS_ENV in os.environ:  # started again already: the preload did not take
         return
     env = preload_env(dict(os.environ), library, new_counters_file())
     sys.stdout.flush()

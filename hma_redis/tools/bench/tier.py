@@ -819,7 +819,10 @@ def _copies_note(count_syscalls: bool, copy_counter: copies.CopyCounter | None) 
         return ""
     if copies.library_path() is None:
         return "bytes copied: not counted (the copy counter was not built: no C compiler)"
-    return "bytes copied: not counted (only `hma-redis bench --syscalls` preloads the counter)"
+    return (
+        "bytes copied: not counted (the copy counter is preloaded by `hma-redis bench "
+        "--syscalls` run as a command, and was not here)"
+    )
 
 
 # ---------------------------------------------------------------------------------- report
