@@ -151,6 +151,7 @@ class Engine:
         self.log_path = log_path
         self._conn: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._closed = False
         self._reader: IO[bytes]
         self._writer: IO[bytes]
         if use_forkserver(None):
@@ -214,7 +215,11 @@ class Engine:
         return self.log_text()[-n:]
 
     def close(self) -> None:
-        """End of requests: the engine shuts down and exits (killed after a minute)."""
+        """End of requests: the engine shuts down and exits (killed after a minute). A second
+        call does nothing (the soak closes its engines, then again as it stops)."""
+        if self._closed:
+            return
+        self._closed = True
         with contextlib.suppress(OSError):
             self._writer.close()
         if self._conn is not None:
