@@ -132,3 +132,20 @@ def test_a_preload_the_loader_refuses_is_not_tried_again(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ran on: None"
     assert not os.path.exists(counters)  # removed by attached(), counter or not
+
+
+def test_a_counters_file_too_short_leaves_the_process_uncounted_not_crashed(
+    tmp_path: Path,
+) -> None:
+    """A counters file shorter than the counters (empty, here) would fault on the first count
+    if mapped: the library leaves it alone and the process runs as without it."""
+    short = tmp_path / "short.bin"
+    short.write_bytes(b"")
+    env = copies.preload_env(dict(os.environ), _library(), str(short))
+    code = "import mmap, struct; print(len(bytes(bytearray(1 << 20))))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(1 << 20)
+    assert short.read_bytes() == b""

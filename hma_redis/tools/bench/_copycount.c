@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -117,6 +118,12 @@ static void resolve(void)
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
         return;
+    /* A file shorter than the counters would fault (SIGBUS) on the first count: not used. */
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < (off_t)sizeof(unmapped)) {
+        close(fd);
+        return;
+    }
     void *map = mmap(NULL, COUNTERS * sizeof(uint64_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (map != MAP_FAILED)
