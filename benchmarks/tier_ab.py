@@ -25,13 +25,15 @@ less. What differs (``--compare``):
   ``one_thread`` switch of ``wire.native_load_values``: how loads ran before), B's on a thread
   per connection (the default);
 * ``pieces``: A's loads ask for each value with one GET (``HMA_REDIS_PIECE_BYTES=0``), B's as
-  ``wire.piece_bytes_for`` says (the default: pieces of 1 MiB for values over 6 MiB), or in
-  pieces of ``--piece-bytes`` for values over that.
+  ``wire.piece_bytes_for`` says (the default: pieces of 256 KiB for values over 1 MiB), or in
+  pieces of ``--piece-bytes`` for values over that; ``--a-piece-bytes`` makes A read in pieces
+  too (``default``: the default rule).
 
     .venv/bin/python benchmarks/tier_ab.py [--url redis://...] [--pairs 10]
         [--compare connections --a 1 --b 2 | --compare pages | --compare congestion
          | --compare threads | --compare landing | --compare window --window 2
-         | --compare lanes | --compare pieces [--piece-bytes N]] [--auth-key]
+         | --compare lanes | --compare pieces [--piece-bytes N] [--a-piece-bytes N|default]]
+        [--auth-key]
 
 Without ``--url`` it starts a private ``redis-server`` (persistence off). Benchmarks print
 tables; they assert nothing about speed.
@@ -78,6 +80,11 @@ def main() -> None:
     parser.add_argument("--b", type=int, default=2, help="connections_per_thread of B")
     parser.add_argument("--window", type=int, default=2, help="B's commands in flight per socket")
     parser.add_argument("--piece-bytes", type=int, help="B's HMA_REDIS_PIECE_BYTES (pieces)")
+    parser.add_argument(
+        "--a-piece-bytes",
+        default="0",
+        help="A's HMA_REDIS_PIECE_BYTES (pieces; default 0: GETs; 'default': wire's rule)",
+    )
     parser.add_argument(
         "--auth-key", action="store_true", help="both workers MAC their values (a random auth_key)"
     )
@@ -195,12 +202,14 @@ def _one_thread(enabled: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _pieces(args: argparse.Namespace, name: str) -> Iterator[None]:
-    """With ``--compare pieces``: A's loads inside the block are GETs, B's in pieces (the
-    default rule, or ``--piece-bytes``)."""
+    """With ``--compare pieces``: A's loads inside the block are GETs (or pieces of
+    ``--a-piece-bytes``, or the default rule for ``default``), B's in pieces (the default
+    rule, or ``--piece-bytes``)."""
     if args.compare != "pieces":
         yield
         return
-    value = "0" if name == "a" else args.piece_bytes
+    a = None if args.a_piece_bytes == "default" else args.a_piece_bytes
+    value = a if name == "a" else args.piece_bytes
     saved = os.environ.get(wire.PIECES_ENV)
     if value is None:
         os.environ.pop(wire.PIECES_ENV, None)
@@ -218,7 +227,10 @@ def _pieces(args: argparse.Namespace, name: str) -> Iterator[None]:
 def _describe(args: argparse.Namespace) -> str:
     if args.compare == "pieces":
         b = f"pieces of {args.piece_bytes} B" if args.piece_bytes else "wire.piece_bytes_for"
-        return f"A: one GET per value, B: {b}"
+        a = {"0": "one GET per value", "default": "wire.piece_bytes_for"}.get(
+            args.a_piece_bytes, f"pieces of {args.a_piece_bytes} B"
+        )
+        return f"A: {a}, B: {b}"
     if args.compare == "lanes":
         return "A: C loads read their connections on one thread, B: a thread per connection"
     if args.compare == "landing":

@@ -23,7 +23,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 @pytest.fixture(params=["gets", "pieces"])
 def pieces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """How load jobs ask for their values: GETs (the small values of these tests), or in
-    pieces of 1000 bytes (``HMA_REDIS_PIECE_BYTES``, as values over 3 MiB are read)."""
+    pieces of 1000 bytes (``HMA_REDIS_PIECE_BYTES``, as values over 1 MiB are read)."""
     monkeypatch.setenv(PIECES_ENV, "0" if request.param == "gets" else "1000")
     return str(request.param)
 

@@ -4,7 +4,7 @@ Engine A stores three groups of prompts (two of them share a 300-token prefix), 
 values are then damaged in its own way: random bytes over the middle half of the value, a body
 of NaN and Inf in the KV dtype, or another key's perfectly valid value. A fresh engine B then
 serves every prompt, on the native path and on the Python path (``HMA_REDIS_NATIVE=0``), each
-also reading values in pieces of 1000 bytes (``HMA_REDIS_PIECE_BYTES``, as values over 3 MiB
+also reading values in pieces of 1000 bytes (``HMA_REDIS_PIECE_BYTES``, as values over 1 MiB
 are read). Its greedy tokens must equal a run without the tier; nothing damaged may count as
 cached.
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.engine
 MAX_TOKENS = 6
 TIER_OPTIONS = {"read_timeout_s": 1.0, "connect_timeout_s": 0.5, "retry_interval_s": 1.0}
 # The data paths' environments: the C job, its twin, and the C job reading values in pieces of
-# 1000 bytes (as values over 3 MiB are read).
+# 1000 bytes (as values over 1 MiB are read).
 PATHS = {
     "native": {NATIVE_ENV: "1"},
     "python": {NATIVE_ENV: "0"},

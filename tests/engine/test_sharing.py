@@ -54,7 +54,7 @@ def test_second_engine_loads_prefix_from_redis_with_identical_tokens(
     engine_a = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url))
     engine_b = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url))
     ranges = _getrange_calls(redis_client)
-    # Engines C and D read the values in pieces of 1000 bytes, as values over 3 MiB are read:
+    # Engines C and D read the values in pieces of 1000 bytes, as values over 1 MiB are read:
     # C on the native data path, D on its Python twin.
     pieced = {PIECES_ENV: "1000"}
     engine_c = run_engine(model, prompts, MAX_TOKENS, tier_config(redis_url), extra_env=pieced)

@@ -40,7 +40,7 @@ def test_the_cost_columns_meter_every_in_process_client(capsys) -> None:  # type
     """Each metered client's row of the JSON report holds its CPU and redis-server's CPU
     (positive: it did work) and exactly the commands its job needs: one GET or SET per value of
     the job, 8 MiB in 512 KiB to 8 MiB values (the tiering cascade also checks which values
-    Redis holds already, so at least that many; hma_redis reads values over 3 MiB from Redis in
+    Redis holds already, so at least that many; hma_redis reads values over 1 MiB from Redis in
     pieces); the worker's second load of the same job (``reload``) too."""
     assert main(["--json", "bench", "--smoke"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -56,7 +56,7 @@ def test_the_cost_columns_meter_every_in_process_client(capsys) -> None:  # type
                 if client == "hma-tiering" and op == "store":
                     assert cost["commands"] >= values, (client, op, size, cost)
                 elif client != "redis-py" and op != "store" and size > wire.PIECED_ABOVE:
-                    # Read in pieces: STRLEN, then a GETRANGE per MiB of the value's bound
+                    # Read in pieces: STRLEN, then a GETRANGE per piece of the value's bound
                     # (the value, its header and the slack: one piece more than the value).
                     per_value = 2 + size // wire.PIECE_BYTES
                     assert cost["commands"] == values * per_value, (client, op, size, cost)

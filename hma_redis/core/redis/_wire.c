@@ -713,7 +713,7 @@ static uint32_t be32(const uint8_t *p) {
  * stride, ... below end, in order, one RESP command at a time (a pieced target's STRLEN and
  * each of its GETRANGEs apart), at most ``window`` unanswered: each reply line read sends the
  * next. So Redis holds at most ``window`` replies for the connection in its output buffer: with
- * 1 MiB pieces of 4 or 8 MiB values, two pieces rather than two whole values (a fresh server
+ * pieces of 4 or 8 MiB values, two pieces rather than two whole values (a fresh server
  * faulted in 2 070 pages for 32 values of 4 MiB with whole values' commands sent together,
  * 520-780 with two pieces; docs/performance.md, issue 39).
  * ---------------------------------------------------------------------------------------- */

@@ -142,13 +142,15 @@ _LANDED = {landed.value: landed for landed in Landed}
 # its size, and its jemalloc serves 8 MiB and larger from an arena that unmaps memory as soon as
 # it is freed (``opt.oversize_threshold``), so each such reply faults in fresh pages: 0.84 s of
 # server CPU per GB read against 0.36-0.38 in 512 KiB-1 MiB ranges, and 8 MiB values loaded
-# 1.7x as fast in 1 MiB pieces. 2 MiB values gained nothing (not pieced); 4 MiB ones were level
-# in a warm A/B and loaded a fresh engine's first request faster in pieces (a reply buffer of
-# 1 MiB touches less fresh server memory than one of 4 MiB) (docs/performance.md, issue 39).
-PIECE_BYTES = 1 << 20
-PIECED_ABOVE = 3 << 20
+# 1.7x as fast in 1 MiB pieces. Smaller reply buffers stay in the server core's cache while the
+# socket drains them: in 256 KiB pieces 2 MiB values loaded 1.14-1.41x and 8 MiB ones
+# 1.22-1.26x as fast as before (1 MiB pieces above 3 MiB, GETs below; 26-29 of 30 pairs), 128
+# KiB pieces no faster, 512 KiB ones level at 2 MiB and 0.93x at 8 MiB; 512 KiB values stay
+# faster as GETs (docs/performance.md, issue 39, 2026-12-06 late).
+PIECE_BYTES = 256 << 10
+PIECED_ABOVE = 1 << 20
 # Commands unanswered at once per socket in a native job that reads values in pieces: Redis
-# then holds two 1 MiB replies per connection rather than two whole values (32 values of 4 MiB
+# then holds two pieces' replies per connection rather than two whole values (32 values of 4 MiB
 # from a fresh server: 520-780 page faults against 2 070 with a value's commands sent together;
 # a fresh engine's first load 1 290 against 3 870; warm 8 MiB loads level; docs/performance.md).
 PIECE_WINDOW = 2

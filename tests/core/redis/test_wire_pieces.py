@@ -336,7 +336,7 @@ class ValueServer(CommandServer):
 def test_large_values_are_read_in_pieces_unless_the_server_is_valkey(
     info: bytes | None, pieces: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A job whose values may exceed 3 MiB reads them in pieces from Redis (it copies a GET's
+    """A job whose values may exceed 1 MiB reads them in pieces from Redis (it copies a GET's
     whole value into its reply) and with one GET each from Valkey (it writes large values from
     the value itself): one INFO per store tells them apart; refused or odd, Redis' rule. The
     values land either way, and smaller jobs never ask."""
@@ -345,7 +345,7 @@ def test_large_values_are_read_in_pieces_unless_the_server_is_valkey(
     server = ValueServer({b"k": value, b"j": value}, info)
     store = RedisBlockStore(RedisTierConfig.from_extra_config({"redis_url": server.url}, env={}))
     try:
-        for max_len in (1 << 20, 7 << 20, 7 << 20):
+        for max_len in (wire.PIECED_ABOVE, 7 << 20, 7 << 20):
             body = bytearray(len(value) - 48)
             target = LoadTarget(bytearray(300), b"", [memoryview(body)], None, max_len)
             results = store.load_values(["k"], [target])
@@ -355,7 +355,8 @@ def test_large_values_are_read_in_pieces_unless_the_server_is_valkey(
         store.close()
         server.close()
     assert server.seen.count(b"INFO") == 1
-    expected_large = [b"STRLEN", *[b"GETRANGE"] * 7] if pieces else [b"GET"]
+    ranges = (7 << 20) // wire.PIECE_BYTES
+    expected_large = [b"STRLEN", *[b"GETRANGE"] * ranges] if pieces else [b"GET"]
     assert [c for c in server.seen if c != b"INFO"] == [b"GET", *expected_large * 2]
 
 
@@ -408,7 +409,7 @@ def test_under_the_documented_acl_large_values_load_in_pieces_and_without_getran
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The tier's user as docs/security.md gives it (no INFO: Redis' rule) loads values that
-    may exceed 3 MiB in pieces at once. A user without GETRANGE gets its first such load
+    may exceed 1 MiB in pieces at once. A user without GETRANGE gets its first such load
     refused (NOPERM, counted; its chunks would be recomputed), one warning, and every later
     load with one GET, which lands."""
     monkeypatch.delenv(wire.PIECES_ENV, raising=False)
