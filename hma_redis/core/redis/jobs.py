@@ -210,9 +210,10 @@ class ValueJobs:
     def _server_copies_replies(self) -> bool:
         """Whether the server copies a GET's whole value into its reply: Redis does (and its
         jemalloc maps a reply buffer of 8 MiB or more afresh each time, and a reply buffer of
-        a few MiB leaves the core's cache: 2 and 8 MiB values loaded faster in pieces); Valkey, whose ``INFO server`` says ``server_name:valkey``,
-        writes large values from the value itself (Valkey 9.1: 8 MiB values loaded 1.3x as fast
-        with one GET each; docs/performance.md). An INFO refused (no ``+info``) or of an odd
+        a few MiB leaves the core's cache: 2 and 8 MiB values loaded faster in pieces); Valkey,
+        whose ``INFO server`` says ``server_name:valkey``, writes large values from the value
+        itself (Valkey 9.1: 8 MiB values loaded 1.3x as fast with one GET each;
+        docs/performance.md). An INFO refused (no ``+info``) or of an odd
         shape: Redis' rule. One round trip, once per store (on a Cluster, to one node)."""
         self._guard.count_round_trip()
         try:
