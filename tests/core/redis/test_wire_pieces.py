@@ -44,6 +44,20 @@ def getrange_calls(client: redis.Redis) -> int:
     return int(stats.get("calls", 0))
 
 
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_a_job_is_read_in_pieces_only_past_the_bound(
+    delta: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``HMA_REDIS_PIECE_BYTES``, a job whose largest value may exceed
+    :data:`wire.PIECED_ABOVE` bytes is read in pieces of :data:`wire.PIECE_BYTES`, one at the
+    bound or under it with GETs; the pieces are smaller than the bound (a piece never holds
+    what a GET would)."""
+    monkeypatch.delenv(wire.PIECES_ENV, raising=False)
+    expected = wire.PIECE_BYTES if delta > 0 else 0
+    assert wire.piece_bytes_for(wire.PIECED_ABOVE + delta) == expected
+    assert 0 < wire.PIECE_BYTES < wire.PIECED_ABOVE
+
+
 def test_load_command_asks_for_each_piece_up_to_max_len() -> None:
     """A target up to ``piece_bytes`` is one GET; a longer one STRLEN and one GETRANGE per
     piece of ``max_len`` bytes, the last ending at ``max_len - 1``."""
