@@ -203,7 +203,7 @@ class ValueJobs:
         logger.warning(
             "hma_redis: Redis refused STRLEN or GETRANGE (NOPERM), which read values over %d "
             "MiB in pieces; they are read with one GET each from now on (slower for values of "
-            "8 MiB and more). Grant the tier's user +strlen +getrange (docs/security.md)",
+            "2 MiB and more). Grant the tier's user +strlen +getrange (docs/security.md)",
             wire.PIECED_ABOVE >> 20,
         )
 
