@@ -554,15 +554,25 @@ class ConcurrentLoop:
         for keys, payloads in zip(self.load_keys, self.load_payloads, strict=True):
             self.client.put_keys(keys, self.client.filled(payloads))
 
-    def run(self, jobs: int, spans: dict[str, list[tuple[float, float]]] | None) -> float:
+    def run(
+        self,
+        jobs: int,
+        spans: dict[str, list[tuple[float, float]]] | None,
+        span: _Span | None = None,
+    ) -> float:
         """Run ``jobs`` jobs (``--concurrency`` in flight); each one's (submitted, finished)
-        seconds since the loop began into ``spans``; the loop's wall seconds. Checks what is
-        left to check after it."""
+        seconds since the loop began into ``spans`` and, with ``span``, the loop's CPU (this
+        process's and redis-server's) into it; the loop's wall seconds. Checks what is left
+        to check after it."""
         self.stored.clear()
         recent: collections.deque[tuple[list[MemoryObj], int]] = collections.deque()
+        if span is not None:
+            span.begin()
         start = time.perf_counter()
         self.client.run_loop(self._jobs(jobs, spans, recent, start))
         wall_s = time.perf_counter() - start
+        if span is not None:
+            span.end()
         for objs, source in recent:
             self._check_load(objs, source, compare=True)
         stored_keys = [key.to_string() for keys, _ in self.stored for key in keys]
@@ -648,7 +658,9 @@ def _measure_concurrent(args: argparse.Namespace, prefix: str) -> dict[str, Any]
     loop.prepare()
     loop.run(args.warmup_jobs, None)
     spans: dict[str, list[tuple[float, float]]] = {"load": [], "store": []}
-    wall_s = loop.run(args.jobs, spans)
+    span = _Span()
+    span.server = redis.Redis.from_url(args.url)
+    wall_s = loop.run(args.jobs, spans, span)
     return {
         "client": client.name,
         "size": args.size,
@@ -656,6 +668,8 @@ def _measure_concurrent(args: argparse.Namespace, prefix: str) -> dict[str, Any]
         "concurrency": level,
         "jobs": args.jobs,
         "wall_s": wall_s,
+        "client_cpu_s": span.last["client_cpu_s"],
+        "server_cpu_s": span.last["server_cpu_s"],
         "load_spans": spans["load"],
         "store_spans": spans["store"],
         "lmcache_version": lmcache.__version__,

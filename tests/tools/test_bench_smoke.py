@@ -204,6 +204,8 @@ def test_concurrent_bench_smoke_loads_what_it_stored(capsys) -> None:  # type: i
         hma = row["hma_redis"]
         assert hma["jobs"] == report["plan"]["jobs"]  # every timed job finished and counted
         assert hma["all_gbps"] > 0 and hma["p99_ms"] >= hma["p50_ms"] > 0
+        # What each GB cost the client process and redis-server over the timed loop.
+        assert hma["client_cpu_s_per_gb"] > 0 and hma["server_cpu_s_per_gb"] > 0
         assert row["lmcache-resp"] is None  # no --lmcache-python
 
 
@@ -241,6 +243,11 @@ def test_per_op_gbps_counts_the_time_that_op_was_in_flight() -> None:
     assert run.gbps("store") == pytest.approx(2 / 2.5)
     assert run.gbps() == pytest.approx(4 / 4.0)
     assert run.latencies("load") == [1.0, 1.0]
+    costed = bench_concurrency.LevelRun(
+        "hma_redis", 2 * 1024 * 1024, 2, wall_s=4.0, job_bytes=10**9,
+        spans=run.spans, client_cpu_s=1.0, server_cpu_s=2.0,
+    )  # fmt: skip
+    assert costed.cpu_per_gb() == pytest.approx((0.25, 0.5))  # 4 jobs of 1 GB
 
 
 @pytest.mark.parametrize("text", ["", "0", "1,65", "4,x"])

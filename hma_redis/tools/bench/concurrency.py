@@ -55,8 +55,10 @@ from hma_redis.tools.bench.common import (
     OffloadKeys,
     bench_kv_cache,
     check,
+    process_cpu_s,
     require_lmcache_python,
     require_single_server,
+    server_counters,
     server_version,
 )
 
@@ -112,6 +114,13 @@ class LevelRun:
     wall_s: float
     job_bytes: int
     spans: dict[str, list[tuple[float, float]]]  # by op: each job's (submitted, finished), s
+    client_cpu_s: float = 0.0  # the client process's CPU seconds over the timed loop
+    server_cpu_s: float = 0.0  # redis-server's (INFO cpu) over the timed loop
+
+    def cpu_per_gb(self) -> tuple[float, float]:
+        """Client and redis-server CPU seconds per GB of payload the timed loop moved."""
+        gb = sum(len(spans) for spans in self.spans.values()) * self.job_bytes / GB
+        return self.client_cpu_s / gb, self.server_cpu_s / gb
 
     def latencies(self, op: Op) -> list[float]:
         return [end - start for start, end in self.spans[op]]
@@ -160,6 +169,8 @@ class ConcurrencyReport:
             "load_gbps": statistics.median(r.gbps("load") for r in runs),
             "store_gbps": statistics.median(r.gbps("store") for r in runs),
             "all_gbps": statistics.median(r.gbps() for r in runs),
+            "client_cpu_s_per_gb": statistics.median(r.cpu_per_gb()[0] for r in runs),
+            "server_cpu_s_per_gb": statistics.median(r.cpu_per_gb()[1] for r in runs),
         }
         groups: tuple[tuple[tuple[Op, ...], str], ...] = (
             (("load", "store"), ""),
@@ -264,9 +275,11 @@ class HmaConcurrency:
             self._loop(worker, size, SOURCE_JOBS, SOURCE_JOBS, sources, stores_only=True)
             self._loop(worker, size, level, self.plan.warmup_jobs(level), sources)
             spans: dict[str, list[tuple[float, float]]] = {"load": [], "store": []}
+            cpu = process_cpu_s(), server_counters(self.store.client)[0]
             started = time.perf_counter()
             checks = self._loop(worker, size, level, self.plan.jobs, sources, spans)
             wall_s = time.perf_counter() - started
+            cost = process_cpu_s() - cpu[0], server_counters(self.store.client)[0] - cpu[1]
             for op_spans in spans.values():
                 op_spans[:] = [(a - started, b - started) for a, b in op_spans]
             for job in checks.loads.values():
@@ -276,7 +289,7 @@ class HmaConcurrency:
         finally:
             self.store.delete([self._redis_key(k) for k in self._written])
             self._written.clear()
-        return LevelRun(self.name, size, level, wall_s, self.plan.job_bytes, spans)
+        return LevelRun(self.name, size, level, wall_s, self.plan.job_bytes, spans, *cost)
 
     def _new_stored(self, size: int) -> _Stored:
         keys = self._keys.take(self.plan.values_per_job(size))
@@ -455,7 +468,16 @@ class LMCacheConcurrency:
             "LMCache's peer ran another number of jobs than asked",
         )
         spans = {op: [(a, b) for a, b in result[f"{op}_spans"]] for op in ("load", "store")}
-        return LevelRun(self.name, size, level, result["wall_s"], plan.job_bytes, spans)
+        return LevelRun(
+            self.name,
+            size,
+            level,
+            result["wall_s"],
+            plan.job_bytes,
+            spans,
+            result["client_cpu_s"],
+            result["server_cpu_s"],
+        )
 
 
 # ---------------------------------------------------------------------------------- run
@@ -500,11 +522,19 @@ def _size_label(size: int) -> str:
     return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
 
 
-_FIGURES = ("load_gbps", "store_gbps", "all_gbps", "p50_ms", "p99_ms")
+_FIGURES = (
+    "load_gbps",
+    "store_gbps",
+    "all_gbps",
+    "p50_ms",
+    "p99_ms",
+    "client_cpu_s_per_gb",
+    "server_cpu_s_per_gb",
+)
 
 
 def _row(*cells: object) -> str:
-    return "{:<9}{:>5}  {:<14}{:>8}{:>8}{:>8}{:>9}{:>9}".format(*cells)
+    return "{:<9}{:>5}  {:<14}{:>8}{:>8}{:>8}{:>9}{:>9}{:>11}{:>11}".format(*cells)
 
 
 def format_concurrency(report: ConcurrencyReport) -> str:
@@ -519,7 +549,8 @@ def format_concurrency(report: ConcurrencyReport) -> str:
         f"{report.seconds:.0f} s",
         f"each level: {plan.jobs} jobs (half loads, half stores, alternating) of "
         f"{plan.job_bytes // MIB} MiB, N in flight, after {plan.warmup_jobs(1)}+ untimed ones; "
-        "GB/s = 10^9 payload bytes per second of the loop's wall time",
+        "GB/s = 10^9 payload bytes per second of the loop's wall time; CPU s/GB over the timed "
+        "loop: the client's process (cli) and redis-server (srv, INFO cpu)",
         f"hma_redis: one worker (transfer engine), data path {report.data_path}",
     ]
     if report.lmcache is not None:
@@ -527,7 +558,21 @@ def format_concurrency(report: ConcurrencyReport) -> str:
             f"LMCache {report.lmcache['version']}: resp:// ({report.lmcache['threads']} worker "
             "threads, its default), N coroutines of batched_put / batched_get"
         )
-    lines += ["", _row("value", "N", "client", "load", "store", "all", "p50 ms", "p99 ms")]
+    lines += [
+        "",
+        _row(
+            "value",
+            "N",
+            "client",
+            "load",
+            "store",
+            "all",
+            "p50 ms",
+            "p99 ms",
+            "cli s/GB",
+            "srv s/GB",
+        ),
+    ]
     ratios: list[str] = []
     for size in plan.sizes:
         for level in plan.levels:
@@ -535,13 +580,17 @@ def format_concurrency(report: ConcurrencyReport) -> str:
             for client, summary in cells.items():
                 if summary is not None:
                     figures = [f"{summary[k]:.2f}" for k in _FIGURES[:3]]
-                    figures += [f"{summary[k]:.1f}" for k in _FIGURES[3:]]
+                    figures += [f"{summary[k]:.1f}" for k in _FIGURES[3:5]]
+                    figures += [f"{summary[k]:.3f}" for k in _FIGURES[5:]]
                     lines.append(_row(_size_label(size), level, client, *figures))
             ours, theirs = cells["hma_redis"], cells["lmcache-resp"]
             if ours is not None and theirs is not None:
                 figures = [f"{ours[k] / theirs[k]:.2f}" for k in _FIGURES]
                 ratios.append(_row(_size_label(size), level, "hma/lmc-resp", *figures))
     if ratios:
-        lines += ["", "hma_redis ÷ LMCache resp:// (GB/s: >= 1 is ahead; latency: <= 1 is)"]
+        lines += [
+            "",
+            "hma_redis ÷ LMCache resp:// (GB/s: >= 1 is ahead; latency and CPU per GB: <= 1 is)",
+        ]
         lines += ratios
     return "\n".join(lines)
