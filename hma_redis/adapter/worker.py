@@ -11,6 +11,7 @@ connector can recompute them.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Sequence
 
 from vllm.logger import init_logger
@@ -25,6 +26,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
+from hma_redis.adapter import arrivals
 from hma_redis.adapter.types import RedisLoadStoreSpec
 from hma_redis.core.keys import KeySpace
 from hma_redis.core.redis.store import RedisBlockStore
@@ -68,6 +70,7 @@ class RedisOffloadingWorker(OffloadingWorker):
         was built); ``idle_wait_s`` bounds :meth:`wait_while_idle`."""
         self._store = store
         self._idle_wait_s = idle_wait_s
+        self._arrivals: arrivals.Arrivals | None = None  # found at the first idle step
         self._keyspace = keyspace
         self._rank = rank
         self._group_ids = list(group_ids)
@@ -134,10 +137,27 @@ class RedisOffloadingWorker(OffloadingWorker):
         return results
 
     def wait_while_idle(self) -> None:
-        """The engine's step computes nothing: sleep until a running load finishes (at most
-        ``idle_wait_s``) rather than return at once and let the step loop spin on a core the
-        transfer could use. Returns at once when no load runs or one has finished already."""
-        self._engine.wait_for_finish(self._idle_wait_s)
+        """The engine's step computes nothing: sleep until a running load finishes rather than
+        return at once and let the step loop spin on a core the transfer could use. Returns at
+        once when no load runs or one has finished already, and never sleeps with
+        ``idle_wait_s`` 0. How long it may sleep is what the engine core that called it allows
+        (:mod:`hma_redis.adapter.arrivals`, found at the first idle step): until the load
+        finishes where no request can arrive meanwhile, until one arrives where the worker
+        sees the engine core's input queue, else ``idle_wait_s`` at most."""
+        if self._idle_wait_s <= 0:
+            return
+        if self._arrivals is None:
+            self._arrivals = arrivals.arrivals_of(sys._getframe(1))
+            logger.info("hma_redis: idle engine steps: %s", self._arrivals.describe())
+        watch = self._arrivals
+        if watch.kind == "in-process":
+            self._engine.wait_for_finish(arrivals.WATCHED_WAIT_S)
+        elif watch.kind == "watched":
+            self._engine.wait_for_finish(
+                arrivals.WATCHED_WAIT_S, until=watch.arrived, check_s=arrivals.ARRIVAL_CHECK_S
+            )
+        else:
+            self._engine.wait_for_finish(self._idle_wait_s)
 
     def wait_for_any_job(self, timeout_s: float) -> None:
         """Sleep until a running job, load or store, finishes (at most ``timeout_s``); at once

@@ -254,8 +254,9 @@ class RedisTierConfig:
     shutdown_timeout_s: float = 30.0
     # Lower Python's GIL switch interval to this in the worker's process (0: leave it).
     gil_switch_interval_ms: float = 0.5
-    # Worker: a step with nothing to compute waits up to this long for a running load to
-    # finish instead of returning at once (0: never waits; vLLM's loop then spins).
+    # Worker: a step with nothing to compute waits for a running load to finish instead of
+    # returning at once (0: never waits; vLLM's loop then spins); up to this long where the
+    # worker cannot see requests reach the engine core (hma_redis.adapter.arrivals).
     idle_wait_ms: float = 2.0
     # Scheduler: a chunk this instance is storing answers HIT_PENDING for at most this long
     # (vLLM never completes stores it dropped, e.g. on reset_prefix_cache).

@@ -207,6 +207,10 @@ def run_scenario(server: VllmServer, client: redis.Redis) -> None:
     # The recompute stores the chunks again (the connector forgets them as offloaded).
     wait_for(server, lambda m: len(chunk_keys(client)) == num_chunks, "the chunks re-stored")
 
+    # vLLM's CPU build runs the served worker in a process of its own: its idle steps are
+    # bounded by idle_wait_ms (hma_redis.adapter.arrivals), as the worker says once.
+    assert "idle engine steps: the engine core is in another process" in server.log_tail(200_000)
+
     # 4. SIGTERM while a store may still be in flight (Redis writes paused for a moment).
     before = set(chunk_keys(client))
     other = random_prompt(11 * tokens_per_chunk + 30, seed=2)

@@ -72,6 +72,10 @@ def test_second_engine_loads_prefix_from_redis_with_identical_tokens(
     assert after_c > ranges, "engine C read no value in pieces"
     assert _getrange_calls(redis_client) > after_c, "engine D read no value in pieces"
     assert "transfer data path: pure Python" in engine_d.stderr, engine_d.stderr_tail
+    # vllm.LLM's in-process engine core: nothing arrives during a step, so an idle step
+    # sleeps until the load ends (hma_redis.adapter.arrivals), as the worker says once.
+    in_process = "idle engine steps: in-process engine core"
+    assert in_process in engine_b.stderr, engine_b.stderr_tail
 
 
 def test_prompts_sharing_only_a_prefix_get_partial_hits(

@@ -289,16 +289,31 @@ class TransferEngine:
             except queue.Empty:
                 return results
 
-    def wait_for_finish(self, timeout_s: float, stores_too: bool = False) -> bool:
+    def wait_for_finish(
+        self,
+        timeout_s: float,
+        stores_too: bool = False,
+        until: Callable[[], bool] | None = None,
+        check_s: float = 0.001,
+    ) -> bool:
         """Block up to ``timeout_s`` while a load job runs (with ``stores_too``, any job) and
         no job has finished since the last :meth:`finished` call; return at once otherwise.
         For a caller with nothing else to do (an engine step that computes nothing; with
         ``stores_too`` a benchmark waiting on its own jobs, as LMCache's peers wait on their
         completion events): it sleeps instead of polling, and wakes the moment a job is done.
+        With ``until``, also returns once ``until()`` is true, asked every ``check_s`` (an
+        engine step whose caller may have new work meanwhile).
         Whether a finished job is waiting to be collected."""
         running = self._jobs if stores_too else self._loads_running
-        if timeout_s > 0 and running and not self._job_done.is_set():
-            self._job_done.wait(timeout_s)
+        if timeout_s <= 0 or not running or self._job_done.is_set():
+            return self._job_done.is_set()
+        if until is None:
+            return self._job_done.wait(timeout_s)
+        end = time.monotonic() + timeout_s
+        while not until():
+            left = end - time.monotonic()
+            if left <= 0 or self._job_done.wait(min(check_s, left)):
+                break
         return self._job_done.is_set()
 
     def wait(self, job_ids: Iterable[int]) -> None:

@@ -11,6 +11,7 @@ Each job runs on both data paths (the C job and its twin, ``HMA_REDIS_NATIVE=0``
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -140,6 +141,32 @@ def test_wait_for_finish_waits_as_long_as_asked_and_no_longer(
         started = time.monotonic()
         assert rig.engine.wait_for_finish(0.4) is False  # still running after 0.4 s
         assert 0.35 <= time.monotonic() - started < 2.5
+    finally:
+        rig.close()
+        store.close()
+
+
+def test_wait_for_finish_with_until_ends_when_it_holds_while_the_load_still_runs(
+    path: str, redis_client: redis.Redis, redis_url: str, monkeypatch
+) -> None:
+    """An idle engine step that watches the engine core's input queue (``until``) returns
+    when a request arrives there, not when its bound or the load ends."""
+    monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "3.0")  # the load pauses 3 s before reading
+    store = store_at(redis_url)
+    rig = make_pages(store)
+    try:
+        rig.engine.submit_load(1, chunks(DST))
+        inputs: queue.Queue[str] = queue.Queue()
+        arrive = threading.Timer(0.1, inputs.put_nowait, ("request",))
+        arrive.start()
+        started = time.monotonic()
+        assert rig.engine.wait_for_finish(20.0, until=lambda: inputs.qsize() > 0) is False
+        assert time.monotonic() - started < 2.5  # the arrival ended it (bounds loose)
+        assert inputs.qsize() == 1 and rig.engine.finished() == []  # the load still runs
+        inputs.get_nowait()
+        started = time.monotonic()
+        assert rig.engine.wait_for_finish(0.3, until=lambda: inputs.qsize() > 0) is False
+        assert time.monotonic() - started >= 0.25  # nothing arrived: its bound
     finally:
         rig.close()
         store.close()
