@@ -11,7 +11,6 @@ connector can recompute them.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Sequence
 
 from vllm.logger import init_logger
@@ -147,7 +146,7 @@ class RedisOffloadingWorker(OffloadingWorker):
         if self._idle_wait_s <= 0:
             return
         if self._arrivals is None:
-            self._arrivals = arrivals.arrivals_of(sys._getframe(1))
+            self._arrivals = arrivals.arrivals_here()
             logger.info("hma_redis: idle engine steps: %s", self._arrivals.describe())
         watch = self._arrivals
         if watch.kind == "in-process":
