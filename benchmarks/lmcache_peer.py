@@ -60,6 +60,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import json
 import os
 import resource
@@ -374,7 +375,17 @@ class MPClient:
     name = "lmcache-mp"
     keys_per_value = 1
 
-    def __init__(self, url: str, size: int, count: int, threads: int | None, timeout: float):
+    def __init__(
+        self,
+        url: str,
+        size: int,
+        count: int,
+        threads: int | None,
+        timeout: float,
+        held: int | None = None,
+    ):
+        """``held``: the most values held in L1 buffers at once (default two repetitions'
+        worth: a put's sources and a get's destinations)."""
         try:
             from lmcache.v1.distributed.api import MemoryLayoutDesc
             from lmcache.v1.distributed.config import L1MemoryManagerConfig
@@ -391,8 +402,10 @@ class MPClient:
             raise BenchError(f"the MP RESP adapter always uses database 0, not {parts.path!r}")
         self.timeout = timeout
         self.size = size
-        # A put's sources and a get's destinations, plus the allocator's alignment slack.
-        l1_bytes = 2 * count * (size + 0x1000) + (64 << 20)
+        self.url = url
+        # The values held at once, plus the allocator's alignment slack.
+        held = 2 * count if held is None else held
+        l1_bytes = held * (size + 0x1000) + (64 << 20)
         self.l1 = L1MemoryManager(
             L1MemoryManagerConfig(size_in_bytes=l1_bytes, use_lazy=False, shm_name="")
         )
@@ -438,28 +451,54 @@ class MPClient:
                 consume_fd(fd)
         return result
 
-    def put(self, tag: str, payloads: list[bytes]) -> float:
+    def filled(self, payloads: list[bytes]) -> list[MemoryObj]:
+        """L1 buffers holding ``payloads``, as a store finds them after its copy from the
+        GPU."""
         objs = self._allocate(len(payloads))
-        for obj, payload in zip(objs, payloads, strict=True):  # as after the copy from the GPU
+        for obj, payload in zip(objs, payloads, strict=True):
             memoryview(obj.byte_array).cast("B")[:] = payload
+        return objs
+
+    def store(self, keys: list[Any], objs: list[MemoryObj]) -> None:
+        """One store task, awaited; BenchError unless it succeeded."""
+        task = self.adapter.submit_store_task(keys, objs)
+        results: dict[Any, Any] = {}
+
+        def finished() -> Any:
+            results.update(self.adapter.pop_completed_store_tasks())
+            return results.get(task)
+
+        result = self._wait("submit_store_task", self.adapter.get_store_event_fd(), finished)
+        if not result.is_successful():
+            raise BenchError(f"the store task failed ({result.bytes_transferred()} bytes stored)")
+
+    def load(self, keys: list[Any], objs: list[MemoryObj]) -> Any:
+        """One load task into ``objs``, awaited: its bitmap of the values that landed."""
+        task = self.adapter.submit_load_task(keys, objs)
+        fd = self.adapter.get_load_event_fd()
+        return self._wait("submit_load_task", fd, lambda: self.adapter.query_load_result(task))
+
+    def exists(self, keys: list[Any]) -> int:
+        """How many of these keys Redis holds (named as the adapter names them)."""
+        from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
+            _object_key_to_string,
+        )
+
+        names = [_object_key_to_string(key) for key in keys]
+        with redis.Redis.from_url(self.url) as r:
+            return sum(r.exists(*names[i : i + 500]) for i in range(0, len(names), 500))
+
+    def put(self, tag: str, payloads: list[bytes]) -> float:
+        objs = self.filled(payloads)
         keys = self._keys(tag, len(payloads))
         try:
             _SPAN.begin()
             start = time.perf_counter()
-            task = self.adapter.submit_store_task(keys, objs)
-            results: dict[Any, Any] = {}
-
-            def finished() -> Any:
-                results.update(self.adapter.pop_completed_store_tasks())
-                return results.get(task)
-
-            result = self._wait("submit_store_task", self.adapter.get_store_event_fd(), finished)
+            self.store(keys, objs)
             seconds = time.perf_counter() - start
             _SPAN.end()
         finally:
             self.l1.free(objs)
-        if not result.is_successful():
-            raise BenchError(f"the store task failed ({result.bytes_transferred()} bytes stored)")
         return seconds
 
     def get(self, tag: str, payloads: list[bytes]) -> float:
@@ -468,12 +507,7 @@ class MPClient:
         try:
             _SPAN.begin()
             start = time.perf_counter()
-            task = self.adapter.submit_load_task(keys, objs)
-            loaded = self._wait(
-                "submit_load_task",
-                self.adapter.get_load_event_fd(),
-                lambda: self.adapter.query_load_result(task),
-            )
+            loaded = self.load(keys, objs)
             seconds = time.perf_counter() - start
             _SPAN.end()
             for i, (obj, payload) in enumerate(zip(objs, payloads, strict=True)):
@@ -647,14 +681,187 @@ def _release(objs: list[MemoryObj | None]) -> None:
             obj.ref_count_down()
 
 
+@dataclasses.dataclass
+class _MPTask:
+    op: str  # "load" or "store"
+    started: float
+    source: int  # which of the _SOURCE_JOBS jobs' payloads it loads or stores
+    keys: list[Any]
+    objs: list[MemoryObj]  # a load's destinations (freed after its check), a store's sources
+
+
+class MPConcurrentLoop:
+    """``--connector mp --concurrency N``: tasks of ``--count`` values with N in flight at once
+    on the MP mode's RESP L2 adapter, submitted and awaited as the MP server's controllers do
+    (``submit_load_task`` / ``submit_store_task``; ``select`` on the adapter's load and store
+    event fds, then ``query_load_result`` and ``pop_completed_store_tasks``), alternating a
+    load of one of ``_SOURCE_JOBS`` jobs' worth of values stored before the loop into fresh L1
+    buffers and a store of one of ``_SOURCE_JOBS`` jobs' worth of filled L1 buffers under fresh
+    keys."""
+
+    def __init__(self, client: MPClient, args: argparse.Namespace, prefix: str) -> None:
+        self.client = client
+        self.args = args
+        self.prefix = prefix
+        self._serial = 0
+        count, size = args.count, args.size
+        self.load_payloads = [[os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)]
+        self.load_keys = [client._keys(self._tag("l"), count) for _ in range(_SOURCE_JOBS)]
+        self.store_payloads = [
+            [os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)
+        ]
+        self.store_objs = [client.filled(payloads) for payloads in self.store_payloads]
+        self.stored: list[tuple[list[Any], int]] = []  # keys, source index
+
+    def _tag(self, kind: str) -> str:
+        self._serial += 1
+        return f"{self.prefix}{kind}{self._serial}"
+
+    def prepare(self) -> None:
+        """Store the loads' values (untimed), one task per job, from buffers freed after."""
+        for keys, payloads in zip(self.load_keys, self.load_payloads, strict=True):
+            objs = self.client.filled(payloads)
+            try:
+                self.client.store(keys, objs)
+            finally:
+                self.client.l1.free(objs)
+
+    def run(
+        self,
+        jobs: int,
+        spans: dict[str, list[tuple[float, float]]] | None,
+        span: _Span | None = None,
+    ) -> float:
+        """Run ``jobs`` tasks (``--concurrency`` in flight); each one's (submitted, finished)
+        seconds since the loop began into ``spans`` and, with ``span``, the loop's CPU (this
+        process's and redis-server's) into it; the loop's wall seconds. Checks what is left
+        to check after it: the last N loads byte for byte, that Redis holds every value put,
+        and the last store's values read back."""
+        self.stored.clear()
+        recent: collections.deque[_MPTask] = collections.deque()
+        if span is not None:
+            span.begin()
+        start = time.perf_counter()
+        try:
+            self._tasks(jobs, spans, recent, start)
+        finally:
+            wall_s = time.perf_counter() - start
+            if span is not None:
+                span.end()
+        try:
+            for task in recent:
+                self._check_load(task, compare=True)
+        finally:
+            for task in recent:
+                self.client.l1.free(task.objs)
+        stored_keys = [key for keys, _ in self.stored for key in keys]
+        holds = self.client.exists(stored_keys)
+        if holds != len(stored_keys):
+            raise BenchError(f"Redis holds {holds} of the {len(stored_keys)} values put")
+        checked = self.stored if self.args.check_every_job else self.stored[-1:]
+        for keys, source in checked:
+            objs = self.client._allocate(len(keys))
+            try:
+                loaded = self.client.load(keys, objs)
+                self._check_load(
+                    _MPTask("load", 0.0, _SOURCE_JOBS + source, keys, objs), True, loaded
+                )
+            finally:
+                self.client.l1.free(objs)
+        return wall_s
+
+    def _submit(self, n: int) -> tuple[Any, _MPTask]:
+        adapter = self.client.adapter
+        source = n // 2 % _SOURCE_JOBS
+        start = time.perf_counter()
+        if n % 2 == 0:
+            objs = self.client._allocate(self.args.count)
+            task = _MPTask("load", start, source, self.load_keys[source], objs)
+            return adapter.submit_load_task(task.keys, objs), task
+        keys = self.client._keys(self._tag("s"), self.args.count)
+        task = _MPTask("store", start, source, keys, self.store_objs[source])
+        return adapter.submit_store_task(keys, task.objs), task
+
+    def _tasks(
+        self,
+        jobs: int,
+        spans: dict[str, list[tuple[float, float]]] | None,
+        recent: collections.deque[_MPTask],
+        origin: float,
+    ) -> None:
+        from lmcache.v1.platform.event_notifier import consume_fd
+
+        adapter = self.client.adapter
+        fds = [adapter.get_load_event_fd(), adapter.get_store_event_fd()]
+        loads: dict[Any, _MPTask] = {}
+        stores: dict[Any, _MPTask] = {}
+        submitted = 0
+        while submitted < jobs or loads or stores:
+            while submitted < jobs and len(loads) + len(stores) < self.args.concurrency:
+                task_id, task = self._submit(submitted)
+                (loads if task.op == "load" else stores)[task_id] = task
+                submitted += 1
+            ready = select.select(fds, [], [], self.args.timeout)[0]
+            if not ready:
+                raise BenchError(f"no MP task finished in {self.args.timeout:g} s")
+            for fd in ready:
+                consume_fd(fd)
+            now = time.perf_counter()
+            finished: list[_MPTask] = []
+            for task_id, result in adapter.pop_completed_store_tasks().items():
+                task = stores.pop(task_id)
+                if not result.is_successful():
+                    raise BenchError(
+                        f"a store task failed ({result.bytes_transferred()} bytes stored)"
+                    )
+                self.stored.append((task.keys, task.source))
+                finished.append(task)
+            for task_id in list(loads):
+                loaded = adapter.query_load_result(task_id)
+                if loaded is None:
+                    continue
+                task = loads.pop(task_id)
+                finished.append(task)
+                if self.args.check_every_job:
+                    try:
+                        self._check_load(task, True, loaded)
+                    finally:
+                        self.client.l1.free(task.objs)
+                    continue
+                self._check_load(task, False, loaded)
+                recent.append(task)
+                while len(recent) > self.args.concurrency:  # keep the last N loads to compare
+                    self.client.l1.free(recent.popleft().objs)
+            if spans is not None:
+                for task in finished:
+                    spans[task.op].append((task.started - origin, now - origin))
+
+    def _check_load(self, task: _MPTask, compare: bool, loaded: Any = None) -> None:
+        """Every value of the load task landed (its bitmap) and, with ``compare``, equals its
+        payload. ``task.source`` counts the stores' sources after the loads'."""
+        payloads = (self.load_payloads + self.store_payloads)[task.source]
+        for i, (obj, payload) in enumerate(zip(task.objs, payloads, strict=True)):
+            if loaded is not None and not loaded.test(i):
+                raise BenchError(f"value {i}: missing")
+            if compare:
+                _check(i, memoryview(obj.byte_array).cast("B"), payload)
+
+
 def _measure_concurrent(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
     count, level = args.count, args.concurrency
     # The loads' and the stores' sources, the loads in flight and the last N kept to compare.
     held = (2 * _SOURCE_JOBS + 2 * level + 1) * count
-    client = LMCacheClient(
-        args.url, "resp", args.size, count, args.threads, args.timeout, held=held
-    )
-    loop = ConcurrentLoop(client, args, prefix)
+    loop: ConcurrentLoop | MPConcurrentLoop
+    if args.connector == "mp":
+        mp = MPClient(args.url, args.size, count, args.threads, args.timeout, held=held)
+        client_name, threads = mp.name, mp.threads
+        loop = MPConcurrentLoop(mp, args, prefix)
+    else:
+        client = LMCacheClient(
+            args.url, "resp", args.size, count, args.threads, args.timeout, held=held
+        )
+        client_name, threads = client.name, client.threads
+        loop = ConcurrentLoop(client, args, prefix)
     loop.prepare()
     loop.run(args.warmup_jobs, None)
     spans: dict[str, list[tuple[float, float]]] = {"load": [], "store": []}
@@ -662,7 +869,7 @@ def _measure_concurrent(args: argparse.Namespace, prefix: str) -> dict[str, Any]
     span.server = redis.Redis.from_url(args.url)
     wall_s = loop.run(args.jobs, spans, span)
     return {
-        "client": client.name,
+        "client": client_name,
         "size": args.size,
         "count": count,
         "concurrency": level,
@@ -673,7 +880,7 @@ def _measure_concurrent(args: argparse.Namespace, prefix: str) -> dict[str, Any]
         "load_spans": spans["load"],
         "store_spans": spans["store"],
         "lmcache_version": lmcache.__version__,
-        "threads": client.threads,
+        "threads": threads,
     }
 
 
@@ -763,8 +970,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--concurrency",
         type=int,
-        help="resp:// only: jobs of --count values, this many in flight at once, alternating "
-        "batched_get and batched_put (instead of --reps of a put then a get)",
+        help="resp:// and mp only: jobs of --count values, this many in flight at once, "
+        "alternating a load and a store (instead of --reps of a put then a get)",
     )
     parser.add_argument("--jobs", type=int, default=96, help="timed jobs with --concurrency")
     parser.add_argument(
@@ -790,8 +997,8 @@ def _parse_args() -> argparse.Namespace:
         parser.error(f"--size must be a positive multiple of {_VALUE_ALIGN}")
     if min(args.count, args.reps, args.threads or 1, args.pipeline, args.timeout) <= 0:
         parser.error("--count, --reps, --threads, --pipeline and --timeout must be positive")
-    if args.concurrency is not None and args.connector != "resp":
-        parser.error("--concurrency measures the resp:// connector only")
+    if args.concurrency is not None and args.connector not in ("resp", "mp"):
+        parser.error("--concurrency measures the resp:// connector and the MP adapter only")
     if min(args.concurrency or 1, args.jobs, args.warmup_jobs + 1) <= 0:
         parser.error("--concurrency and --jobs must be positive, --warmup-jobs not negative")
     if args.warmup < 0:

@@ -206,7 +206,7 @@ def test_concurrent_bench_smoke_loads_what_it_stored(capsys) -> None:  # type: i
         assert hma["all_gbps"] > 0 and hma["p99_ms"] >= hma["p50_ms"] > 0
         # What each GB cost the client process and redis-server over the timed loop.
         assert hma["client_cpu_s_per_gb"] > 0 and hma["server_cpu_s_per_gb"] > 0
-        assert row["lmcache-resp"] is None  # no --lmcache-python
+        assert row["lmcache-resp"] is None and row["lmcache-mp"] is None  # no --lmcache-python
 
 
 def test_a_missing_mooncake_interpreter_is_one_line_before_anything_runs(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -248,6 +248,40 @@ def test_per_op_gbps_counts_the_time_that_op_was_in_flight() -> None:
         spans=run.spans, client_cpu_s=1.0, server_cpu_s=2.0,
     )  # fmt: skip
     assert costed.cpu_per_gb() == pytest.approx((0.25, 0.5))  # 4 jobs of 1 GB
+
+
+def test_the_concurrent_table_sets_hma_redis_against_each_lmcache_client() -> None:
+    """With LMCache's peers, the table has a ratio row against resp:// and one against the MP
+    adapter, from each one's own figures; a connector found absent is named with its reason."""
+    plan = bench_concurrency.ConcurrencyPlan((2,), (512 * 1024,), 10**9, 2, 1)
+    spans = {"load": [(0.0, 1.0)], "store": [(1.0, 2.0)]}
+    report = bench_concurrency.ConcurrencyReport(plan, "here", "Redis 7", "native", 0.1)
+    report.lmcache = {
+        "version": "9.9",
+        "threads": {"lmcache-resp": 8},
+        "absent": {"lmcache-mp": "no MP mode here"},
+    }
+    for client, wall_s in (("hma_redis", 2.0), ("lmcache-resp", 4.0)):
+        report.runs.append(
+            bench_concurrency.LevelRun(client, 512 * 1024, 2, wall_s, 10**9, spans, 1.0, 1.0)
+        )
+    text = bench_concurrency.format_concurrency(report)
+    assert "lmcache-mp absent: no MP mode here" in text
+    assert "hma/lmc-mp" not in text
+    (resp_row,) = [line for line in text.splitlines() if "hma/lmc-resp" in line]
+    assert resp_row.split()[6] == "2.00"  # all GB/s: 2 GB in 2 s against 2 GB in 4 s
+
+    report.lmcache = {"version": "9.9", "threads": {"lmcache-resp": 8, "lmcache-mp": 8}}
+    report.lmcache["absent"] = {}
+    report.runs.append(
+        bench_concurrency.LevelRun("lmcache-mp", 512 * 1024, 2, 1.0, 10**9, spans, 1.0, 4.0)
+    )
+    text = bench_concurrency.format_concurrency(report)
+    (mp_row,) = [line for line in text.splitlines() if "hma/lmc-mp" in line]
+    assert mp_row.split()[6] == "0.50"  # 2 GB in 2 s against 2 GB in 1 s
+    assert mp_row.split()[-1] == "0.25"  # redis-server CPU per GB: 0.5 against 2.0
+    rows = bench_concurrency.ConcurrencyReport.to_json(report)["rows"]
+    assert rows[0]["lmcache-mp"]["all_gbps"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("text", ["", "0", "1,65", "4,x"])

@@ -35,6 +35,8 @@ WAIT_SLICE_S = 0.05
 
 # benchmarks/lmcache_peer.py, run by the Python of a separate venv that has LMCache.
 LMCACHE_PEER = Path(__file__).resolve().parents[3] / "benchmarks" / "lmcache_peer.py"
+# lmcache_peer.py's exit status when the installed LMCache has no multiprocess mode.
+NO_MP_MODE_STATUS = 2
 # benchmarks/mooncake_peer.py, run by the Python of a separate venv that has Mooncake Store.
 MOONCAKE_PEER = LMCACHE_PEER.with_name("mooncake_peer.py")
 

@@ -1,6 +1,6 @@
 """The bench's concurrent mode (``hma-redis bench --concurrency 1,4,16``): many requests' loads
-and stores in flight at once on one transfer engine, against LMCache's ``resp://`` client doing
-the same, in one run against one Redis.
+and stores in flight at once on one transfer engine, against LMCache's ``resp://`` client and
+its MP mode's Redis L2 adapter doing the same, in one run against one Redis.
 
 A GPU server's worker submits the loads and stores of many requests at once. For each level N
 and value size, each client runs a closed loop: N jobs in flight, a new one submitted as soon
@@ -13,9 +13,14 @@ moves ``job_bytes`` of KV in values of the size (8 MiB: 16 values of 512 KiB or 
   of random blocks of a 16-job source region under fresh keys; a load job reads one of 16 jobs'
   worth of values stored before the loop (untimed) into the blocks of its own slot.
 - **LMCache** (``--lmcache-python``): ``benchmarks/lmcache_peer.py --concurrency N`` in that
-  interpreter: the ``resp://`` connector with its default worker threads, N coroutines on its
-  event loop, each a ``batched_put`` of a job's values (from 16 jobs' worth of filled buffers)
-  or a ``batched_get`` of one of 16 jobs' worth stored before the loop.
+  interpreter, once per connector, each with its default worker threads: ``resp://``, N
+  coroutines on its event loop, each a ``batched_put`` of a job's values (from 16 jobs' worth
+  of filled buffers) or a ``batched_get`` of one of 16 jobs' worth stored before the loop; and
+  the MP mode's RESP L2 adapter (``lmcache-mp``, the mode LMCache runs by default), N tasks in
+  flight, ``submit_store_task`` of one of 16 jobs' worth of filled L1 buffers or
+  ``submit_load_task`` of one of 16 jobs' worth stored before the loop into fresh L1 buffers,
+  awaited on the adapter's event fds as the MP server's controllers await them. A release
+  without the MP mode leaves a note instead of its rows.
 
 Each level runs an untimed warm-up loop first. A job's latency runs from its submission until
 the loop sees it finished; aggregate GB/s is the payload bytes of the loop's loads, stores or
@@ -49,6 +54,7 @@ from hma_redis.tools.bench.common import (
     LAYERS,
     LMCACHE_PEER,
     MIB,
+    NO_MP_MODE_STATUS,
     PAGE_BYTES,
     WAIT_SLICE_S,
     BenchError,
@@ -64,7 +70,8 @@ from hma_redis.tools.bench.common import (
 
 Op = Literal["load", "store"]
 SOURCE_JOBS = 16  # jobs' worth of distinct source pages (stores) and stored values (loads)
-CLIENTS = ("hma_redis", "lmcache-resp")
+PEERS = ("lmcache-resp", "lmcache-mp")
+CLIENTS = ("hma_redis", *PEERS)
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,8 @@ class ConcurrencyReport:
     load_before: float
     load_after: float = 0.0
     seconds: float = 0.0
-    lmcache: dict[str, Any] | None = None  # version and worker threads of the peer
+    # LMCache's version, each connector's worker threads, and why a connector is absent
+    lmcache: dict[str, Any] | None = None
     runs: list[LevelRun] = field(default_factory=list)
 
     def cell(self, client: str, size: int, level: int) -> list[LevelRun]:
@@ -433,23 +441,30 @@ class HmaConcurrency:
 
 
 class LMCacheConcurrency:
-    """LMCache's ``resp://`` client (its default worker threads) under N jobs in flight:
-    ``benchmarks/lmcache_peer.py --concurrency N``, run by ``python`` (a venv with LMCache),
-    one process per level and value size."""
+    """LMCache's ``resp://`` client or its MP mode's RESP L2 adapter (``connector`` "resp" or
+    "mp"; its default worker threads) under N jobs in flight: ``benchmarks/lmcache_peer.py
+    --concurrency N``, run by ``python`` (a venv with LMCache), one process per level and value
+    size. ``absent``: why the MP mode is not measured (this LMCache has none), else None."""
 
-    name = "lmcache-resp"
-
-    def __init__(self, python: str, cfg: RedisTierConfig, plan: ConcurrencyPlan) -> None:
+    def __init__(
+        self, python: str, cfg: RedisTierConfig, plan: ConcurrencyPlan, connector: str = "resp"
+    ) -> None:
         require_lmcache_python(python, cfg)
         self.python = python
         self.url = cfg.url
         self.plan = plan
+        self.connector = connector
+        self.name = f"lmcache-{connector}"
         self.info: dict[str, Any] = {}
+        self.absent: str | None = None
 
-    def run(self, size: int, level: int) -> LevelRun:
+    def run(self, size: int, level: int) -> LevelRun | None:
+        """The timed loop's run; None once the MP mode turned out absent."""
+        if self.absent is not None:
+            return None
         plan = self.plan
         args = [
-            self.python, str(LMCACHE_PEER), "--url", self.url, "--connector", "resp",
+            self.python, str(LMCACHE_PEER), "--url", self.url, "--connector", self.connector,
             "--size", str(size), "--count", str(plan.values_per_job(size)),
             "--concurrency", str(level), "--jobs", str(plan.jobs),
             "--warmup-jobs", str(plan.warmup_jobs(level)),
@@ -458,14 +473,17 @@ class LMCacheConcurrency:
             args.append("--check-every-job")
         proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
         lines = proc.stdout.strip().splitlines()
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        if self.connector == "mp" and proc.returncode == NO_MP_MODE_STATUS:
+            self.absent = why.removeprefix("lmcache_peer: mp: ")
+            return None
         if proc.returncode or not lines:
-            why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise BenchError(f"bench: LMCache resp:// peer failed: {why}")
+            raise BenchError(f"bench: LMCache {self.connector} peer failed: {why}")
         result = json.loads(lines[-1])
         self.info = {"version": result["lmcache_version"], "threads": result["threads"]}
         check(
             len(result["load_spans"]) + len(result["store_spans"]) == plan.jobs,
-            "LMCache's peer ran another number of jobs than asked",
+            f"LMCache's {self.connector} peer ran another number of jobs than asked",
         )
         spans = {op: [(a, b) for a, b in result[f"{op}_spans"]] for op in ("load", "store")}
         return LevelRun(
@@ -480,6 +498,17 @@ class LMCacheConcurrency:
         )
 
 
+def _peers_info(peers: Sequence[LMCacheConcurrency]) -> dict[str, Any] | None:
+    """The report's ``lmcache``: the version, each measured connector's worker threads, and
+    why a connector is absent."""
+    if not peers:
+        return None
+    version = next((p.info["version"] for p in peers if p.info), "?")
+    threads = {p.name: p.info["threads"] for p in peers if p.info}
+    absent = {p.name: p.absent for p in peers if p.absent is not None}
+    return {"version": version, "threads": threads, "absent": absent}
+
+
 # ---------------------------------------------------------------------------------- run
 
 
@@ -490,7 +519,11 @@ def measure_concurrency(
     the order of the two alternating, ``plan.reps`` times."""
     require_single_server(cfg)
     started = time.perf_counter()
-    peer = LMCacheConcurrency(lmcache_python, cfg, plan) if lmcache_python else None
+    peers = [
+        LMCacheConcurrency(lmcache_python, cfg, plan, connector)
+        for connector in ("resp", "mp")
+        if lmcache_python
+    ]
     hma = HmaConcurrency(cfg, plan, f"bench-conc-{os.getpid()}")
     try:
         hma.store.ping()
@@ -505,12 +538,12 @@ def measure_concurrency(
         for _ in range(plan.reps):
             for size in plan.sizes:
                 for level in plan.levels:
-                    clients: list[HmaConcurrency | LMCacheConcurrency] = [hma]
-                    if peer is not None:
-                        clients.insert(turn % 2, peer)
+                    clients: list[HmaConcurrency | LMCacheConcurrency] = [hma, *peers]
                     turn += 1
-                    report.runs += [client.run(size, level) for client in clients]
-        report.lmcache = peer.info if peer is not None else None
+                    clients = clients[turn % len(clients) :] + clients[: turn % len(clients)]
+                    runs = [client.run(size, level) for client in clients]
+                    report.runs += [run for run in runs if run is not None]
+        report.lmcache = _peers_info(peers)
         report.load_after = os.getloadavg()[0]
         report.seconds = time.perf_counter() - started
         return report
@@ -554,10 +587,16 @@ def format_concurrency(report: ConcurrencyReport) -> str:
         f"hma_redis: one worker (transfer engine), data path {report.data_path}",
     ]
     if report.lmcache is not None:
+        threads = report.lmcache["threads"]
         lines.append(
-            f"LMCache {report.lmcache['version']}: resp:// ({report.lmcache['threads']} worker "
-            "threads, its default), N coroutines of batched_put / batched_get"
+            f"LMCache {report.lmcache['version']}, each with its default worker threads: "
+            f"resp:// ({threads.get('lmcache-resp', '?')}), N coroutines of batched_put / "
+            f"batched_get; lmc-mp, the MP mode's RESP L2 adapter "
+            f"({threads.get('lmcache-mp', '?')}), N tasks of submit_store_task / "
+            "submit_load_task on L1 buffers"
         )
+        for name, why in report.lmcache["absent"].items():
+            lines.append(f"{name} absent: {why}")
     lines += [
         "",
         _row(
@@ -583,14 +622,18 @@ def format_concurrency(report: ConcurrencyReport) -> str:
                     figures += [f"{summary[k]:.1f}" for k in _FIGURES[3:5]]
                     figures += [f"{summary[k]:.3f}" for k in _FIGURES[5:]]
                     lines.append(_row(_size_label(size), level, client, *figures))
-            ours, theirs = cells["hma_redis"], cells["lmcache-resp"]
-            if ours is not None and theirs is not None:
-                figures = [f"{ours[k] / theirs[k]:.2f}" for k in _FIGURES]
-                ratios.append(_row(_size_label(size), level, "hma/lmc-resp", *figures))
+            ours = cells["hma_redis"]
+            for peer in PEERS:
+                theirs = cells[peer]
+                if ours is not None and theirs is not None:
+                    figures = [f"{ours[k] / theirs[k]:.2f}" for k in _FIGURES]
+                    label = "hma/" + peer.replace("lmcache-", "lmc-")
+                    ratios.append(_row(_size_label(size), level, label, *figures))
     if ratios:
         lines += [
             "",
-            "hma_redis ÷ LMCache resp:// (GB/s: >= 1 is ahead; latency and CPU per GB: <= 1 is)",
+            "hma_redis ÷ each LMCache client (GB/s: >= 1 is ahead; latency and CPU per GB: <= 1 "
+            "is)",
         ]
         lines += ratios
     return "\n".join(lines)

@@ -39,8 +39,8 @@ stops it at the end. For each value size (512 KiB, 2 MiB, 8 MiB) it measures, in
   as the values, timed from submit until ``get_finished_jobs`` reports the job, rows compared.
 
 ``--concurrency 1,4,16`` measures instead N jobs in flight at once on one transfer engine,
-loads and stores mixed, against LMCache's ``resp://`` client doing the same
-(:mod:`hma_redis.tools.bench.concurrency`).
+loads and stores mixed, against LMCache's ``resp://`` client and its MP mode's Redis L2
+adapter doing the same (:mod:`hma_redis.tools.bench.concurrency`).
 
 Then lookups for a 32k-token prompt over 3 KV groups (256 chunks of 128 tokens each, half of them
 present): one ``PING``, one :meth:`~hma_redis.core.redis.store.RedisBlockStore.exists` of the 768
@@ -95,6 +95,7 @@ from hma_redis.tools.bench.common import (
     LMCACHE_PEER,
     MIB,
     MOONCAKE_PEER,
+    NO_MP_MODE_STATUS,
     PAGE_BYTES,
     WAIT_SLICE_S,
     BenchError,
@@ -148,8 +149,6 @@ OPS = ("load", "store")
 # ``load`` row is the job's first load, right after its store.
 TABLE_OPS = ("load", "reload", "store")
 LMCACHE_CONNECTORS = ("redis", "resp", "mp")
-# lmcache_peer.py's exit status when the installed LMCache has no multiprocess mode.
-_NO_MP_MODE_STATUS = 2
 
 
 @dataclass(frozen=True)
@@ -289,7 +288,7 @@ class LMCachePeer:
                     os.unlink(env[copies.COUNTERS_ENV])
             lines = proc.stdout.strip().splitlines()
             why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            if connector == "mp" and proc.returncode == _NO_MP_MODE_STATUS:
+            if connector == "mp" and proc.returncode == NO_MP_MODE_STATUS:
                 self.notes.append(f"lmc-mp absent: {why.removeprefix('lmcache_peer: mp: ')}")
                 continue
             if proc.returncode or not lines:
@@ -1179,7 +1178,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N,N,...",
         help="instead of the tables above: N jobs in flight at once on one transfer engine, "
         "loads and stores mixed, for each N (e.g. 1,4,16); with --lmcache-python LMCache's "
-        "resp:// client does the same in the same run (hma_redis.tools.bench.concurrency)",
+        "resp:// client and its MP mode's Redis adapter do the same in the same run "
+        "(hma_redis.tools.bench.concurrency)",
     )
     parser.add_argument(
         "--syscalls",
