@@ -205,6 +205,12 @@ def _children_cpu_s() -> float:
 _SPAN = _Span()
 
 
+def _holds(url: str, names: list[str]) -> int:
+    """How many of these Redis keys exist."""
+    with redis.Redis.from_url(url) as r:
+        return sum(r.exists(*names[i : i + 500]) for i in range(0, len(names), 500))
+
+
 def _check(index: int, got: memoryview | bytes | None, want: bytes) -> None:
     if got is None:
         raise BenchError(f"value {index}: missing")
@@ -333,10 +339,9 @@ class LMCacheClient:
     def get_keys(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         return self._run("batched_get", self.connector.batched_get(keys))
 
-    def exists(self, key_strings: list[str]) -> int:
-        """How many of these Redis keys exist (the peer's own redis-py client)."""
-        with redis.Redis.from_url(self.url) as r:
-            return sum(r.exists(*key_strings[i : i + 500]) for i in range(0, len(key_strings), 500))
+    def exists(self, keys: list[CacheEngineKey]) -> int:
+        """How many of these keys Redis holds (the peer's own redis-py client)."""
+        return _holds(self.url, [key.to_string() for key in keys])
 
     async def _get_each(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         return list(await asyncio.gather(*(self.connector.get(key) for key in keys)))
@@ -484,9 +489,7 @@ class MPClient:
             _object_key_to_string,
         )
 
-        names = [_object_key_to_string(key) for key in keys]
-        with redis.Redis.from_url(self.url) as r:
-            return sum(r.exists(*names[i : i + 500]) for i in range(0, len(names), 500))
+        return _holds(self.url, [_object_key_to_string(key) for key in keys])
 
     def put(self, tag: str, payloads: list[bytes]) -> float:
         objs = self.filled(payloads)
@@ -559,7 +562,60 @@ class RedisPyClient:
         return seconds
 
 
-class ConcurrentLoop:
+class _ClosedLoop:
+    """What both ``--concurrency`` loops share: the timed span, then the checks left after it
+    (the last N loads byte for byte, that Redis holds every value put, the last put read back
+    and compared; every put with ``--check-every-job``)."""
+
+    args: argparse.Namespace
+    client: Any
+    stored: list[tuple[list[Any], int]]  # each put's keys and source index
+
+    def run(
+        self,
+        jobs: int,
+        spans: dict[str, list[tuple[float, float]]] | None,
+        span: _Span | None = None,
+    ) -> float:
+        """Run ``jobs`` jobs (``--concurrency`` in flight); each one's (submitted, finished)
+        seconds since the loop began into ``spans`` and, with ``span``, the loop's CPU (this
+        process's and redis-server's) into it; the loop's wall seconds."""
+        self.stored.clear()
+        if span is not None:
+            span.begin()
+        start = time.perf_counter()
+        try:
+            recent = self._loop(jobs, spans, start)
+        finally:
+            wall_s = time.perf_counter() - start
+            if span is not None:
+                span.end()
+        self._compare_recent(recent)
+        stored_keys = [key for keys, _ in self.stored for key in keys]
+        holds = self.client.exists(stored_keys)
+        if holds != len(stored_keys):
+            raise BenchError(f"Redis holds {holds} of the {len(stored_keys)} values put")
+        checked = self.stored if self.args.check_every_job else self.stored[-1:]
+        for keys, source in checked:
+            self._read_back(keys, _SOURCE_JOBS + source)
+        return wall_s
+
+    def _loop(
+        self, jobs: int, spans: dict[str, list[tuple[float, float]]] | None, origin: float
+    ) -> Any:
+        """Run the jobs; the last loads, still to compare."""
+        raise NotImplementedError
+
+    def _compare_recent(self, recent: Any) -> None:
+        raise NotImplementedError
+
+    def _read_back(self, keys: list[Any], source: int) -> None:
+        """Load what a put stored under ``keys`` and compare it with payloads ``source``
+        (counting the stores' sources after the loads')."""
+        raise NotImplementedError
+
+
+class ConcurrentLoop(_ClosedLoop):
     """``--concurrency N``: jobs of ``--count`` values with N in flight at once on one
     ``resp://`` connector (N coroutines on its event loop), alternating a ``batched_get`` of
     one of ``_SOURCE_JOBS`` jobs' worth of values put before the loop and a ``batched_put``
@@ -588,36 +644,19 @@ class ConcurrentLoop:
         for keys, payloads in zip(self.load_keys, self.load_payloads, strict=True):
             self.client.put_keys(keys, self.client.filled(payloads))
 
-    def run(
-        self,
-        jobs: int,
-        spans: dict[str, list[tuple[float, float]]] | None,
-        span: _Span | None = None,
-    ) -> float:
-        """Run ``jobs`` jobs (``--concurrency`` in flight); each one's (submitted, finished)
-        seconds since the loop began into ``spans`` and, with ``span``, the loop's CPU (this
-        process's and redis-server's) into it; the loop's wall seconds. Checks what is left
-        to check after it."""
-        self.stored.clear()
+    def _loop(
+        self, jobs: int, spans: dict[str, list[tuple[float, float]]] | None, origin: float
+    ) -> collections.deque[tuple[list[MemoryObj], int]]:
         recent: collections.deque[tuple[list[MemoryObj], int]] = collections.deque()
-        if span is not None:
-            span.begin()
-        start = time.perf_counter()
-        self.client.run_loop(self._jobs(jobs, spans, recent, start))
-        wall_s = time.perf_counter() - start
-        if span is not None:
-            span.end()
+        self.client.run_loop(self._jobs(jobs, spans, recent, origin))
+        return recent
+
+    def _compare_recent(self, recent: collections.deque[tuple[list[MemoryObj], int]]) -> None:
         for objs, source in recent:
             self._check_load(objs, source, compare=True)
-        stored_keys = [key.to_string() for keys, _ in self.stored for key in keys]
-        holds = self.client.exists(stored_keys)
-        if holds != len(stored_keys):
-            raise BenchError(f"Redis holds {holds} of the {len(stored_keys)} values put")
-        checked = self.stored if self.args.check_every_job else self.stored[-1:]
-        for keys, source in checked:
-            objs = self.client.get_keys(keys)
-            self._check_load(objs, _SOURCE_JOBS + source, compare=True)
-        return wall_s
+
+    def _read_back(self, keys: list[Any], source: int) -> None:
+        self._check_load(self.client.get_keys(keys), source, compare=True)
 
     async def _jobs(
         self,
@@ -690,7 +729,7 @@ class _MPTask:
     objs: list[MemoryObj]  # a load's destinations (freed after its check), a store's sources
 
 
-class MPConcurrentLoop:
+class MPConcurrentLoop(_ClosedLoop):
     """``--connector mp --concurrency N``: tasks of ``--count`` values with N in flight at once
     on the MP mode's RESP L2 adapter, submitted and awaited as the MP server's controllers do
     (``submit_load_task`` / ``submit_store_task``; ``select`` on the adapter's load and store
@@ -726,49 +765,28 @@ class MPConcurrentLoop:
             finally:
                 self.client.l1.free(objs)
 
-    def run(
-        self,
-        jobs: int,
-        spans: dict[str, list[tuple[float, float]]] | None,
-        span: _Span | None = None,
-    ) -> float:
-        """Run ``jobs`` tasks (``--concurrency`` in flight); each one's (submitted, finished)
-        seconds since the loop began into ``spans`` and, with ``span``, the loop's CPU (this
-        process's and redis-server's) into it; the loop's wall seconds. Checks what is left
-        to check after it: the last N loads byte for byte, that Redis holds every value put,
-        and the last store's values read back."""
-        self.stored.clear()
+    def _loop(
+        self, jobs: int, spans: dict[str, list[tuple[float, float]]] | None, origin: float
+    ) -> collections.deque[_MPTask]:
         recent: collections.deque[_MPTask] = collections.deque()
-        if span is not None:
-            span.begin()
-        start = time.perf_counter()
-        try:
-            self._tasks(jobs, spans, recent, start)
-        finally:
-            wall_s = time.perf_counter() - start
-            if span is not None:
-                span.end()
+        self._tasks(jobs, spans, recent, origin)
+        return recent
+
+    def _compare_recent(self, recent: collections.deque[_MPTask]) -> None:
         try:
             for task in recent:
                 self._check_load(task, compare=True)
         finally:
             for task in recent:
                 self.client.l1.free(task.objs)
-        stored_keys = [key for keys, _ in self.stored for key in keys]
-        holds = self.client.exists(stored_keys)
-        if holds != len(stored_keys):
-            raise BenchError(f"Redis holds {holds} of the {len(stored_keys)} values put")
-        checked = self.stored if self.args.check_every_job else self.stored[-1:]
-        for keys, source in checked:
-            objs = self.client._allocate(len(keys))
-            try:
-                loaded = self.client.load(keys, objs)
-                self._check_load(
-                    _MPTask("load", 0.0, _SOURCE_JOBS + source, keys, objs), True, loaded
-                )
-            finally:
-                self.client.l1.free(objs)
-        return wall_s
+
+    def _read_back(self, keys: list[Any], source: int) -> None:
+        objs = self.client._allocate(len(keys))
+        try:
+            loaded = self.client.load(keys, objs)
+            self._check_load(_MPTask("load", 0.0, source, keys, objs), True, loaded)
+        finally:
+            self.client.l1.free(objs)
 
     def _submit(self, n: int) -> tuple[Any, _MPTask]:
         adapter = self.client.adapter
