@@ -422,6 +422,9 @@ class MPClient:
         self.threads = resp_config.num_workers
         self.adapter = create_l2_adapter_from_registry(resp_config)
 
+    def keys(self, tag: str, count: int) -> list[Any]:
+        return self._keys(tag, count)
+
     def _keys(self, tag: str, count: int) -> list[Any]:
         from lmcache.v1.distributed.api import ObjectKey
 
@@ -567,9 +570,24 @@ class _ClosedLoop:
     (the last N loads byte for byte, that Redis holds every value put, the last put read back
     and compared; every put with ``--check-every-job``)."""
 
-    args: argparse.Namespace
-    client: Any
-    stored: list[tuple[list[Any], int]]  # each put's keys and source index
+    def __init__(self, client: Any, args: argparse.Namespace, prefix: str) -> None:
+        """``client``: an LMCacheClient or an MPClient (``keys``, ``filled``, ``exists``)."""
+        self.client = client
+        self.args = args
+        self.prefix = prefix
+        self._serial = 0
+        count, size = args.count, args.size
+        self.load_payloads = [[os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)]
+        self.load_keys = [client.keys(self._tag(), count) for _ in range(_SOURCE_JOBS)]
+        self.store_payloads = [
+            [os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)
+        ]
+        self.store_objs = [client.filled(payloads) for payloads in self.store_payloads]
+        self.stored: list[tuple[list[Any], int]] = []  # each put's keys and source index
+
+    def _tag(self) -> str:
+        self._serial += 1
+        return f"{self.prefix}j{self._serial}"
 
     def run(
         self,
@@ -620,24 +638,6 @@ class ConcurrentLoop(_ClosedLoop):
     ``resp://`` connector (N coroutines on its event loop), alternating a ``batched_get`` of
     one of ``_SOURCE_JOBS`` jobs' worth of values put before the loop and a ``batched_put``
     of one of ``_SOURCE_JOBS`` jobs' worth of filled CPU buffers under fresh keys."""
-
-    def __init__(self, client: LMCacheClient, args: argparse.Namespace, prefix: str) -> None:
-        self.client = client
-        self.args = args
-        self.prefix = prefix
-        self._serial = 0
-        count, size = args.count, args.size
-        self.load_payloads = [[os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)]
-        self.load_keys = [client.keys(self._tag(), count) for _ in range(_SOURCE_JOBS)]
-        self.store_payloads = [
-            [os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)
-        ]
-        self.store_objs = [client.filled(payloads) for payloads in self.store_payloads]
-        self.stored: list[tuple[list[CacheEngineKey], int]] = []  # keys, source index
-
-    def _tag(self) -> str:
-        self._serial += 1
-        return f"{self.prefix}j{self._serial}"
 
     def prepare(self) -> None:
         """Put the loads' values (untimed), every job at once."""
@@ -738,24 +738,6 @@ class MPConcurrentLoop(_ClosedLoop):
     buffers and a store of one of ``_SOURCE_JOBS`` jobs' worth of filled L1 buffers under fresh
     keys."""
 
-    def __init__(self, client: MPClient, args: argparse.Namespace, prefix: str) -> None:
-        self.client = client
-        self.args = args
-        self.prefix = prefix
-        self._serial = 0
-        count, size = args.count, args.size
-        self.load_payloads = [[os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)]
-        self.load_keys = [client._keys(self._tag("l"), count) for _ in range(_SOURCE_JOBS)]
-        self.store_payloads = [
-            [os.urandom(size) for _ in range(count)] for _ in range(_SOURCE_JOBS)
-        ]
-        self.store_objs = [client.filled(payloads) for payloads in self.store_payloads]
-        self.stored: list[tuple[list[Any], int]] = []  # keys, source index
-
-    def _tag(self, kind: str) -> str:
-        self._serial += 1
-        return f"{self.prefix}{kind}{self._serial}"
-
     def prepare(self) -> None:
         """Store the loads' values (untimed), one task per job, from buffers freed after."""
         for keys, payloads in zip(self.load_keys, self.load_payloads, strict=True):
@@ -796,7 +778,7 @@ class MPConcurrentLoop(_ClosedLoop):
             objs = self.client._allocate(self.args.count)
             task = _MPTask("load", start, source, self.load_keys[source], objs)
             return adapter.submit_load_task(task.keys, objs), task
-        keys = self.client._keys(self._tag("s"), self.args.count)
+        keys = self.client.keys(self._tag(), self.args.count)
         task = _MPTask("store", start, source, keys, self.store_objs[source])
         return adapter.submit_store_task(keys, task.objs), task
 
