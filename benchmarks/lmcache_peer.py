@@ -205,6 +205,12 @@ def _children_cpu_s() -> float:
 _SPAN = _Span()
 
 
+def _stored(result: Any) -> None:
+    """BenchError unless an MP store task's result says it succeeded."""
+    if not result.is_successful():
+        raise BenchError(f"a store task failed ({result.bytes_transferred()} bytes stored)")
+
+
 def _holds(url: str, names: list[str]) -> int:
     """How many of these Redis keys exist."""
     with redis.Redis.from_url(url) as r:
@@ -476,9 +482,7 @@ class MPClient:
             results.update(self.adapter.pop_completed_store_tasks())
             return results.get(task)
 
-        result = self._wait("submit_store_task", self.adapter.get_store_event_fd(), finished)
-        if not result.is_successful():
-            raise BenchError(f"the store task failed ({result.bytes_transferred()} bytes stored)")
+        _stored(self._wait("submit_store_task", self.adapter.get_store_event_fd(), finished))
 
     def load(self, keys: list[Any], objs: list[MemoryObj]) -> Any:
         """One load task into ``objs``, awaited: its bitmap of the values that landed."""
@@ -810,10 +814,7 @@ class MPConcurrentLoop(_ClosedLoop):
             finished: list[_MPTask] = []
             for task_id, result in adapter.pop_completed_store_tasks().items():
                 task = stores.pop(task_id)
-                if not result.is_successful():
-                    raise BenchError(
-                        f"a store task failed ({result.bytes_transferred()} bytes stored)"
-                    )
+                _stored(result)
                 self.stored.append((task.keys, task.source))
                 finished.append(task)
             for task_id in list(loads):

@@ -5,6 +5,7 @@ command line and reports any failure as one line."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import redis
 
 from hma_redis.core.config import RedisTierConfig
 from hma_redis.core.redis import wire
+from hma_redis.tools.bench import common
 from hma_redis.tools.bench import concurrency as bench_concurrency
 from hma_redis.tools.bench import store as bench_store
 from hma_redis.tools.bench import tier as bench_tier
@@ -282,6 +284,23 @@ def test_the_concurrent_table_sets_hma_redis_against_each_lmcache_client() -> No
     assert mp_row.split()[-1] == "0.25"  # redis-server CPU per GB: 0.5 against 2.0
     rows = bench_concurrency.ConcurrencyReport.to_json(report)["rows"]
     assert rows[0]["lmcache-mp"]["all_gbps"] == pytest.approx(2.0)
+
+
+def test_a_peer_without_the_mp_mode_is_told_apart_from_a_failed_one() -> None:
+    """The LMCache peer's exit status 2 means "no MP mode" for the mp connector only (its reason
+    without the peer's prefix); any other failure keeps its last stderr line."""
+
+    def proc(code: int, err: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(["peer"], code, "", err)
+
+    no_mp = proc(common.NO_MP_MODE_STATUS, "noise\nlmcache_peer: mp: LMCache 0.4 has none\n")
+    assert common.peer_outcome("mp", no_mp) == ("LMCache 0.4 has none", True)
+    assert common.peer_outcome("resp", no_mp) == ("lmcache_peer: mp: LMCache 0.4 has none", False)
+    assert common.peer_outcome("mp", proc(1, "lmcache_peer: mp: hung")) == (
+        "lmcache_peer: mp: hung",
+        False,
+    )
+    assert common.peer_outcome("mp", proc(1, "")) == ("no output", False)
 
 
 @pytest.mark.parametrize("text", ["", "0", "1,65", "4,x"])

@@ -254,6 +254,16 @@ def require_lmcache_python(python: str, cfg: RedisTierConfig) -> None:
         raise SystemExit(f"bench: --lmcache-python {python} is not an executable")
 
 
+def peer_outcome(connector: str, proc: subprocess.CompletedProcess[str]) -> tuple[str, bool]:
+    """An LMCache peer run's last stderr line (why it failed, if it did) and whether it ended
+    because the installed LMCache has no MP mode (``connector`` "mp" only): then the line is
+    that reason without the peer's prefix."""
+    why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    if connector == "mp" and proc.returncode == NO_MP_MODE_STATUS:
+        return why.removeprefix("lmcache_peer: mp: "), True
+    return why, False
+
+
 def require_mooncake_python(python: str) -> None:
     """``SystemExit`` (one line) unless Mooncake's peer can run with ``python``: the peer
     script is here and ``python`` is an executable. The peer starts its own Mooncake servers

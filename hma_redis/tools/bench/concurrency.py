@@ -54,13 +54,13 @@ from hma_redis.tools.bench.common import (
     LAYERS,
     LMCACHE_PEER,
     MIB,
-    NO_MP_MODE_STATUS,
     PAGE_BYTES,
     WAIT_SLICE_S,
     BenchError,
     OffloadKeys,
     bench_kv_cache,
     check,
+    peer_outcome,
     process_cpu_s,
     require_lmcache_python,
     require_single_server,
@@ -473,9 +473,9 @@ class LMCacheConcurrency:
             args.append("--check-every-job")
         proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
         lines = proc.stdout.strip().splitlines()
-        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        if self.connector == "mp" and proc.returncode == NO_MP_MODE_STATUS:
-            self.absent = why.removeprefix("lmcache_peer: mp: ")
+        why, absent = peer_outcome(self.connector, proc)
+        if absent:
+            self.absent = why
             return None
         if proc.returncode or not lines:
             raise BenchError(f"bench: LMCache {self.connector} peer failed: {why}")
@@ -515,8 +515,8 @@ def _peers_info(peers: Sequence[LMCacheConcurrency]) -> dict[str, Any] | None:
 def measure_concurrency(
     cfg: RedisTierConfig, plan: ConcurrencyPlan, where: str, lmcache_python: str | None
 ) -> ConcurrencyReport:
-    """Every level and size, hma_redis and (with ``lmcache_python``) LMCache interleaved,
-    the order of the two alternating, ``plan.reps`` times."""
+    """Every level and size, hma_redis and (with ``lmcache_python``) LMCache's two clients
+    interleaved, the order rotating, ``plan.reps`` times."""
     require_single_server(cfg)
     started = time.perf_counter()
     peers = [

@@ -95,7 +95,6 @@ from hma_redis.tools.bench.common import (
     LMCACHE_PEER,
     MIB,
     MOONCAKE_PEER,
-    NO_MP_MODE_STATUS,
     PAGE_BYTES,
     WAIT_SLICE_S,
     BenchError,
@@ -108,6 +107,7 @@ from hma_redis.tools.bench.common import (
     bench_kv_cache,
     check,
     chosen_plan,
+    peer_outcome,
     redis_benchmark_plan,
     report_lines,
     require_lmcache_python,
@@ -287,9 +287,9 @@ class LMCachePeer:
                 if env is not None and os.path.exists(env[copies.COUNTERS_ENV]):
                     os.unlink(env[copies.COUNTERS_ENV])
             lines = proc.stdout.strip().splitlines()
-            why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            if connector == "mp" and proc.returncode == NO_MP_MODE_STATUS:
-                self.notes.append(f"lmc-mp absent: {why.removeprefix('lmcache_peer: mp: ')}")
+            why, absent = peer_outcome(connector, proc)
+            if absent:
+                self.notes.append(f"lmc-mp absent: {why}")
                 continue
             if proc.returncode or not lines:
                 raise BenchError(f"bench: LMCache {connector}:// peer failed: {why}")
