@@ -36,7 +36,9 @@ Printed, per round and as the median over rounds:
   the same request from the engine's own prefix cache), for the first request and the repeats
   (target 2: >= 0.8x the standalone GB/s at the same value size, measured at the end with the
   transfer engine alone, same layout, same Redis: loads back to back, then loads each after
-  200 ms asleep, as an engine's first load follows its wait for the request);
+  200 ms asleep, as an engine's first load follows its wait for the request), each series
+  with redis-server's and the bench's CPU seconds per GB and the share of the load in which
+  redis-server was busy (issue 39's target 6: >= 0.9);
 - issue 39's target 4: the first request's gap (TTFT from Redis - TTFT from the prefix cache)
   over 1.1 x the KV bytes' time at the back-to-back standalone GB/s, and, for reading, the
   same over the standalone GB/s after idle;
@@ -75,6 +77,7 @@ from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.core.transfer.engine import TransferEngine
 from hma_redis.core.transfer.jobs import ChunkTransfer, JobResult, ValueFormat
 from hma_redis.core.transfer.pages import LayerSource
+from hma_redis.tools.bench.common import process_cpu_s, server_counters
 from hma_redis.tools.devkit import engine
 from hma_redis.tools.devkit.cpu_tiering import cpu_tiering_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
@@ -317,15 +320,33 @@ def tier_configs(url: str, modes: Sequence[str], options: dict[str, Any], plan: 
 STANDALONE_IDLE_S = 0.2
 
 
+@dataclass(frozen=True)
+class StandaloneLoads:
+    """One series of the standalone loads (medians over its loads): GB/s of KV payload, and
+    what each GB cost redis-server (``INFO cpu``) and this process, and the share of a load's
+    wall time in which redis-server was busy (issue 39's target 6: >= 0.9)."""
+
+    gbps: float
+    server_cpu_s_per_gb: float
+    server_busy: float
+    client_cpu_s_per_gb: float
+
+    def describe(self) -> str:
+        return (
+            f"{self.gbps:.2f} GB/s; redis-server {self.server_cpu_s_per_gb:.3f} CPU s/GB, busy "
+            f"{self.server_busy:.2f} of the load (target 6: >= 0.9); client "
+            f"{self.client_cpu_s_per_gb:.3f} CPU s/GB"
+        )
+
+
 def standalone_load_gbps(
     url: str, sample: ModeRun, plan: Plan, tier: dict[str, Any]
-) -> tuple[float, float]:
+) -> tuple[StandaloneLoads, StandaloneLoads]:
     """The same load outside vLLM: a transfer engine over CPU tensors of the engine's layout
     (layers, page size, blocks per chunk, value size), the tier's options, the same Redis;
     one job of the prompt's blocks stored once, then loaded ``standalone_reps`` times back to
     back, then ``standalone_reps`` times each after ``STANDALONE_IDLE_S`` asleep (as an
-    engine's first load follows its idle wait for the request); the median GB/s of KV payload
-    of each."""
+    engine's first load follows its idle wait for the request); each series' medians."""
     (group,) = sample.layout["groups"]  # the benchmark's Llama has one KV group
     page, layers = group["page_size_bytes"], len(group["layers"])
     bpc = max(1, round(sample.value_bytes / (page * layers)))
@@ -363,20 +384,35 @@ def standalone_load_gbps(
     try:
         if not _run(transfer, 1, job(0), store_job=True).ok:
             raise SystemExit("in_engine_bench: the standalone store failed")
-        gbps = []
+        gb = blocks * page * layers / GB
+        series: list[StandaloneLoads] = []
         for idle_s in (0.0, STANDALONE_IDLE_S):
-            seconds = []
+            # Per load: its seconds (the job's own clock), then redis-server's and this
+            # process's CPU seconds over it (INFO cpu, getrusage) and its wall time.
+            loads: list[tuple[float, float, float, float]] = []
             for rep in range(plan.standalone_reps):
                 time.sleep(idle_s)
-                job_id = 2 + len(gbps) * plan.standalone_reps + rep
+                job_id = 2 + len(series) * plan.standalone_reps + rep
+                server_before, mine_before = server_counters(store.client)[0], process_cpu_s()
+                wall = time.perf_counter()
                 result = _run(transfer, job_id, job(blocks), store_job=False)
+                wall = time.perf_counter() - wall
+                mine = process_cpu_s() - mine_before
+                server = server_counters(store.client)[0] - server_before
                 if not result.ok:
                     raise SystemExit("in_engine_bench: a standalone load failed")
-                seconds.append(result.seconds)
+                loads.append((result.seconds, server, mine, wall))
             if not all(torch.equal(t[:blocks], t[blocks:]) for t in tensors):
                 raise SystemExit("in_engine_bench: the standalone load moved other bytes")
-            gbps.append(blocks * page * layers / statistics.median(seconds) / GB)
-        return gbps[0], gbps[1]
+            series.append(
+                StandaloneLoads(
+                    gb / statistics.median(s for s, _, _, _ in loads),
+                    statistics.median(server for _, server, _, _ in loads) / gb,
+                    statistics.median(server / wall for _, server, _, wall in loads),
+                    statistics.median(mine for _, _, mine, _ in loads) / gb,
+                )
+            )
+        return series[0], series[1]
     finally:
         transfer.shutdown()
         store.close()
@@ -408,9 +444,9 @@ def _median(values: Sequence[float]) -> float:
 def report(
     rounds: list[Round],
     plan: Plan,
-    standalone: float | None,
+    standalone_loads: StandaloneLoads | None,
     seconds: float,
-    after_idle: float | None = None,
+    after_idle: StandaloneLoads | None = None,
 ) -> str:
     modes = list(rounds[0].modes)
     first = rounds[0].modes[modes[0]]
@@ -495,11 +531,12 @@ def report(
             row("  TTFT tiering / direct", ratio, "{:10.3f}"),
         ]
     lines.append("")
-    if standalone is not None:
+    if standalone_loads is not None:
+        standalone = standalone_loads.gbps
         direct = [r.modes["direct"] for r in rounds]
         lines += [
             "  standalone load (transfer engine alone, direct mode's layout and values): "
-            f"{standalone:.2f} GB/s",
+            f"{standalone_loads.describe()}",
             f"  direct in-engine / standalone: first "
             f"{_median([m.first_gbps() for m in direct]) / standalone:.2f}, repeats "
             f"{_median([m.repeat_gbps() for m in direct]) / standalone:.2f}  (target >= 0.8)"
@@ -518,10 +555,10 @@ def report(
             f"{limit_s * 1e3:.1f} ms = {gap_s / limit_s:.2f}  (target <= 1)"
         )
         if after_idle is not None:
-            idle_limit_s = 1.1 * direct[0].loaded_bytes / (after_idle * GB)
+            idle_limit_s = 1.1 * direct[0].loaded_bytes / (after_idle.gbps * GB)
             lines += [
                 f"  standalone load after {STANDALONE_IDLE_S * 1e3:.0f} ms idle (as an engine's "
-                f"first load follows its wait for the request): {after_idle:.2f} GB/s",
+                f"first load follows its wait for the request): {after_idle.describe()}",
                 f"  first-request gap / (1.1 x KV bytes / that GB/s): {gap_s * 1e3:.1f} ms / "
                 f"{idle_limit_s * 1e3:.1f} ms = {gap_s / idle_limit_s:.2f}  (for reading: "
                 "the target is the line above)",
@@ -624,11 +661,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report(rounds, plan, standalone, time.perf_counter() - started, after_idle))
     if args.json:
         with open(args.json, "w") as fh:
-            data = {
+            data: dict[str, Any] = {
                 "plan": asdict(plan),
                 "options": options,
-                "standalone_gbps": standalone,
-                "standalone_after_idle_gbps": after_idle,
+                "standalone_gbps": standalone.gbps if standalone else None,
+                "standalone_after_idle_gbps": after_idle.gbps if after_idle else None,
+                "standalone": asdict(standalone) if standalone else None,
+                "standalone_after_idle": asdict(after_idle) if after_idle else None,
             }
             data["rounds"] = [asdict(r) for r in rounds]
             json.dump(data, fh, indent=2)
