@@ -256,7 +256,7 @@ def test_the_concurrent_table_sets_hma_redis_against_each_lmcache_client() -> No
     """With LMCache's peers, the table has a ratio row against resp:// and one against the MP
     adapter, from each one's own figures; a connector found absent is named with its reason."""
     plan = bench_concurrency.ConcurrencyPlan((2,), (512 * 1024,), 10**9, 2, 1)
-    spans = {"load": [(0.0, 1.0)], "store": [(1.0, 2.0)]}
+    spans = {"load": [(0.0, 1.0)], "store": [(1.0, 3.0)]}
     report = bench_concurrency.ConcurrencyReport(plan, "here", "Redis 7", "native", 0.1)
     report.lmcache = {
         "version": "9.9",
@@ -269,6 +269,8 @@ def test_the_concurrent_table_sets_hma_redis_against_each_lmcache_client() -> No
         )
     text = bench_concurrency.format_concurrency(report)
     assert "lmcache-mp absent: no MP mode here" in text
+    (hma_row,) = [line for line in text.splitlines() if line.split()[3:4] == ["hma_redis"]]
+    assert hma_row.split()[9:11] == ["1000.0", "2000.0"]  # p99 of the loads, of the stores
     assert "hma/lmc-mp" not in text
     (resp_row,) = [line for line in text.splitlines() if "hma/lmc-resp" in line]
     assert resp_row.split()[6] == "2.00"  # all GB/s: 2 GB in 2 s against 2 GB in 4 s

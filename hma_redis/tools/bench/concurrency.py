@@ -561,13 +561,15 @@ _FIGURES = (
     "all_gbps",
     "p50_ms",
     "p99_ms",
+    "load_p99_ms",
+    "store_p99_ms",
     "client_cpu_s_per_gb",
     "server_cpu_s_per_gb",
 )
 
 
 def _row(*cells: object) -> str:
-    return "{:<9}{:>5}  {:<14}{:>8}{:>8}{:>8}{:>9}{:>9}{:>11}{:>11}".format(*cells)
+    return "{:<9}{:>5}  {:<14}{:>8}{:>8}{:>8}{:>9}{:>9}{:>9}{:>9}{:>11}{:>11}".format(*cells)
 
 
 def format_concurrency(report: ConcurrencyReport) -> str:
@@ -583,7 +585,8 @@ def format_concurrency(report: ConcurrencyReport) -> str:
         f"each level: {plan.jobs} jobs (half loads, half stores, alternating) of "
         f"{plan.job_bytes // MIB} MiB, N in flight, after {plan.warmup_jobs(1)}+ untimed ones; "
         "GB/s = 10^9 payload bytes per second of the loop's wall time; CPU s/GB over the timed "
-        "loop: the client's process (cli) and redis-server (srv, INFO cpu)",
+        "loop: the client's process (cli) and redis-server (srv, INFO cpu); p99 of every job, "
+        "of the loads (ld) and of the stores (st)",
         f"hma_redis: one worker (transfer engine), data path {report.data_path}",
     ]
     if report.lmcache is not None:
@@ -608,6 +611,8 @@ def format_concurrency(report: ConcurrencyReport) -> str:
             "all",
             "p50 ms",
             "p99 ms",
+            "ld p99",
+            "st p99",
             "cli s/GB",
             "srv s/GB",
         ),
@@ -619,8 +624,8 @@ def format_concurrency(report: ConcurrencyReport) -> str:
             for client, summary in cells.items():
                 if summary is not None:
                     figures = [f"{summary[k]:.2f}" for k in _FIGURES[:3]]
-                    figures += [f"{summary[k]:.1f}" for k in _FIGURES[3:5]]
-                    figures += [f"{summary[k]:.3f}" for k in _FIGURES[5:]]
+                    figures += [f"{summary[k]:.1f}" for k in _FIGURES[3:7]]
+                    figures += [f"{summary[k]:.3f}" for k in _FIGURES[7:]]
                     lines.append(_row(_size_label(size), level, client, *figures))
             ours = cells["hma_redis"]
             for peer in PEERS:
