@@ -77,7 +77,7 @@ from hma_redis.core.redis.store import RedisBlockStore
 from hma_redis.core.transfer.engine import TransferEngine
 from hma_redis.core.transfer.jobs import ChunkTransfer, JobResult, ValueFormat
 from hma_redis.core.transfer.pages import LayerSource
-from hma_redis.tools.bench.common import process_cpu_s, server_counters
+from hma_redis.tools.bench.common import Meter
 from hma_redis.tools.devkit import engine
 from hma_redis.tools.devkit.cpu_tiering import cpu_tiering_config
 from hma_redis.tools.devkit.local_redis import LocalRedis
@@ -385,31 +385,30 @@ def standalone_load_gbps(
         if not _run(transfer, 1, job(0), store_job=True).ok:
             raise SystemExit("in_engine_bench: the standalone store failed")
         gb = blocks * page * layers / GB
+        meter = Meter(store.client)
         series: list[StandaloneLoads] = []
         for idle_s in (0.0, STANDALONE_IDLE_S):
-            # Per load: its seconds (the job's own clock), then redis-server's and this
-            # process's CPU seconds over it (INFO cpu, getrusage) and its wall time.
-            loads: list[tuple[float, float, float, float]] = []
+            seconds, walls, costs = [], [], []  # per load: the job's clock, wall time, Cost
             for rep in range(plan.standalone_reps):
                 time.sleep(idle_s)
                 job_id = 2 + len(series) * plan.standalone_reps + rep
-                server_before, mine_before = server_counters(store.client)[0], process_cpu_s()
-                wall = time.perf_counter()
+                started, wall = meter.start(), time.perf_counter()
                 result = _run(transfer, job_id, job(blocks), store_job=False)
-                wall = time.perf_counter() - wall
-                mine = process_cpu_s() - mine_before
-                server = server_counters(store.client)[0] - server_before
+                walls.append(time.perf_counter() - wall)
+                costs.append(meter.stop(started))
                 if not result.ok:
                     raise SystemExit("in_engine_bench: a standalone load failed")
-                loads.append((result.seconds, server, mine, wall))
+                seconds.append(result.seconds)
             if not all(torch.equal(t[:blocks], t[blocks:]) for t in tensors):
                 raise SystemExit("in_engine_bench: the standalone load moved other bytes")
             series.append(
                 StandaloneLoads(
-                    gb / statistics.median(s for s, _, _, _ in loads),
-                    statistics.median(server for _, server, _, _ in loads) / gb,
-                    statistics.median(server / wall for _, server, _, wall in loads),
-                    statistics.median(mine for _, _, mine, _ in loads) / gb,
+                    gb / statistics.median(seconds),
+                    statistics.median(c.server_cpu_s for c in costs) / gb,
+                    statistics.median(
+                        c.server_cpu_s / w for c, w in zip(costs, walls, strict=True)
+                    ),
+                    statistics.median(c.client_cpu_s for c in costs) / gb,
                 )
             )
         return series[0], series[1]
